@@ -1,0 +1,29 @@
+# `make test` is the one command: it builds .venv/ from nothing when needed,
+# then runs the type gate and the test suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.cpslice-installed
+
+.PHONY: install typecheck lint test demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e .
+	touch $(STAMP)
+
+typecheck: install
+	$(BIN)/mypy
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+
+test: install typecheck
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache src/*.egg-info

@@ -1,0 +1,38 @@
+"""cpslice: per-sample response extraction, log-probs and entropy for packed,
+context-parallel and tensor-parallel micro-batches, derived from one Layout.
+
+The public API is exactly what this module lists. With ``CPSLICE_DEBUG=1`` set
+before import, every function of the package (private ones too) is wrapped by
+jaxtyping + beartype, checking dtypes and shapes with dimension names bound
+across arguments; unset, no wrapper exists at all.
+"""
+
+from ._debug import debug_enabled as _debug_enabled
+
+if _debug_enabled():
+    from jaxtyping import install_import_hook as _install_import_hook
+
+    _hook = _install_import_hook("cpslice", "beartype.beartype")
+else:
+    _hook = None
+
+from ._errors import LayoutError as LayoutError
+from ._extract import extract_responses as extract_responses
+from ._extract import extraction_strategy as extraction_strategy
+from ._extract import shard_responses as shard_responses
+from ._layout import Layout as Layout
+from ._types import Strategy as Strategy
+
+if _hook is not None:
+    _hook.uninstall()
+
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "Strategy",
+    "extract_responses",
+    "extraction_strategy",
+    "shard_responses",
+]
+
+__version__ = "0.1.0"

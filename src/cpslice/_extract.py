@@ -1,0 +1,163 @@
+"""Extraction: each sample's share of the response from one rank's local tensor.
+
+No communication. One gather and one split per tensor, whatever the number of
+samples; the row index comes from the layout's cached selection (``_plan``).
+"""
+
+from typing import Sequence, overload
+
+import torch
+from torch import Tensor
+
+from ._errors import LayoutError
+from ._layout import Layout
+from ._plan import resolve_length, rows_on, selection, strategy
+from ._types import AnyShare, Share, Strategy, Values
+
+
+def extraction_strategy(layout: Layout) -> Strategy:
+    """Which strategy ``extract_responses`` runs for ``layout``, without running it.
+
+    The decision table (LAYOUTS.md gives the arithmetic of each):
+
+    ============  ==========  =============  ==========================================
+    cp_mode       qkv_format  strategy       a sample's rows on this rank
+    ============  ==========  =============  ==========================================
+    ``none``      thd         ``none-thd``   one run at the sample's packed offset
+    ``none``      bshd        ``none-bshd``  one run at ``i * max_seq_len``
+    ``zigzag``    thd / bshd  ``zigzag``     two runs: chunks ``r`` and ``2c-1-r`` of
+                                             the sample padded to a multiple of ``2c``
+    ``allgather`` thd         ``allgather``  the packed stream cut into ``cp_size``
+                                             pieces of ``T``: at most one run, which
+                                             may be empty or straddle ranks
+    ============  ==========  =============  ==========================================
+
+    Every strategy then runs the same engine: intersect its runs with the response
+    span ``[P_i - 1, L_i - 1)``, gather the rows once and split once, so the
+    strategies differ only in where a sample's positions sit.
+    """
+    return strategy(layout)
+
+
+def check_values(values: object, layout: Layout, name: str) -> int:
+    """The local length of a per-position tensor, or a TypeError/LayoutError saying why not."""
+    if not isinstance(values, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() == 0:
+        raise TypeError(f"{name} is 0-d; it needs a leading per-position dimension [T, ...]")
+    if not values.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {values.dtype}; per-position results (log-probs, entropy, "
+            "values) must be floating point"
+        )
+    return resolve_length(layout, int(values.shape[0]), name)
+
+
+def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor]:
+    """``values[rows]`` split into per-sample pieces; each empty piece is ``values[:0]``.
+
+    ``values[:0]`` is a zero-length view of the input itself: same dtype, device,
+    trailing shape and autograd graph, never a fresh tensor.
+    """
+    parts = torch.split(values.index_select(0, rows), counts)
+    empty = values[:0]
+    return [part if count else empty for part, count in zip(parts, counts)]
+
+
+@overload
+def extract_responses(
+    values: Values, layout: Layout, entropy: None = None
+) -> tuple[list[Share], None]: ...
+@overload
+def extract_responses(
+    values: Values, layout: Layout, entropy: Values
+) -> tuple[list[Share], list[Share]]: ...
+def extract_responses(
+    values: Values, layout: Layout, entropy: Values | None = None
+) -> tuple[list[Share], list[Share] | None]:
+    """Cut each sample's share of the response out of this rank's per-position tensor.
+
+    Args:
+        values: ``[T, *rest]`` floating point, this rank's local tensor (log-probs
+            ``[T]``, value-head outputs ``[T]`` or ``[T, 1]``, top-k ``[T, k]``),
+            laid out as ``layout`` says; position ``p`` predicts token ``p + 1``.
+        layout: this rank's layout.
+        entropy: a tensor of the same shape, or None.
+
+    Returns:
+        ``(per_sample_values, per_sample_entropy)``: one ``[r_i, *rest]`` tensor per
+        sample, ``r_i`` being this rank's share of sample ``i``'s response, in
+        ascending position order; the entropy list is aligned with the first, or
+        None when no entropy was given. An empty share is a zero-length view of the
+        input (graph kept), never None.
+
+    Raises:
+        TypeError: values or entropy is not a floating-point tensor of at least 1 dim.
+        LayoutError: the local length is shorter than the layout needs, differs from
+            ``layout.local_length``, or entropy's shape differs from values'.
+    """
+    length = check_values(values, layout, "values")
+    if entropy is not None:
+        check_values(entropy, layout, "entropy")
+        if entropy.shape != values.shape:
+            raise LayoutError(
+                f"entropy has shape {tuple(entropy.shape)} but values has "
+                f"{tuple(values.shape)} (they must be aligned position by position)"
+            )
+    counts = selection(layout, length, "response").counts
+    rows = rows_on(layout, length, "response", values.device)
+    out = gather_split(values, rows, counts)
+    if entropy is None:
+        return out, None
+    return out, gather_split(entropy, rows, counts)
+
+
+def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
+    """This rank's share of each sample's whole response-aligned tensor; no communication.
+
+    The inverse reading of ``extract_responses``: ``full[i]`` is ``[R_i, *rest]``
+    (rollout log-probs, advantages, loss masks; any dtype), and the result holds, for
+    each sample, exactly the response positions ``extract_responses`` returns on this
+    rank, in the same order. A share that is one contiguous piece (always, except a
+    zigzag sample whose response touches both chunks of this rank) is a view.
+
+    Raises:
+        TypeError: ``full`` is not a sequence of tensors of at least 1 dim.
+        LayoutError: the number of samples, or a sample's length, disagrees with
+            the layout; an allgather layout without ``local_length``.
+    """
+    given: object = full  # checked at run time whatever the static type says
+    if isinstance(given, Tensor) or not isinstance(given, Sequence):
+        raise TypeError(
+            f"full must be a list of per-sample tensors, got {type(given).__name__}"
+        )
+    n = layout.num_samples
+    if len(full) != n:
+        raise LayoutError(f"full has {len(full)} samples but the layout has {n}")
+    for i, (f, r) in enumerate(zip(given, layout.response_lengths)):
+        if not isinstance(f, Tensor) or f.dim() == 0:
+            raise TypeError(f"sample {i}: full[{i}] must be a tensor [R_i, ...] of >= 1 dim")
+        if f.shape[0] != r:
+            raise LayoutError(
+                f"sample {i}: full[{i}] has {f.shape[0]} positions but response_length is {r}"
+            )
+    sel = selection(layout, resolve_length(layout), "response")
+    # A run's first response offset is its first position minus the span start.
+    start = torch.repeat_interleave(
+        torch.tensor(layout.prompt_lengths, dtype=torch.int64) - 1, sel.k
+    )
+    offsets: list[int] = (sel.run_first - start).tolist()
+    sizes: list[int] = sel.run_count.tolist()
+    out: list[Tensor] = []
+    k = sel.k
+    for i, f in enumerate(full):
+        pieces = [
+            f.narrow(0, offsets[j], sizes[j]) for j in range(i * k, i * k + k) if sizes[j]
+        ]
+        if not pieces:
+            out.append(f[:0])
+        elif len(pieces) == 1:
+            out.append(pieces[0])
+        else:
+            out.append(torch.cat(pieces))
+    return out

@@ -1,0 +1,38 @@
+"""Shape aliases and the checked-at-run-time argument types, in one place.
+
+mypy sees every jaxtyping alias as plain ``torch.Tensor``; in debug mode
+(``CPSLICE_DEBUG=1``) beartype checks dtype and shape, with dimension names
+bound across the arguments and the result of one call.
+"""
+
+from typing import TYPE_CHECKING, Literal, Sequence
+
+from jaxtyping import Float, Int64, Shaped
+from torch import Tensor
+
+# Per-position tensors of one rank: dimension 0 is the local length ``t``.
+Values = Float[Tensor, "t *rest"]
+AnyValues = Shaped[Tensor, "t *rest"]
+# One sample's share, or one sample's whole response.
+Share = Float[Tensor, "_r *rest"]
+AnyShare = Shaped[Tensor, "_r *rest"]
+Rows = Int64[Tensor, " m"]
+Logits = Float[Tensor, "t v"]
+PerRow = Float[Tensor, " t"]
+Targets = Int64[Tensor, " t"]
+
+QkvFormat = Literal["thd", "bshd"]
+CpMode = Literal["none", "zigzag", "allgather"]
+Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
+
+if TYPE_CHECKING:
+    Lengths = Sequence[int]
+    FormatArg = QkvFormat
+    ModeArg = CpMode
+else:
+    # At run time these arguments are checked by Layout's own validation, whose
+    # LayoutError names the sample, the value and the rule; a beartype error
+    # raised first would say less.
+    Lengths = Sequence
+    FormatArg = str
+    ModeArg = str

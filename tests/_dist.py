@@ -1,0 +1,111 @@
+"""Real torch.distributed gloo process groups for tests: spawned processes, a free
+port, and a join timeout so that a hang fails the test instead of blocking CI."""
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Worker = Callable[..., Any]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _child(
+    fn: Worker, rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            out.put((rank, True, fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure, the parent re-raises it
+        out.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
+
+    Children run with ``CPSLICE_DEBUG=1``, so cpslice's run-time checks are on there
+    too. A rank that fails re-raises here with its traceback; ranks that are still
+    running after ``timeout`` seconds (a hang: a rank skipped a collective) are
+    killed and the test fails.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    old = os.environ.get("CPSLICE_DEBUG")
+    os.environ["CPSLICE_DEBUG"] = "1"
+    try:
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world, port, args, out), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+    finally:
+        if old is None:
+            del os.environ["CPSLICE_DEBUG"]
+        else:
+            os.environ["CPSLICE_DEBUG"] = old
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{world - len(results) - len(errors)} of {world} ranks did not finish "
+                    f"within {timeout}s (a hang: some rank skipped a collective?)"
+                )
+            try:
+                rank, ok, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode}")
+                continue
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        for p in procs:
+            p.join(timeout=10)
+        return [results[r] for r in range(world)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def init_megatron(tp: int, cp: int) -> None:
+    """megatron-core's parallel_state over the current gloo world (order tp-cp-...)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp
+    )
+
+
+def destroy_megatron() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,1 @@
+from . import parallel_state as parallel_state
