@@ -4,7 +4,8 @@ No communication. One gather and one split per tensor, whatever the number of
 samples; the row index comes from the layout's cached selection (``_plan``).
 """
 
-from typing import Sequence, overload
+from collections.abc import Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -72,6 +73,10 @@ def extract_responses(
 def extract_responses(
     values: Values, layout: Layout, entropy: Values
 ) -> tuple[list[Share], list[Share]]: ...
+@overload
+def extract_responses(
+    values: Values, layout: Layout, entropy: Values | None
+) -> tuple[list[Share], list[Share] | None]: ...
 def extract_responses(
     values: Values, layout: Layout, entropy: Values | None = None
 ) -> tuple[list[Share], list[Share] | None]:

@@ -5,7 +5,8 @@ mypy sees every jaxtyping alias as plain ``torch.Tensor``; in debug mode
 bound across the arguments and the result of one call.
 """
 
-from typing import TYPE_CHECKING, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 from jaxtyping import Float, Int64, Shaped
 from torch import Tensor
@@ -33,6 +34,6 @@ else:
     # At run time these arguments are checked by Layout's own validation, whose
     # LayoutError names the sample, the value and the rule; a beartype error
     # raised first would say less.
-    Lengths = Sequence
+    Lengths = object
     FormatArg = str
     ModeArg = str

@@ -1,0 +1,158 @@
+"""Extraction speed: cpslice against the per-sample loop and the bare-gather floor.
+
+For every layout, N samples with the local tensor near T positions, forward +
+backward of ``torch.cat(shares).sum()`` (the same loss for every method):
+
+- ``loop``: the per-sample slice-and-cat loop RL frameworks write (slice bounds
+  precomputed outside the timing, in its favour);
+- ``floor``: a bare ``index_select`` + ``split`` with a precomputed device index;
+- ``cpslice``: ``extract_responses``, both *warm* (the layout's plan cached, as when
+  log-probs and entropy are extracted with one layout) and *cold* (a new Layout
+  built and validated inside the timing, as for every new micro-batch).
+
+Run: ``.venv/bin/python -m benchmarks.bench_extract [--quick]``. Prints median
+milliseconds and the ratios loop/cpslice and cpslice/floor side by side.
+"""
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpslice import Layout, extract_responses
+from cpslice._plan import runs, selection
+from cpslice._types import CpMode, QkvFormat
+
+
+@dataclass
+class Row:
+    layout: str
+    n: int
+    t: int
+    loop_ms: float
+    floor_ms: float
+    warm_ms: float
+    cold_ms: float
+
+    @property
+    def speedup_vs_loop(self) -> float:
+        return self.loop_ms / self.cold_ms
+
+    @property
+    def vs_floor(self) -> float:
+        return self.cold_ms / self.floor_ms
+
+
+def _median_ms(fn: Callable[[], None], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _step(values: Tensor, shares: list[Tensor]) -> None:
+    torch.cat(shares).sum().backward()
+    values.grad = None
+
+
+def _case(
+    name: str, mode: CpMode, fmt: QkvFormat, cp: int, n: int, target_t: int, repeat: int
+) -> Row:
+    rng = random.Random(0)
+    mean = max(2, target_t * cp // n)
+    total = [rng.randint(max(2, mean // 2), mean + mean // 2) for _ in range(n)]
+    response = [rng.randint(1, t - 1) for t in total]
+    seq = max(total) if fmt == "bshd" else None
+
+    def build() -> Layout:
+        return Layout(total, response, qkv_format=fmt, max_seq_len=seq, cp_mode=mode,
+                      cp_rank=min(1, cp - 1), cp_size=cp)
+
+    layout = build()
+    from cpslice._plan import needed_length
+
+    t = needed_length(layout)
+    values = torch.randn(t, requires_grad=True)
+    # The loop's slice bounds, read from the same runs, outside the timing.
+    sel = selection(layout, t, "response")
+    rs = runs(layout, t)
+    firsts: list[int] = (rs.local + (sel.run_first - rs.start)).tolist()
+    counts: list[int] = sel.run_count.tolist()
+    k = sel.k
+    bounds = [
+        [(firsts[j], firsts[j] + counts[j]) for j in range(i * k, i * k + k)] for i in range(n)
+    ]
+    index = sel.rows.clone()
+    per_sample = list(sel.counts)
+
+    def loop() -> None:
+        shares = [torch.cat([values[a:b] for a, b in pieces]) for pieces in bounds]
+        _step(values, shares)
+
+    def floor() -> None:
+        _step(values, list(torch.split(values.index_select(0, index), per_sample)))
+
+    def warm() -> None:
+        _step(values, extract_responses(values, layout)[0])
+
+    def cold() -> None:
+        _step(values, extract_responses(values, build())[0])
+
+    return Row(
+        name, n, t,
+        _median_ms(loop, max(3, repeat // 4)),
+        _median_ms(floor, repeat),
+        _median_ms(warm, repeat),
+        _median_ms(cold, repeat),
+    )
+
+
+CASES: list[tuple[str, CpMode, QkvFormat, int]] = [
+    ("none-thd", "none", "thd", 1),
+    ("none-bshd", "none", "bshd", 1),
+    ("zigzag-thd cp4", "zigzag", "thd", 4),
+    ("zigzag-bshd cp4", "zigzag", "bshd", 4),
+    ("allgather cp4", "allgather", "thd", 4),
+]
+
+
+def run(quick: bool = False) -> list[Row]:
+    """Measure every layout; ``quick`` uses N=512, T near 128K."""
+    n, t, repeat = (512, 1 << 17, 5) if quick else (4096, 1 << 20, 9)
+    torch.manual_seed(0)
+    return [_case(name, mode, fmt, cp, n, t, repeat) for name, mode, fmt, cp in CASES]
+
+
+def report(rows: list[Row]) -> str:
+    lines = [
+        f"{'layout':<16} {'N':>5} {'T':>8} {'loop ms':>8} {'floor ms':>8} {'warm ms':>8} "
+        f"{'cold ms':>8} {'loop/cold':>9} {'cold/floor':>10} {'warm/floor':>10}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.layout:<16} {r.n:>5} {r.t:>8} {r.loop_ms:>8.2f} {r.floor_ms:>8.2f} "
+            f"{r.warm_ms:>8.2f} {r.cold_ms:>8.2f} {r.speedup_vs_loop:>8.1f}x "
+            f"{r.vs_floor:>9.2f}x {r.warm_ms / r.floor_ms:>9.2f}x"
+        )
+    lines.append("targets: loop/cold >= 20x, cold/floor <= 2x (forward + backward)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    args = parser.parse_args(argv)
+    print(report(run(args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
