@@ -47,6 +47,11 @@ def _lengths(layout: Layout) -> tuple[Tensor, Tensor]:
     return total, response
 
 
+def packed_offsets(layout: Layout) -> Tensor:
+    """``off_i = L_0 + ... + L_{i-1}``: where sample ``i`` starts when samples are concatenated."""
+    return _excl_cumsum(_lengths(layout)[0])
+
+
 def _zigzag_chunk(layout: Layout, total: Tensor) -> Tensor:
     """``C_i``: each sample is padded to ``W_i = 2c * C_i`` positions."""
     two_c = 2 * layout.cp_size
@@ -164,6 +169,11 @@ class Selection(NamedTuple):
     k: int
     run_first: Tensor
     run_count: Tensor
+
+    def sources(self, base: Tensor) -> Tensor:
+        """For every element, ``base[sample] + position``: its index in a concatenation
+        of per-sample tensors where sample ``i`` starts at ``base[i]``."""
+        return self.expand(torch.repeat_interleave(base, self.k) + self.run_first)
 
     def expand(self, first: Tensor) -> Tensor:
         """``first[run] + 0, 1, ..., run_count[run] - 1`` for every run, concatenated."""

@@ -1,0 +1,130 @@
+"""The input side of the same layout: packing per-sample tensors into a rank's
+local tensor, the shifted targets, and the rows that hold the response.
+
+All three are readings of ``_plan``'s selections, so they cannot disagree with
+extraction.
+"""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._errors import LayoutError
+from ._layout import Layout
+from ._plan import needed_length, packed_offsets, resolve_length, selection
+from ._types import AnyShare, AnyValues, Rows, Targets
+
+
+def _check_samples(per_sample: object, layout: Layout, name: str) -> list[Tensor]:
+    if isinstance(per_sample, Tensor) or not isinstance(per_sample, Sequence):
+        raise TypeError(
+            f"{name} must be a list of per-sample tensors [L_i, ...], got "
+            f"{type(per_sample).__name__}"
+        )
+    items: list[Tensor] = []
+    n = layout.num_samples
+    if len(per_sample) != n:
+        raise LayoutError(f"{name} has {len(per_sample)} samples but the layout has {n}")
+    for i, (x, length) in enumerate(zip(per_sample, layout.total_lengths)):
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise TypeError(f"sample {i}: {name}[{i}] must be a tensor [L_i, ...] of >= 1 dim")
+        if x.shape[0] != length:
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] has {x.shape[0]} positions but total_length is {length}"
+            )
+        if items and (x.shape[1:] != items[0].shape[1:] or x.dtype != items[0].dtype):
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] is {x.dtype} {tuple(x.shape)} but sample 0 is "
+                f"{items[0].dtype} {tuple(items[0].shape)} (trailing shape and dtype must agree)"
+            )
+        items.append(x)
+    return items
+
+
+def packed_length(layout: Layout) -> int:
+    """The local length packing produces: ``local_length`` when set, else the least."""
+    return layout.local_length if layout.local_length is not None else needed_length(layout)
+
+
+def _lay_out(
+    items: list[Tensor], layout: Layout, fill: float | int, shift: int, rest: tuple[int, ...],
+    dtype: torch.dtype, device: torch.device,
+) -> Tensor:
+    length = packed_length(layout)
+    sel = selection(layout, length, "targets" if shift else "sample")
+    src = (sel.sources(packed_offsets(layout)) + shift).to(device)
+    out = torch.full((length, *rest), fill, dtype=dtype, device=device)
+    if not items:
+        return out
+    flat = torch.cat(items)
+    return out.index_copy(0, sel.rows.to(device), flat.index_select(0, src).to(dtype))
+
+
+def pack(per_sample: Sequence[AnyShare], layout: Layout, *, fill: float | int = 0) -> AnyValues:
+    """Lay each sample's whole tensor into this rank's local tensor, as LAYOUTS.md says.
+
+    ``per_sample[i]`` is ``[L_i, *rest]`` (tokens, loss masks, position ids; any dtype,
+    the same for every sample). The result is ``[T, *rest]`` with ``T`` the layout's
+    ``local_length`` when set, else the least length the layout needs (for allgather,
+    ``ceil(sum(L) / cp_size)``); every position no sample holds (zigzag and bshd
+    padding, the tail) is ``fill``. Differentiable for floating-point inputs.
+
+    Raises:
+        TypeError: ``per_sample`` is not a list of tensors of at least 1 dim.
+        LayoutError: the number of samples, a sample's length, or a sample's dtype
+            or trailing shape disagrees.
+    """
+    items = _check_samples(per_sample, layout, "per_sample")
+    if not items:
+        return torch.full((packed_length(layout),), fill)
+    first = items[0]
+    return _lay_out(items, layout, fill, 0, tuple(first.shape[1:]), first.dtype, first.device)
+
+
+def shifted_targets(tokens: Sequence[AnyShare], layout: Layout, *, fill: int = 0) -> Targets:
+    """The int64 ``[T]`` target of every local position: the next token of the same sample.
+
+    ``tokens[i]`` is sample ``i``'s whole token tensor ``[L_i]`` (prompt + response),
+    the same on every rank. A local position holding within-sample position ``p`` gets
+    ``tokens[i][p + 1]``; padding and each sample's last position get ``fill``. Under
+    allgather the last position of rank ``r`` takes its target from the next piece, read
+    from ``tokens``: no communication. ``T`` as in ``pack``.
+
+    Raises:
+        TypeError: ``tokens`` is not a list of integer tensors.
+        LayoutError: as ``pack``, or a sample's tokens are not 1-D.
+    """
+    items = _check_samples(tokens, layout, "tokens")
+    for i, x in enumerate(items):
+        if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "
+                            f"{x.dtype} {tuple(x.shape)}")
+    device = items[0].device if items else torch.device("cpu")
+    return _lay_out(items, layout, fill, 1, (), torch.int64, device)
+
+
+class ResponseRows(NamedTuple):
+    """This rank's response rows: ``rows`` in extraction order, ``counts[i]`` of sample i."""
+
+    rows: Rows
+    counts: list[int]
+
+
+def response_rows(layout: Layout, device: torch.device | str | None = None) -> ResponseRows:
+    """The local row indices of this rank's response positions, in extraction order.
+
+    ``rows`` lists, sample after sample, exactly the rows ``extract_responses`` returns;
+    ``counts[i]`` of them belong to sample ``i``. Run the LM head on just those rows of
+    the hidden states (``R x V`` instead of ``T x V``) and feed the result, with
+    ``shifted_targets(...)[rows]``, to ``log_probs_and_entropy``; then
+    ``torch.split(log_probs, counts)`` gives the per-sample shares.
+
+    Raises:
+        LayoutError: an allgather layout without ``local_length`` (there is no local
+            tensor to read ``T`` from).
+    """
+    sel = selection(layout, resolve_length(layout), "response")
+    # a copy: the cached selection must not be mutable through the result
+    return ResponseRows(sel.rows.to(device or "cpu", copy=True), list(sel.counts))
