@@ -1,0 +1,388 @@
+"""The ``cpslice`` command line (also ``python -m cpslice``).
+
+A subcommand is one function that adds its arguments, one that runs it, and one
+entry in ``SUBCOMMANDS``. A subcommand that needs heavy or optional imports
+(megatron-core, torch.distributed) imports them inside its run function, so that
+``cpslice plan`` never loads them.
+
+Every mistake in the arguments, argparse's or a ``LayoutError`` from the library,
+ends in one line ``cpslice <subcommand>: error: <problem>`` on stderr and exit
+status 2, never a traceback.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple, NoReturn, cast
+
+import torch
+
+from ._errors import LayoutError
+from ._extract import extraction_strategy
+from ._layout import Layout
+from ._plan import needed_length, resolve_length, runs, selection
+from ._types import CpMode, QkvFormat
+
+EXIT_USAGE = 2
+
+Colour = Literal["auto", "always", "never"]
+
+
+def _one_line(prog: str, message: str) -> None:
+    text = " ".join(message.splitlines())
+    sys.stderr.write(f"{prog}: error: {text}\n")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        _one_line(self.prog, message)
+        raise SystemExit(EXIT_USAGE)
+
+
+class Subcommand(NamedTuple):
+    """One ``cpslice`` subcommand: its help line, its arguments and its body."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------
+# cpslice plan
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """``"10,7,13"`` -> ``(10, 7, 13)``; the rules on the values are Layout's."""
+    items = [item.strip() for item in text.split(",")]
+    try:
+        return tuple(int(item) for item in items)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of ints, one per sample (e.g. 10,7,13)"
+        ) from None
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--total", type=_lengths, required=True, metavar="L0,L1,...",
+        help="total length (prompt + response tokens) of each sample",
+    )
+    parser.add_argument(
+        "--response", type=_lengths, required=True, metavar="R0,R1,...",
+        help="response length of each sample",
+    )
+    parser.add_argument(
+        "--cp-size", type=int, default=1, metavar="C", help="context-parallel size (default 1)"
+    )
+    parser.add_argument(
+        "--mode", choices=("none", "zigzag", "allgather"), default="none",
+        help="context-parallel layout (default none)",
+    )
+    parser.add_argument(
+        "--format", choices=("thd", "bshd"), default="thd",
+        help="thd: samples packed back to back; bshd: rows of --max-seq-len (default thd)",
+    )
+    parser.add_argument(
+        "--max-seq-len", type=int, default=None, metavar="S", help="bshd row length"
+    )
+    parser.add_argument(
+        "--local-length", type=int, default=None, metavar="T",
+        help="length of each rank's local tensor (default: the least that fits)",
+    )
+    parser.add_argument(
+        "--color", choices=("auto", "always", "never"), default="auto",
+        help="colour the pictures: auto (a terminal, and NO_COLOR unset), always, never",
+    )
+
+
+def _range(lo: int, hi: int) -> str:
+    return f"[{lo}, {hi})"
+
+
+def _paint(text: str, colour: bool) -> str:
+    if not colour:
+        return text
+    out = []
+    for glyph, group in itertools.groupby(text):
+        run = "".join(group)
+        code = _ANSI.get(glyph)
+        out.append(f"\x1b[{code}m{run}\x1b[0m" if code else run)
+    return "".join(out)
+
+
+# Row codes of a picture: 0 padding, 1 prompt token, 2 response token; +2 when the
+# row's logit is in the response span (extracted on that rank).
+_GLYPHS = ".prPR"
+_ANSI = {".": "2", "p": "34", "r": "32", "P": "1;7;34", "R": "1;7;32"}
+# A longer picture is run-length coded: "p5" is five prompt rows.
+_FULL_PICTURE_MAX = 120
+
+_COMPACT_NOTE = "        pictures over {} rows are run-length coded: p5 is five p rows"
+
+
+def _legend(colour: bool) -> list[str]:
+    p, r, pad, big_p, big_r = (_paint(glyph, colour) for glyph in "pr.PR")
+    first = (
+        f"legend: {p} prompt token, {r} response token, {pad} padding; {big_p}, {big_r}: "
+        "that token's logit is in the response span, so that rank extracts it"
+    )
+    second = (
+        "        (response span of sample i: the logits [P_i - 1, L_i - 1) that predict "
+        "its response); '|' separates samples, ' ' a sample's runs"
+    )
+    return [first, second]
+
+
+def _picture_rows(layout: Layout, length: int) -> str:
+    """One glyph per local row (``_GLYPHS``), read from the layout's selections."""
+    codes = torch.zeros(length, dtype=torch.int64)
+    tokens = selection(layout, length, "sample")
+    sample_of = torch.repeat_interleave(
+        torch.arange(layout.num_samples), torch.tensor(tokens.counts, dtype=torch.int64)
+    )
+    prompt = torch.tensor(layout.prompt_lengths, dtype=torch.int64)[sample_of]
+    codes[tokens.rows] = 1 + (tokens.positions >= prompt).to(torch.int64)
+    codes[selection(layout, length, "response").rows] += 2
+    values: list[int] = codes.tolist()
+    return "".join(_GLYPHS[v] for v in values)
+
+
+class _Slot(NamedTuple):
+    """Rows ``[local, local + width)`` of one sample's run: the first ``size`` hold
+    positions ``[start, start + size)``, the rest that run's padding."""
+
+    sample: int
+    local: int
+    start: int
+    size: int
+    width: int
+
+
+def _slots(layout: Layout, length: int) -> list[_Slot]:
+    rs = runs(layout, length)
+    local: list[int] = rs.local.tolist()
+    start: list[int] = rs.start.tolist()
+    size: list[int] = rs.length.tolist()
+    # Outside allgather each sample's block is padded (zigzag chunks, bshd rows), and
+    # the blocks tile [0, needed_length): a run's padding lasts until the next run.
+    # Allgather pads only the end of the packed stream, which belongs to no sample.
+    padded = layout.cp_mode != "allgather"
+    ends = local[1:] + [needed_length(layout)]
+    out = []
+    for j, end in enumerate(ends):
+        width = (end if padded else local[j] + size[j]) - local[j]
+        out.append(_Slot(j // rs.k, local[j], start[j], size[j], width))
+    return out
+
+
+def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> str:
+    rows = _picture_rows(layout, length)
+    pieces: list[tuple[int | None, int, int]] = []
+    cursor = 0
+    for s in slots:
+        if s.width == 0:
+            continue
+        if s.local > cursor:
+            pieces.append((None, cursor, s.local))
+        pieces.append((s.sample, s.local, s.local + s.width))
+        cursor = s.local + s.width
+    if cursor < length:
+        pieces.append((None, cursor, length))
+    compact = length > _FULL_PICTURE_MAX
+    out = []
+    for i, (sample, lo, hi) in enumerate(pieces):
+        if i:
+            out.append(" " if sample is not None and sample == pieces[i - 1][0] else "|")
+        text = rows[lo:hi]
+        if compact:
+            text = "".join(f"{g}{len(list(run))}" for g, run in itertools.groupby(text))
+        out.append(_paint(text, colour))
+    return "".join(out)
+
+
+def _held(slots: list[_Slot]) -> str:
+    parts = []
+    for s in slots:
+        if s.size:
+            parts.append(
+                f"positions {_range(s.start, s.start + s.size)} at local "
+                f"{_range(s.local, s.local + s.size)}"
+            )
+        if s.width > s.size:
+            parts.append(
+                f"padding {_range(s.start + s.size, s.start + s.width)} at local "
+                f"{_range(s.local + s.size, s.local + s.width)}"
+            )
+    return "holds " + " + ".join(parts) if parts else "holds nothing"
+
+
+def _shares(layout: Layout, length: int) -> list[str]:
+    """Per sample, the local rows and positions of its share of the response span."""
+    sel = selection(layout, length, "response")
+    counts: list[int] = sel.run_count.tolist()
+    rows = torch.split(sel.rows, counts)
+    positions = torch.split(sel.positions, counts)
+    out = []
+    for i, r in enumerate(layout.response_lengths):
+        runs_of = [j for j in range(i * sel.k, (i + 1) * sel.k) if counts[j]]
+        if not runs_of:
+            out.append("response share none")
+            continue
+        local = " + ".join(
+            _range(int(rows[j][0]), int(rows[j][-1]) + 1) for j in runs_of
+        )
+        held = " + ".join(
+            _range(int(positions[j][0]), int(positions[j][-1]) + 1) for j in runs_of
+        )
+        out.append(
+            f"response share local {local}, positions {held} ({sel.counts[i]} of {r})"
+        )
+    return out
+
+
+def _spans(total: tuple[int, ...], response: tuple[int, ...]) -> list[str]:
+    """Each sample's response span, as cp none extracts it."""
+    whole = Layout(total, response)
+    sel = selection(whole, needed_length(whole), "response")
+    out = []
+    for piece in torch.split(sel.positions, sel.counts):
+        out.append(_range(int(piece[0]), int(piece[-1]) + 1) if piece.numel() else "empty")
+    return out
+
+
+def _rank_block(layout: Layout, length: int, colour: bool) -> list[str]:
+    """What one rank holds: its picture, then per sample its positions and its share."""
+    slots = _slots(layout, length)
+    strategy = extraction_strategy(layout)
+    lines = [
+        f"rank {layout.cp_rank} of {layout.cp_size}: T = {length}, strategy {strategy}",
+        "  " + _picture(layout, length, slots, colour),
+    ]
+    for i, share in enumerate(_shares(layout, length)):
+        lines.append(f"  sample {i}: {_held([s for s in slots if s.sample == i])}")
+        lines.append(f"  sample {i}: {share}")
+    tail = max((s.local + s.width for s in slots if s.width), default=0)
+    if tail < length:
+        lines.append(f"  padding at local {_range(tail, length)}")
+    return lines
+
+
+def _use_colour(choice: Colour) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    # https://no-color.org: NO_COLOR set to anything but "" turns colour off.
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print, for every rank, what it holds of each sample and its response share.
+
+    Every offset is read from ``_plan`` (runs and selections); none is computed here.
+    """
+    total = cast(tuple[int, ...], args.total)
+    response = cast(tuple[int, ...], args.response)
+    cp_size = cast(int, args.cp_size)
+    qkv_format = cast(QkvFormat, args.format)
+    max_seq_len = cast("int | None", args.max_seq_len)
+    cp_mode = cast(CpMode, args.mode)
+    given = cast("int | None", args.local_length)
+    colour = _use_colour(cast(Colour, args.color))
+
+    def layout(rank: int, local_length: int | None) -> Layout:
+        return Layout(
+            total,
+            response,
+            qkv_format=qkv_format,
+            max_seq_len=max_seq_len,
+            cp_mode=cp_mode,
+            cp_rank=rank,
+            cp_size=cp_size,
+            local_length=local_length,
+        )
+
+    first = layout(0, given)
+    # An allgather layout without a local length has no pieces yet: take the least.
+    length = needed_length(first) if given is None else resolve_length(first)
+    how = "the least that fits" if given is None else "given"
+    strategy = extraction_strategy(first)
+    seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""
+    n = first.num_samples
+    header = (
+        f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {first.cp_mode}, "
+        f"cp_size {cp_size}, qkv_format {first.qkv_format}{seq}, strategy {strategy}, "
+        f"local length T = {length} ({how})"
+    )
+    lines = [header]
+    for i, (t, r, p, span) in enumerate(
+        zip(total, response, first.prompt_lengths, _spans(total, response))
+    ):
+        tokens = _range(p, t) if r else "none"
+        lines.append(
+            f"sample {i}: L {t} = prompt {p} + response {r}; prompt tokens {_range(0, p)}, "
+            f"response tokens {tokens}, response span {span}"
+        )
+    lines += _legend(colour)
+    if length > _FULL_PICTURE_MAX:
+        lines.append(_COMPACT_NOTE.format(_FULL_PICTURE_MAX))
+    for rank in range(cp_size):
+        lines += ["", *_rank_block(layout(rank, length), length, colour)]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# The registry and the entry point.
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "plan": Subcommand(
+        "draw what each context-parallel rank holds of each sample, and its response share",
+        _plan_arguments,
+        _plan,
+    ),
+}
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser: argparse.ArgumentParser = _Parser(
+        prog="cpslice",
+        description="Inspect packed, context-parallel layouts of response-aligned tensors.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers: dict[str, argparse.ArgumentParser] = {}
+    for name, command in SUBCOMMANDS.items():
+        child = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(child)
+        parsers[name] = child
+    return parser, parsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``cpslice`` on ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    0 on success, 2 on bad arguments (one line on stderr, no traceback), 1 when
+    the reader of stdout goes away early.
+    """
+    parser, parsers = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help, or an argument error already reported
+        code = stop.code
+        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
+    name = cast(str, args.command)
+    try:
+        return SUBCOMMANDS[name].run(args)
+    except LayoutError as err:
+        _one_line(parsers[name].prog, str(err))
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader left early (`cpslice plan ... | head`): stop quietly, and keep
+        # the interpreter's final flush from raising again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1

@@ -1,0 +1,292 @@
+"""``cpslice plan``: the picture, the printed offsets, and one-line errors."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+
+from cpslice import Layout, extract_responses
+from cpslice._cli import main
+from cpslice._types import CpMode, QkvFormat
+
+ZIGZAG_EXAMPLE = ["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "zigzag"]
+
+# LAYOUTS.md's example: c = 2, L = 10, R = 4, so W = 12 and C = 3.
+ZIGZAG_EXAMPLE_OUT = """\
+cpslice plan: 1 sample, cp_mode zigzag, cp_size 2, qkv_format thd, strategy zigzag, local length T = 6 (the least that fits)
+sample 0: L 10 = prompt 6 + response 4; prompt tokens [0, 6), response tokens [6, 10), response span [5, 9)
+legend: p prompt token, r response token, . padding; P, R: that token's logit is in the response span, so that rank extracts it
+        (response span of sample i: the logits [P_i - 1, L_i - 1) that predict its response); '|' separates samples, ' ' a sample's runs
+
+rank 0 of 2: T = 6, strategy zigzag
+  ppp r..
+  sample 0: holds positions [0, 3) at local [0, 3) + positions [9, 10) at local [3, 4) + padding [10, 12) at local [4, 6)
+  sample 0: response share none
+
+rank 1 of 2: T = 6, strategy zigzag
+  ppP RRR
+  sample 0: holds positions [3, 6) at local [0, 3) + positions [6, 9) at local [3, 6)
+  sample 0: response share local [2, 3) + [3, 6), positions [5, 6) + [6, 9) (4 of 4)
+"""
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_layouts_md_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(ZIGZAG_EXAMPLE, capsys)
+    assert (code, err) == (0, "")
+    assert out == ZIGZAG_EXAMPLE_OUT
+
+
+def test_piped_output_is_plain(capsys: pytest.CaptureFixture[str]) -> None:
+    # capsys's stdout is no terminal, as in a pipe.
+    code, out, _ = run(ZIGZAG_EXAMPLE + ["--format", "thd"], capsys)
+    assert code == 0
+    assert "\x1b" not in out
+
+
+def test_terminal_gets_colour_unless_no_color(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    code, out, _ = run(ZIGZAG_EXAMPLE, capsys)
+    assert code == 0
+    assert "\x1b[" in out
+    assert ANSI.sub("", out) == ZIGZAG_EXAMPLE_OUT
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert run(ZIGZAG_EXAMPLE, capsys)[1] == ZIGZAG_EXAMPLE_OUT
+
+
+def test_colour_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(ZIGZAG_EXAMPLE + ["--color", "always"], capsys)
+    assert code == 0
+    assert "\x1b[" in out
+    assert ANSI.sub("", out) == ZIGZAG_EXAMPLE_OUT
+
+
+def test_allgather_takes_the_least_length(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "10,7,13", "--response", "4,6,3", "--cp-size", "2",
+         "--mode", "allgather"],
+        capsys,
+    )
+    assert code == 0
+    assert "strategy allgather, local length T = 15 (the least that fits)" in out
+    rank1 = out[out.index("rank 1 of 2") :]
+    assert rank1 == """\
+rank 1 of 2: T = 15, strategy allgather
+  Rr|pppppppppPRRr
+  sample 0: holds nothing
+  sample 0: response share none
+  sample 1: holds positions [5, 7) at local [0, 2)
+  sample 1: response share local [0, 1), positions [5, 6) (1 of 6)
+  sample 2: holds positions [0, 13) at local [2, 15)
+  sample 2: response share local [11, 14), positions [9, 12) (3 of 3)
+"""
+
+
+def test_allgather_given_length_pads_the_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "10,7,13", "--response", "4,6,3", "--cp-size", "2",
+         "--mode", "allgather", "--local-length", "16"],
+        capsys,
+    )
+    assert code == 0
+    assert "local length T = 16 (given)" in out
+    assert "\n  r|pppppppppPRRr|..\n" in out
+    assert out.endswith("  padding at local [14, 16)\n")
+
+
+def test_bshd_zigzag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "10,7,13", "--response", "4,6,0", "--cp-size", "2",
+         "--mode", "zigzag", "--format", "bshd", "--max-seq-len", "16"],
+        capsys,
+    )
+    assert code == 0
+    assert "qkv_format bshd, max_seq_len 16, strategy zigzag, local length T = 24" in out
+    assert "response tokens none, response span empty" in out
+    rank1 = out[out.index("rank 1 of 2") :]
+    assert rank1 == """\
+rank 1 of 2: T = 24, strategy zigzag
+  pPRR Rr..|RRr. ....|pppp pppp
+  sample 0: holds positions [4, 8) at local [0, 4) + positions [8, 10) at local [4, 6) + padding [10, 12) at local [6, 8)
+  sample 0: response share local [1, 4) + [4, 5), positions [5, 8) + [8, 9) (4 of 4)
+  sample 1: holds positions [4, 7) at local [8, 11) + padding [7, 8) at local [11, 12) + padding [8, 12) at local [12, 16)
+  sample 1: response share local [8, 10), positions [4, 6) (2 of 6)
+  sample 2: holds positions [4, 8) at local [16, 20) + positions [8, 12) at local [20, 24)
+  sample 2: response share none
+"""
+
+
+def test_bshd_none_with_trailing_padding(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "10,7", "--response", "4,6", "--format", "bshd",
+         "--max-seq-len", "12", "--local-length", "26"],
+        capsys,
+    )
+    assert code == 0
+    assert "\n  pppppPRRRr..|PRRRRRr.....|..\n" in out
+    assert "  sample 1: holds positions [0, 7) at local [12, 19) + padding [7, 12) at local [19, 24)\n" in out
+    assert out.endswith("  padding at local [24, 26)\n")
+
+
+def test_long_pictures_are_run_length_coded(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "3000,500", "--response", "1000,0", "--cp-size", "4",
+         "--mode", "zigzag"],
+        capsys,
+    )
+    assert code == 0
+    assert "pictures over 120 rows are run-length coded" in out
+    assert "\n  p375 R374r1|p63 p59.4\n" in out
+
+
+LAYOUTS = [
+    ["--total", "10", "--response", "4"],
+    ["--total", "10,7,13", "--response", "4,6,3", "--cp-size", "3", "--mode", "zigzag"],
+    ["--total", "10,7,1", "--response", "4,6,0", "--cp-size", "2", "--mode", "zigzag",
+     "--format", "bshd", "--max-seq-len", "11"],
+    ["--total", "10,7,13", "--response", "4,6,3", "--format", "bshd", "--max-seq-len", "13"],
+    ["--total", "10,7,13", "--response", "4,6,3", "--cp-size", "4", "--mode", "allgather"],
+    ["--total", "10,7,13", "--response", "9,6,3", "--cp-size", "3", "--mode", "allgather",
+     "--local-length", "11"],
+]
+
+
+@pytest.mark.parametrize("flags", LAYOUTS)
+def test_printed_shares_are_what_extraction_returns(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["plan", *flags], capsys)
+    assert code == 0
+    opts = dict(zip(flags[::2], flags[1::2]))
+    found = re.search(r"local length T = (\d+)", out)
+    assert found is not None
+    length = int(found.group(1))
+    max_seq = opts.get("--max-seq-len")
+    cp_size = int(opts.get("--cp-size", "1"))
+    for rank, block in enumerate(out.split("\n\n")[1:]):
+        layout = Layout(
+            [int(v) for v in opts["--total"].split(",")],
+            [int(v) for v in opts["--response"].split(",")],
+            qkv_format=cast(QkvFormat, opts.get("--format", "thd")),
+            max_seq_len=int(max_seq) if max_seq else None,
+            cp_mode=cast(CpMode, opts.get("--mode", "none")),
+            cp_rank=rank,
+            cp_size=cp_size,
+            local_length=length,
+        )
+        shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
+        printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
+        assert len(printed) == layout.num_samples
+        for share, ranges in zip(shares, printed):
+            rows: list[int] = []
+            for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
+                rows += range(int(lo), int(hi))
+            assert share.tolist() == rows
+    assert len(out.split("\n\n")) == cp_size + 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--total", "10,x", "--response", "4"],
+         "cpslice plan: error: argument --total: '10,x' is not a comma-separated list of ints"),
+        (["plan", "--total", "", "--response", "4"], "argument --total: '' is not a comma"),
+        (["plan", "--response", "4"],
+         "cpslice plan: error: the following arguments are required: --total"),
+        (["plan", "--total", "10", "--response", "4", "--mode", "ring"],
+         "cpslice plan: error: argument --mode: invalid choice: 'ring'"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "two"],
+         "argument --cp-size: invalid int value: 'two'"),
+        (["plan", "--total", "10", "--response", "10"],
+         "cpslice plan: error: sample 0: response_length 10 > total_length - 1 = 9"),
+        (["plan", "--total", "10,3", "--response", "4"],
+         "total_lengths has 2 samples but response_lengths has 1"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "2"],
+         "cp_mode 'none' with cp_size 2"),
+        (["plan", "--total", "10", "--response", "4", "--format", "bshd"],
+         "qkv_format 'bshd' needs max_seq_len"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "allgather",
+          "--local-length", "4"],
+         "cp_size * T = 2 * 4 = 8 < sum(total_lengths) = 10"),
+        (["plan", "--total", "10", "--response", "4", "--local-length", "9"],
+         "too short: the layout needs at least 10 positions"),
+        ([], "cpslice: error: the following arguments are required: COMMAND"),
+        (["frob"], "cpslice: error: argument COMMAND: invalid choice: 'frob'"),
+    ],
+)
+def test_bad_arguments_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n")
+    assert re.match(r"cpslice( plan)?: error: ", err)
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "--help"], capsys)
+    assert code == 0
+    assert "--total" in out and "--local-length" in out
+
+
+def test_broken_pipe_is_quiet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def closed(text: str) -> int:
+        raise BrokenPipeError
+
+    monkeypatch.setattr(sys.stdout, "write", closed)
+    assert main(ZIGZAG_EXAMPLE) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_command_line_without_megatron(tmp_path: Path) -> None:
+    """``python -m cpslice`` and the console script; neither imports megatron."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "CPSLICE_DEBUG")}
+    module = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "cpslice", *ZIGZAG_EXAMPLE],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False,
+    )
+    assert module.returncode == 0, module.stderr[-2000:]
+    assert module.stdout == ZIGZAG_EXAMPLE_OUT
+    imported = [line.rsplit("|", 1)[-1].strip() for line in module.stderr.splitlines()]
+    assert "cpslice._cli" in imported
+    assert not [name for name in imported if name.split(".")[0] == "megatron"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "cpslice", "plan", "--total", "3", "--response", "3"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "cpslice plan: error: sample 0: response_length 3 > total_length - 1 = 2 "
+        "(a response needs at least one prompt token before it)\n"
+    )
+    beside = Path(sys.executable).parent / "cpslice"
+    script = str(beside) if beside.exists() else shutil.which("cpslice")
+    if script is None:
+        pytest.skip("the cpslice console script is not installed (pip install -e .)")
+    console = subprocess.run(
+        [script, *ZIGZAG_EXAMPLE], capture_output=True, text=True, env=env, timeout=120,
+        check=False,
+    )
+    assert (console.returncode, console.stdout, console.stderr) == (0, ZIGZAG_EXAMPLE_OUT, "")
