@@ -1,0 +1,82 @@
+"""Loss reducers under CP, with no communication: each rank's partial result sums
+over the CP group to exactly the no-CP result."""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._errors import LayoutError
+from ._extract import shard_responses
+from ._layout import Layout
+from ._plan import resolve_length, selection
+from ._types import AnyShare, Share
+
+
+def _masked(
+    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+) -> tuple[Tensor, Tensor]:
+    """Per sample: the sum of value * mask over this rank's share, and the whole mask sum."""
+    given: object = values
+    if isinstance(given, Tensor) or not isinstance(given, Sequence):
+        raise TypeError(f"values must be a list of per-sample shares, got {type(given).__name__}")
+    counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
+    if len(values) != layout.num_samples:
+        raise LayoutError(
+            f"values holds {len(values)} shares but the layout has {layout.num_samples} samples"
+        )
+    for i, (v, c) in enumerate(zip(values, counts)):
+        if v.dim() != 1 or v.shape[0] != c:
+            raise LayoutError(
+                f"sample {i}: values[{i}] has shape {tuple(v.shape)} but this rank holds "
+                f"[{c}] of its response (a 1-D share per sample)"
+            )
+    mask_shares = shard_responses(loss_masks, layout)
+    for i, m in enumerate(loss_masks):
+        if m.dim() != 1:
+            raise LayoutError(f"sample {i}: loss_masks[{i}] must be 1-D [R_i], got {tuple(m.shape)}")
+    n = layout.num_samples
+    flat = torch.cat(list(values)) if n else torch.zeros(0)
+    device, dtype = flat.device, flat.dtype
+    mask = torch.cat(mask_shares).to(device=device, dtype=dtype) if n else flat
+    sample = torch.repeat_interleave(
+        torch.arange(n, device=device), torch.tensor(counts, dtype=torch.int64, device=device)
+    )
+    per_sample = torch.zeros(n, dtype=dtype, device=device).index_add(
+        0, sample, torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
+    )  # where, not a bare product: a masked -inf or NaN must not poison the sum
+    whole = torch.stack([m.to(device=device, dtype=dtype).sum() for m in loss_masks]) if n else flat
+    return per_sample, whole
+
+
+def sum_of_sample_means(
+    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+) -> Tensor:
+    """This rank's part of ``sum_i mean_i``, the masked mean of each sample's response.
+
+    ``values[i]`` is this rank's share ``[r_i]`` (from ``extract_responses``);
+    ``loss_masks[i]`` is sample ``i``'s *whole* mask ``[R_i]`` (bool or float, the same
+    on every rank). Each sample's masked sum over the share is divided by the whole
+    mask's sum, so the parts sum over the CP group to exactly the no-CP result; a fully
+    masked sample contributes zero, without dividing by zero. No communication; the
+    result is a scalar connected to every share, so every rank's backward reaches the
+    same collectives. Divide by the number of samples for a sequence-mean loss.
+
+    Raises:
+        LayoutError: a list or share length disagrees with the layout.
+    """
+    per_sample, whole = _masked(values, loss_masks, layout)
+    return (per_sample / torch.where(whole == 0, torch.ones_like(whole), whole)).sum()
+
+
+def sum_of_tokens(
+    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+) -> Tensor:
+    """This rank's part of ``sum`` of ``value * mask`` over every response token.
+
+    Arguments as ``sum_of_sample_means``. The parts sum over the CP group to the no-CP
+    token sum; divide by the global mask sum (every rank can compute it from the whole
+    masks) for a token-mean loss. No communication.
+    """
+    per_sample, _ = _masked(values, loss_masks, layout)
+    return per_sample.sum()

@@ -1,0 +1,149 @@
+"""End to end on real gloo groups with megatron-core's parallel_state: CP 2 and 4 x
+TP 1 and 2, every layout. Each rank's log-prob and entropy shares equal the float64
+reference at its positions; its logits' gradient equals the reference gradient at
+the rows it holds (zero on padding); redistribution, gathering and the reducers
+give the cp_size 1 result."""
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpslice import (
+    Layout,
+    gather_responses,
+    pack,
+    redistribute,
+    response_log_probs,
+    shard_responses,
+    sum_of_sample_means,
+    sum_of_tokens,
+)
+
+from ._dist import destroy_megatron, init_megatron, run_distributed
+from .reference import Batch, layout_for, make_batch
+
+KINDS = ["zigzag-thd", "zigzag-bshd", "allgather"]
+VOCAB_PER_RANK = 6
+
+
+def _err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    worst = 0.0
+    for x, y in zip(a, b):
+        assert x.shape == y.shape, (x.shape, y.shape)
+        if x.numel():
+            worst = max(worst, float((x.detach().double() - y.double()).abs().max()))
+    return worst
+
+
+def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: Any,
+                tp_group: Any) -> dict[str, float]:
+    v = VOCAB_PER_RANK
+    full = pack(batch.logits, layout)  # [T, V]: this CP rank's rows
+    logits = full[:, tp_rank * v : (tp_rank + 1) * v].clone().requires_grad_()
+    before = logits.detach().clone()
+    lp, ent = response_log_probs(
+        logits, batch.tokens, layout, with_entropy=True, temperature=batch.temperature,
+        tp_group=tp_group if tp > 1 else None, chunk_size=3,
+    )
+    err = {
+        "lp": _err(lp, shard_responses(batch.ref_lp, layout)),
+        "ent": _err(ent, shard_responses(batch.ref_ent, layout)),
+    }
+    w_lp = shard_responses(batch.w_lp, layout)
+    w_ent = shard_responses(batch.w_ent, layout)
+    anchor = logits.sum() * 0
+    loss = sum(((a.float() * x).sum() + (b.float() * y).sum()
+                for a, x, b, y in zip(w_lp, lp, w_ent, ent)), anchor)
+    (grad,) = torch.autograd.grad(loss, logits)
+    want = pack(batch.ref_grad, layout)[:, tp_rank * v : (tp_rank + 1) * v]
+    err["grad"] = float((grad.double() - want).abs().max()) if grad.numel() else 0.0
+    assert torch.equal(logits.detach(), before), "the caller's logits were modified"
+
+    # CP: whole responses on every rank, and allgather -> zigzag, with gradients
+    lp, ent = response_log_probs(logits, batch.tokens, layout, with_entropy=True,
+                                 temperature=batch.temperature,
+                                 tp_group=tp_group if tp > 1 else None)
+    whole_lp, whole_ent = redistribute((lp, ent), layout, Layout(batch.total, batch.response),
+                                       group=cp_group)
+    err["gathered"] = max(_err(whole_lp, batch.ref_lp), _err(whole_ent, batch.ref_ent))
+    if layout.cp_mode == "allgather":
+        zig = Layout(batch.total, batch.response, cp_mode="zigzag", cp_rank=layout.cp_rank,
+                     cp_size=layout.cp_size)
+        zlp = redistribute(lp, layout, zig, group=cp_group)
+        err["to_zigzag"] = _err(zlp, shard_responses(batch.ref_lp, zig))
+        target, weights = zig, shard_responses(batch.w_lp, zig)
+    else:
+        zlp, target, weights = lp, layout, w_lp
+    # the reduced losses: parts sum over the CP group to the cp_size 1 value
+    means = sum_of_sample_means(zlp, batch.masks, target)
+    tokens = sum_of_tokens([w.float() * x for w, x in zip(weights, zlp)], batch.masks, target)
+    (grad2,) = torch.autograd.grad(means + tokens + 0 * whole_lp_anchor(whole_lp, whole_ent),
+                                   logits)
+    parts = torch.stack([means.detach(), tokens.detach()]).double()
+    dist.all_reduce(parts, group=cp_group)
+    ref_means = sum(
+        (lp_[m].sum() / m.sum() if m.any() else torch.zeros((), dtype=torch.float64))
+        for lp_, m in zip(batch.ref_lp, batch.masks)
+    )
+    ref_tokens = sum((w[m] * lp_[m]).sum() for w, lp_, m in zip(batch.w_lp, batch.ref_lp,
+                                                                  batch.masks))
+    err["reduced"] = float((parts - torch.stack([torch.as_tensor(ref_means).double(),
+                                                 torch.as_tensor(ref_tokens).double()])).abs().max())
+    # the same loss at cp_size 1, in float64, gives the reference gradient of these rows
+    ref_grad2 = []
+    for t, r, tok, lg, w, m in zip(batch.total, batch.response, batch.tokens, batch.logits,
+                                   batch.w_lp, batch.masks):
+        x = lg.double().requires_grad_()
+        logp = torch.log_softmax(x / batch.temperature, -1)
+        lpx = logp[t - r - 1 : t - 1].gather(1, tok[t - r :, None])[:, 0]
+        loss2 = (lpx[m].sum() / m.sum() if m.any() else lpx.sum() * 0) + (w[m] * lpx[m]).sum()
+        ref_grad2.append(torch.autograd.grad(loss2, x)[0])
+    want2 = pack(ref_grad2, layout)[:, tp_rank * v : (tp_rank + 1) * v]
+    err["reduced_grad"] = float((grad2.double() - want2).abs().max()) if grad2.numel() else 0.0
+    return err
+
+
+def whole_lp_anchor(lp: list[torch.Tensor], ent: list[torch.Tensor]) -> torch.Tensor:
+    """Keep the gathered outputs in the graph, so backward crosses their all-to-all."""
+    return sum((x.sum() + y.sum() for x, y in zip(lp, ent)), torch.zeros(()))
+
+
+def _worker(rank: int, world: int, setups: list[tuple[int, int]], seeds: list[int]
+            ) -> list[tuple[str, dict[str, float]]]:
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for tp, cp in setups:
+        init_megatron(tp, cp)
+        try:
+            cp_group, tp_group = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
+            for seed in seeds:
+                batch = make_batch(seed, n=7, cp=cp, vocab=VOCAB_PER_RANK * tp)
+                for kind in KINDS + (["none-thd", "none-bshd"] if cp == 1 else []):
+                    base = layout_for(batch, kind, 0, cp)
+                    allgather = kind == "allgather"
+                    layout = Layout.from_parallel_state(
+                        batch.total, batch.response, qkv_format=base.qkv_format,
+                        max_seq_len=base.max_seq_len, allgather_cp=allgather,
+                        local_length=base.local_length if allgather else None,
+                    )
+                    layout = layout.with_local_length(base.local_length)
+                    errs = _check_rank(batch, layout, ps.get_tensor_model_parallel_rank(), tp,
+                                       cp_group, tp_group)
+                    out.append((f"tp{tp} cp{cp} {kind} seed{seed}", errs))
+        finally:
+            destroy_megatron()
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_end_to_end_matches_the_float64_reference(world: int) -> None:
+    setups = [(1, 4), (2, 2), (1, 2)] if world == 4 else [(2, 4)]
+    results = run_distributed(_worker, world, setups, [0, 1], timeout=240)
+    for rank_results in results:
+        for name, errs in rank_results:
+            for what, e in errs.items():
+                assert e < 2e-5, f"{name}: {what} error {e}"
