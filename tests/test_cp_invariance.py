@@ -1,0 +1,158 @@
+"""CP invariance and collective symmetry on real gloo groups with megatron-core.
+
+The same batch at cp_size 1, 2 and 4, both CP modes (allgather redistributed to
+zigzag, zigzag as it is): log-probs, entropy, the reduced loss and the logits'
+gradient mapped back to global positions equal cp_size 1. And every rank enters
+the same collectives in the same order, forward and backward, including ranks that
+hold no response at all; a hang fails through the join timeout."""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpslice import (
+    Layout,
+    extract_responses,
+    gather_responses,
+    pack,
+    redistribute,
+    response_log_probs,
+    sum_of_sample_means,
+    sum_of_tokens,
+)
+
+from ._dist import destroy_megatron, init_megatron, run_distributed
+from .reference import Batch, make_batch
+
+Result = dict[str, torch.Tensor]
+
+
+def _step(batch: Batch, layout: Layout, zig: Layout, group: Any) -> tuple[Result, torch.Tensor]:
+    """One training step's outputs on this rank: whole responses, loss parts, logits grad."""
+    logits = pack(batch.logits, layout).requires_grad_()
+    lp, ent = response_log_probs(logits, batch.tokens, layout, with_entropy=True,
+                                 temperature=batch.temperature)
+    if layout.cp_mode == "allgather":
+        lp, ent = redistribute((lp, ent), layout, zig, group=group)
+    whole_lp = gather_responses(lp, zig, group=group) if zig.cp_size > 1 else lp
+    whole_ent = gather_responses(ent, zig, group=group) if zig.cp_size > 1 else ent
+    loss = sum_of_sample_means(lp, batch.masks, zig) + 0.5 * sum_of_tokens(ent, batch.masks, zig)
+    (grad,) = torch.autograd.grad(loss, logits)
+    out = {"lp": torch.cat(whole_lp).detach(), "ent": torch.cat(whole_ent).detach(),
+           "loss": loss.detach().reshape(1)}
+    if zig.cp_size > 1:
+        dist.all_reduce(out["loss"], group=group)
+    # map the gradient back to global positions: which packed row each local row holds
+    offsets = torch.cumsum(torch.tensor([0, *batch.total]), 0)[:-1]
+    ids = pack([torch.arange(t) + o for t, o in zip(batch.total, offsets.tolist())], layout,
+               fill=-1)
+    return out, _to_global(grad, ids, sum(batch.total), group if zig.cp_size > 1 else None)
+
+
+def _to_global(grad: torch.Tensor, ids: torch.Tensor, n: int, group: Any) -> torch.Tensor:
+    rows = [(grad, ids)]
+    if group is not None:
+        size = dist.get_world_size(group)
+        g_all = [torch.empty_like(grad) for _ in range(size)]
+        i_all = [torch.empty_like(ids) for _ in range(size)]
+        dist.all_gather(g_all, grad.contiguous(), group=group)
+        dist.all_gather(i_all, ids, group=group)
+        rows = list(zip(g_all, i_all))
+    out = torch.zeros(n, grad.shape[1])
+    for g, i in rows:
+        held = i >= 0
+        assert float(g[~held].abs().max()) == 0.0 if (~held).any() else True, "padding got grad"
+        out[i[held]] += g[held]
+    return out
+
+
+def _invariance(rank: int, world: int) -> list[tuple[str, float]]:
+    from megatron.core import parallel_state as ps
+
+    errors = []
+    for seed in (3, 4):
+        batch = make_batch(seed, n=9, cp=4, vocab=7)
+        one = Layout(batch.total, batch.response)
+        base, base_grad = _step(batch, one, one, None)
+        for cp in (2, 4):
+            init_megatron(1, cp)
+            try:
+                group = ps.get_context_parallel_group()
+                for allgather in (False, True):
+                    layout = Layout.from_parallel_state(batch.total, batch.response,
+                                                        allgather_cp=allgather)
+                    if allgather:
+                        length = pack([torch.zeros(t) for t in batch.total], layout).shape[0]
+                        layout = layout.with_local_length(length)
+                    zig = Layout(batch.total, batch.response, cp_mode="zigzag",
+                                 cp_rank=layout.cp_rank, cp_size=cp)
+                    out, grad = _step(batch, layout, zig, group)
+                    name = f"seed{seed} cp{cp} {'allgather' if allgather else 'zigzag'}"
+                    for key in base:
+                        errors.append((f"{name} {key}", float((out[key] - base[key]).abs().max())
+                                       if base[key].numel() else 0.0))
+                    errors.append((f"{name} grad", float((grad - base_grad).abs().max())))
+            finally:
+                destroy_megatron()
+    return errors
+
+
+def test_cp_invariance() -> None:
+    for per_rank in run_distributed(_invariance, 4, timeout=240):
+        for name, err in per_rank:
+            assert err < 1e-5, f"{name}: {err}"
+
+
+def _count(log: list[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Record each call, then make the real collective."""
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def _symmetry(rank: int, world: int) -> list[list[str]]:
+    log: list[str] = []
+    for name in ("all_to_all_single", "all_gather", "all_reduce", "all_gather_into_tensor"):
+        setattr(dist, name, _count(log, name, getattr(dist, name)))
+    sequences = []
+    # allgather cp4, T=6: ranks 1 and 2 hold no response at all; zigzag cp4: the
+    # short samples leave several ranks empty; one sample, one rank holds it all
+    cases = [
+        ([3, 20], [1, 2], "allgather"),
+        ([2, 3, 1], [1, 0, 0], "zigzag"),
+        ([10], [4], "zigzag"),
+        ([24], [1], "allgather"),
+    ]
+    for total, response, mode in cases:
+        log.clear()
+        layout = Layout(total, response, cp_mode=mode, cp_rank=rank, cp_size=world)
+        length = pack([torch.zeros(t) for t in total], layout).shape[0]
+        layout = layout.with_local_length(length)
+        zig = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world)
+        values = torch.randn(length, requires_grad=True)
+        shares, ent = extract_responses(values, layout, values * 2)
+        lp2, ent2 = redistribute((shares, ent), layout, zig)
+        whole = gather_responses(lp2, zig)
+        masks = [torch.ones(r, dtype=torch.bool) for r in response]
+        loss = sum_of_sample_means(lp2, masks, zig) + sum_of_tokens(ent2, masks, zig)
+        loss = loss + sum((w.sum() for w in whole), torch.zeros(()))
+        log.append("forward done")
+        torch.autograd.backward(loss)
+        assert values.grad is not None
+        log.append("backward done")
+        sequences.append(list(log))
+    return sequences
+
+
+def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
+    results = run_distributed(_symmetry, 4, timeout=120)
+    for per_rank in results[1:]:
+        assert per_rank == results[0]
+    for sequence in results[0]:
+        # forward: redistribute + gather; backward: their reverse exchanges
+        assert sequence == ["all_to_all_single"] * 2 + ["forward done"] + (
+            ["all_to_all_single"] * 2
+        ) + ["backward done"], sequence
