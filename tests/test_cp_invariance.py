@@ -22,6 +22,7 @@ from cpslice import (
     sum_of_sample_means,
     sum_of_tokens,
 )
+from cpslice._types import CpMode
 
 from ._dist import destroy_megatron, init_megatron, run_distributed
 from .reference import Batch, make_batch
@@ -120,7 +121,7 @@ def _symmetry(rank: int, world: int) -> list[list[str]]:
     sequences = []
     # allgather cp4, T=6: ranks 1 and 2 hold no response at all; zigzag cp4: the
     # short samples leave several ranks empty; one sample, one rank holds it all
-    cases = [
+    cases: list[tuple[list[int], list[int], CpMode]] = [
         ([3, 20], [1, 2], "allgather"),
         ([2, 3, 1], [1, 0, 0], "zigzag"),
         ([10], [4], "zigzag"),

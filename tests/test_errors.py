@@ -40,7 +40,7 @@ from cpslice import Layout, LayoutError, extract_responses, shard_responses
          r"Tensor \(call \.tolist\(\) on it first\)"),
         (([10], [4]), {"cp_mode": "allgather", "cp_size": 2, "local_length": 4},
          r"cp_size \* T = 2 \* 4 = 8 < sum\(total_lengths\) = 10"),
-        (([10], [4]), {"local_length": 9}, r"local_length has length 9, too short"),
+        (([10], [4]), {"local_length": 9}, r"local_length 9 is too short: the layout needs at least 10 positions"),
     ],
 )
 def test_bad_layouts(args: tuple[Any, ...], kwargs: dict[str, Any], match: str) -> None:
@@ -62,7 +62,7 @@ def test_a_layout_is_immutable_and_hashable() -> None:
 
 def test_values_errors() -> None:
     layout = Layout([10], [4], cp_mode="zigzag", cp_size=2)
-    with pytest.raises(LayoutError, match=r"values has length 5, too short: the layout needs "
+    with pytest.raises(LayoutError, match=r"values has length 5, which is too short: the layout needs "
                        r"at least 6 positions \(zigzag layout\)"):
         extract_responses(torch.zeros(5), layout)
     with pytest.raises(TypeError, match=r"must be floating point|Float\[Tensor"):

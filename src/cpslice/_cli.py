@@ -167,16 +167,10 @@ def _slots(layout: Layout, length: int) -> list[_Slot]:
     local: list[int] = rs.local.tolist()
     start: list[int] = rs.start.tolist()
     size: list[int] = rs.length.tolist()
-    # Outside allgather each sample's block is padded (zigzag chunks, bshd rows), and
-    # the blocks tile [0, needed_length): a run's padding lasts until the next run.
-    # Allgather pads only the end of the packed stream, which belongs to no sample.
-    padded = layout.cp_mode != "allgather"
-    ends = local[1:] + [needed_length(layout)]
-    out = []
-    for j, end in enumerate(ends):
-        width = (end if padded else local[j] + size[j]) - local[j]
-        out.append(_Slot(j // rs.k, local[j], start[j], size[j], width))
-    return out
+    width: list[int] = rs.width.tolist()
+    return [
+        _Slot(j // rs.k, local[j], start[j], size[j], width[j]) for j in range(len(local))
+    ]
 
 
 def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> str:

@@ -96,7 +96,10 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
         )
     else:
         rule = f"the layout needs at least {need} positions ({strategy(layout)} layout)"
-    raise LayoutError(f"{what} has length {length}, too short: {rule}")
+    subject = f"local_length {length}" if what == "local_length" else (
+        f"{what} has length {length}, which"
+    )
+    raise LayoutError(f"{subject} is too short: {rule}")
 
 
 def resolve_length(layout: Layout, length: int | None = None, what: str = "local tensor") -> int:
@@ -119,12 +122,18 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 
 
 class Runs(NamedTuple):
-    """``k`` runs per sample: rows ``[local, local+length)`` hold positions ``[start, start+length)``."""
+    """``k`` runs per sample: rows ``[local, local+length)`` hold positions ``[start, start+length)``.
+
+    ``width >= length`` is the rows the run occupies, its own padding included (a
+    zigzag chunk, a bshd row); for allgather, where only the stream's tail is
+    padding, ``width == length``. A run of ``length`` 0 may carry any ``start``.
+    """
 
     k: int
     local: Tensor
     start: Tensor
     length: Tensor
+    width: Tensor
 
 
 def runs(layout: Layout, length: int) -> Runs:
@@ -134,10 +143,11 @@ def runs(layout: Layout, length: int) -> Runs:
     s = strategy(layout)
     zero = torch.zeros_like(total)
     if s == "none-thd":
-        return Runs(1, _excl_cumsum(total), zero, total)
+        return Runs(1, _excl_cumsum(total), zero, total, total)
     if s == "none-bshd":
         assert layout.max_seq_len is not None
-        return Runs(1, torch.arange(n, dtype=_I64) * layout.max_seq_len, zero, total)
+        row = torch.full_like(total, layout.max_seq_len)
+        return Runs(1, torch.arange(n, dtype=_I64) * layout.max_seq_len, zero, total, row)
     c, r = layout.cp_size, layout.cp_rank
     if s == "zigzag":
         chunk = _zigzag_chunk(layout, total)
@@ -145,14 +155,15 @@ def runs(layout: Layout, length: int) -> Runs:
         local = torch.stack([block, block + chunk], 1)
         start = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1)
         size = torch.minimum(chunk.unsqueeze(1), (total.unsqueeze(1) - start).clamp_min(0))
-        return Runs(2, local.reshape(-1), start.reshape(-1), size.reshape(-1))
+        width = torch.repeat_interleave(chunk, 2)
+        return Runs(2, local.reshape(-1), start.reshape(-1), size.reshape(-1), width)
     # allgather: the packed stream, cut into pieces of `length`.
     offset = _excl_cumsum(total)
     lo = offset.clamp_min(r * length)
     hi = (offset + total).clamp_max((r + 1) * length)
     size = (hi - lo).clamp_min(0)
     local = (lo - r * length).clamp(0, length)
-    return Runs(1, local, lo - offset, size)
+    return Runs(1, local, lo - offset, size, size)
 
 
 class Selection(NamedTuple):
