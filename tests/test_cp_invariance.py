@@ -145,11 +145,40 @@ def _symmetry(rank: int, world: int) -> list[list[str]]:
         assert values.grad is not None
         log.append("backward done")
         sequences.append(list(log))
+    sequences.append(_redistribute_errors(rank, world))
     return sequences
+
+
+def _redistribute_errors(rank: int, world: int) -> list[str]:
+    """Refusals happen before any collective, identically on every rank."""
+    from cpslice import LayoutError
+
+    zig = Layout([10, 6], [4, 2], cp_mode="zigzag", cp_rank=rank, cp_size=world)
+    shares, _ = extract_responses(torch.zeros(pack([torch.zeros(10), torch.zeros(6)], zig)
+                                              .shape[0]), zig)
+    bad: list[Callable[[], object]] = [
+        lambda: redistribute(shares, zig.for_rank((rank + 1) % world), zig),
+        lambda: redistribute(shares, Layout([10, 6], [4, 2], cp_mode="zigzag", cp_size=2,
+                                            cp_rank=rank % 2), zig),
+        lambda: redistribute(shares, zig, Layout([10, 7], [4, 2])),
+        lambda: redistribute([torch.zeros(s.shape[0] + 1) for s in shares], zig, zig),
+        lambda: redistribute((shares, [s.double() for s in shares]), zig, zig),
+        lambda: redistribute(shares, Layout([10, 6], [4, 2], cp_mode="allgather",
+                                            cp_rank=rank, cp_size=world), zig),
+    ]
+    messages = []
+    for call in bad:
+        try:
+            call()
+            messages.append("no error")
+        except LayoutError as e:
+            messages.append(str(e))
+    return messages
 
 
 def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
     results = run_distributed(_symmetry, 4, timeout=120)
+    messages = [per_rank.pop() for per_rank in results]
     for per_rank in results[1:]:
         assert per_rank == results[0]
     for sequence in results[0]:
@@ -157,3 +186,10 @@ def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
         assert sequence == ["all_to_all_single"] * 2 + ["forward done"] + (
             ["all_to_all_single"] * 2
         ) + ["backward done"], sequence
+    wrong_rank, wrong_size, other_samples, wrong_length, mixed, no_local = messages[1]
+    assert "src is rank 2 of cp_size 4 but this process is rank 1 of a group of 4" in wrong_rank
+    assert "pass the CP group" in wrong_size
+    assert "same samples" in other_samples
+    assert "sample 0: list 0's share has (1,) but rank 1 holds 0 positions" in wrong_length
+    assert "one dtype and trailing shape" in mixed
+    assert "local_length=T" in no_local
