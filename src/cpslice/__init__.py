@@ -21,6 +21,16 @@ from ._extract import extract_responses as extract_responses
 from ._extract import extraction_strategy as extraction_strategy
 from ._extract import shard_responses as shard_responses
 from ._layout import Layout as Layout
+from ._logprob import log_probs_and_entropy as log_probs_and_entropy
+from ._pack import ResponseRows as ResponseRows
+from ._pack import pack as pack
+from ._pack import response_rows as response_rows
+from ._pack import shifted_targets as shifted_targets
+from ._redistribute import gather_responses as gather_responses
+from ._redistribute import redistribute as redistribute
+from ._response import response_log_probs as response_log_probs
+from ._reduce import sum_of_sample_means as sum_of_sample_means
+from ._reduce import sum_of_tokens as sum_of_tokens
 from ._types import Strategy as Strategy
 
 if _hook is not None:
@@ -29,10 +39,20 @@ if _hook is not None:
 __all__ = [
     "Layout",
     "LayoutError",
+    "ResponseRows",
     "Strategy",
     "extract_responses",
     "extraction_strategy",
+    "gather_responses",
+    "log_probs_and_entropy",
+    "pack",
+    "redistribute",
+    "response_log_probs",
+    "response_rows",
     "shard_responses",
+    "shifted_targets",
+    "sum_of_sample_means",
+    "sum_of_tokens",
 ]
 
 __version__ = "0.1.0"
