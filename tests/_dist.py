@@ -5,7 +5,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -78,7 +79,7 @@ def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode}")
+                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode}") from None
                 continue
             if ok:
                 results[rank] = value

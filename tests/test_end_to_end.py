@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from cpslice import (
     Layout,
-    gather_responses,
     pack,
     redistribute,
     response_log_probs,
@@ -141,7 +140,7 @@ def _worker(rank: int, world: int, setups: list[tuple[int, int]], seeds: list[in
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_end_to_end_matches_the_float64_reference(world: int) -> None:
-    setups = [(1, 4), (2, 2), (1, 2)] if world == 4 else [(2, 4)]
+    setups = [(1, 4), (2, 2), (1, 2), (2, 1)] if world == 4 else [(2, 4)]
     results = run_distributed(_worker, world, setups, [0, 1], timeout=240)
     for rank_results in results:
         for name, errs in rank_results:

@@ -28,9 +28,9 @@ from ._pack import response_rows as response_rows
 from ._pack import shifted_targets as shifted_targets
 from ._redistribute import gather_responses as gather_responses
 from ._redistribute import redistribute as redistribute
-from ._response import response_log_probs as response_log_probs
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
+from ._response import response_log_probs as response_log_probs
 from ._types import Strategy as Strategy
 
 if _hook is not None:
