@@ -86,3 +86,23 @@ def test_input_errors() -> None:
         shifted_targets([torch.zeros(3), torch.zeros(2)], layout)
     with pytest.raises(LayoutError, match=r"local_length=T"):
         response_rows(Layout([3, 2], [1, 1], cp_mode="allgather", cp_size=2))
+
+
+def test_lm_head_on_response_rows_only_equals_the_full_path() -> None:
+    from cpslice import log_probs_and_entropy, response_log_probs
+
+    total, response = [12, 9, 5, 1], [3, 8, 0, 0]
+    tokens = [torch.randint(0, 30, (t,)) for t in total]
+    head = torch.nn.Linear(8, 30, bias=False)
+    for rank in range(2):
+        layout = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=2)
+        hidden = torch.randn(pack(tokens, layout).shape[0], 8)
+        rows, counts = response_rows(layout)
+        lp, ent = log_probs_and_entropy(
+            head(hidden[rows]), shifted_targets(tokens, layout)[rows], with_entropy=True
+        )
+        full_lp, full_ent = response_log_probs(head(hidden), tokens, layout, with_entropy=True)
+        for a, b in zip(torch.split(lp, counts), full_lp):
+            assert torch.allclose(a, b, atol=1e-5)
+        for a, b in zip(torch.split(ent, counts), full_ent):
+            assert torch.allclose(a, b, atol=1e-5)
