@@ -25,5 +25,12 @@ lint: install
 test: install typecheck
 	$(BIN)/pytest
 
+# Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64.
+demo: install
+	$(BIN)/cpslice verify
+
+bench: install
+	$(BIN)/cpslice bench
+
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache src/*.egg-info

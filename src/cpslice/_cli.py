@@ -11,10 +11,17 @@ status 2, never a traceback.
 """
 
 import argparse
+import contextlib
+import importlib
+import io
 import itertools
 import os
 import sys
+import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Literal, NamedTuple, NoReturn, cast
 
 import torch
@@ -329,6 +336,165 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------
+# cpslice verify
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= {minimum}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    from ._verify import DEFAULT_TIMEOUT, TOLERANCE  # no megatron-core: that is the ranks'
+
+    parser.epilog = (
+        "A layout passes when its log-probs, entropy and logits' gradient are each within "
+        f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. Exit status: 0 when "
+        "every layout passes; 1 when one fails, or a rank raises, dies or hangs past "
+        "--timeout; 2 on bad arguments."
+    )
+    parser.add_argument(
+        "--cp-size", type=_count(1), default=2, metavar="N",
+        help="context-parallel size (default 2)",
+    )
+    parser.add_argument(
+        "--tp-size", type=_count(1), default=2, metavar="M",
+        help="tensor-parallel size: the vocabulary is split over M ranks (default 2); "
+        "N x M processes are spawned",
+    )
+    parser.add_argument(
+        "--mode", choices=("zigzag", "allgather", "none", "all"), default="all",
+        help="layouts to check (default all: zigzag and allgather with --cp-size > 1, "
+        "none and allgather at --cp-size 1). none is the layout without context "
+        "parallelism, so it needs --cp-size 1; zigzag needs --cp-size 2 or more",
+    )
+    parser.add_argument(
+        "--format", choices=("thd", "bshd"), default=None,
+        help="qkv format to check (default: every format the mode has; allgather is thd only)",
+    )
+    parser.add_argument(
+        "--samples", type=_count(1), default=16, metavar="K",
+        help="random samples per layout, edge cases first (default 16)",
+    )
+    parser.add_argument(
+        "--seed", type=_count(0), default=0, metavar="S", help="random seed (default 0)"
+    )
+    parser.add_argument(
+        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SEC",
+        help=f"give up (and kill the ranks) after SEC seconds: a hang fails "
+        f"(default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Check every asked layout end to end on spawned gloo ranks (``_verify``)."""
+    from . import _verify as verify
+
+    cp_size = cast(int, args.cp_size)
+    tp_size = cast(int, args.tp_size)
+    try:
+        verify.check_sizes(cp_size, tp_size)
+        cases = verify.select_cases(cp_size, cast(str, args.mode), cast("str | None", args.format))
+    except verify.VerifyArgumentError as err:
+        _one_line("cpslice verify", str(err))
+        return EXIT_USAGE
+    config = verify.Config(
+        cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
+        timeout=cast(float, args.timeout),
+    )
+    try:
+        return verify.verify_main(config)
+    except KeyboardInterrupt:
+        sys.stderr.write("cpslice verify: interrupted\n")
+        return 130
+
+
+# ---------------------------------------------------------------------------
+# cpslice bench
+
+# The repository root when cpslice runs from a source checkout (src/cpslice/_cli.py).
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+_BENCHMARKS = (
+    ("bench_extract", "extraction: cpslice against the per-sample loop and the bare-gather floor"),
+    ("bench_logprob", "log-probs + entropy: peak memory and time against naive and save-softmax"),
+    ("bench_redistribute", "redistribute against the zero-padded all_reduce, cp 4 on gloo"),
+)
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes: under a minute on two cores"
+    )
+
+
+def _bench_report(module: ModuleType, quick: bool) -> str:
+    """``module.run(quick)`` then ``module.report(rows)``: its returned text, or what it
+    printed (bench_logprob's report prints through ``say``)."""
+    run = cast(Callable[[bool], object], module.run)
+    report = cast(Callable[[object], object], module.report)
+    rows = run(quick)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        text = report(rows)
+    return text if isinstance(text, str) else printed.getvalue().rstrip("\n")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the benchmarks of the source checkout's ``benchmarks/`` as one report."""
+    quick = cast(bool, args.quick)
+    folder = _SOURCE_ROOT / "benchmarks"
+    missing = [name for name, _ in _BENCHMARKS if not (folder / f"{name}.py").is_file()]
+    if missing:
+        _one_line(
+            "cpslice bench",
+            f"bench needs a source checkout: no {missing[0]}.py in {folder} (cpslice is "
+            "installed without its benchmarks/ folder); clone the repository and "
+            "pip install -e . there",
+        )
+        return EXIT_USAGE
+    if str(_SOURCE_ROOT) not in sys.path:
+        sys.path.insert(0, str(_SOURCE_ROOT))
+    sys.stdout.write(f"cpslice bench{' --quick' if quick else ''}: {len(_BENCHMARKS)} benchmarks "
+                     f"from {folder}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+    failed = 0
+    for name, title in _BENCHMARKS:
+        sys.stdout.write(f"\n== {title} ({name}) ==\n")
+        sys.stdout.flush()
+        start = time.perf_counter()
+        try:
+            text = _bench_report(importlib.import_module(f"benchmarks.{name}"), quick)
+        except Exception:  # noqa: BLE001 - reported, and the other benchmarks still run
+            failed += 1
+            sys.stdout.write("failed; its traceback is on stderr\n")
+            sys.stderr.write(f"cpslice bench: {name} failed:\n{traceback.format_exc()}")
+            continue
+        sys.stdout.write(f"{text}\n({time.perf_counter() - start:.1f} s)\n")
+        sys.stdout.flush()
+    if failed:
+        sys.stdout.write(f"\n{failed} of {len(_BENCHMARKS)} benchmarks failed\n")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------
 # The registry and the entry point.
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -336,6 +502,18 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "draw what each context-parallel rank holds of each sample, and its response share",
         _plan_arguments,
         _plan,
+    ),
+    "verify": Subcommand(
+        "check every layout end to end on spawned gloo ranks with megatron-core's "
+        "parallel_state (CP x TP) against a float64 reference",
+        _verify_arguments,
+        _verify,
+    ),
+    "bench": Subcommand(
+        "run the benchmarks (extraction, log-probs, redistribute) as one report; "
+        "needs a source checkout",
+        _bench_arguments,
+        _bench,
     ),
 }
 
