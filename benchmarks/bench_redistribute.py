@@ -4,7 +4,8 @@ Per rank, forward + backward of moving log-probs and entropy from the allgather
 layout to (a) zigzag and (b) whole responses on every rank, against the common
 recipe: scatter the shares into zero-padded whole responses and all_reduce them.
 Bytes are what this rank sends: all_to_all sends each element once to each rank
-that needs it; a ring all_reduce of N elements sends 2 (c-1)/c N.
+that needs it; a ring all_reduce of N elements sends 2 (c-1)/c N. Both methods
+take the same per-sample shares and return the same per-sample lists.
 
 Run: ``.venv/bin/python -m benchmarks.bench_redistribute [--quick]``.
 """
@@ -66,6 +67,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     from cpslice._redistribute import _element_ids
 
     ids = _element_ids(src)  # where this rank's shares sit in the whole responses
+    dst_counts = {dst: _route(src, dst, CP).dst_counts for dst in (zig, whole)}
 
     def padded(dst: Layout) -> Callable[[], None]:
         def step() -> None:
@@ -74,10 +76,14 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
             buf = buf.index_put((torch.tensor([0]), ids), torch.cat(lp)).index_put(
                 (torch.tensor([1]), ids), torch.cat(ent))
             buf = _AllReduce.apply(buf)
+            counts = list(response)
             if dst.cp_mode == "zigzag":
-                keep = _element_ids(dst)
-                buf = buf[:, keep]
-            buf.sum().backward()
+                buf = buf[:, _element_ids(dst)]
+                counts = [int(c) for c in torch.tensor(dst_counts[dst])]
+            # the same output as redistribute: per-sample shares of each list
+            a, b = torch.split(buf[0], counts), torch.split(buf[1], counts)
+            loss = sum((x.sum() + y.sum() for x, y in zip(a, b)), values.sum() * 0)
+            loss.backward()
         return step
 
     rows = []
