@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, rows_on, selection, strategy
+from ._plan import resolve_length, response_base, rows_on, selection, strategy
 from ._types import AnyShare, Share, Strategy, Values
 
 
@@ -147,11 +147,7 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
                 f"sample {i}: full[{i}] has {f.shape[0]} positions but response_length is {r}"
             )
     sel = selection(layout, resolve_length(layout), "response")
-    # A run's first response offset is its first position minus the span start.
-    start = torch.repeat_interleave(
-        torch.tensor(layout.prompt_lengths, dtype=torch.int64) - 1, sel.k
-    )
-    offsets: list[int] = (sel.run_first - start).tolist()
+    offsets: list[int] = sel.run_sources(response_base(layout)).tolist()
     sizes: list[int] = sel.run_count.tolist()
     out: list[Tensor] = []
     k = sel.k

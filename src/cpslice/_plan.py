@@ -52,6 +52,15 @@ def packed_offsets(layout: Layout) -> Tensor:
     return _excl_cumsum(_lengths(layout)[0])
 
 
+def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
+    """Per sample, what turns a within-sample position of the response span into an
+    index of the response: ``p - (P_i - 1)``, or with ``concatenated`` an index into all
+    responses back to back: ``R_0 + ... + R_{i-1} + p - (P_i - 1)``."""
+    total, response = _lengths(layout)
+    base = response - total + 1  # -(P_i - 1)
+    return base + _excl_cumsum(response) if concatenated else base
+
+
 def _zigzag_chunk(layout: Layout, total: Tensor) -> Tensor:
     """``C_i``: each sample is padded to ``W_i = 2c * C_i`` positions."""
     two_c = 2 * layout.cp_size
@@ -184,7 +193,11 @@ class Selection(NamedTuple):
     def sources(self, base: Tensor) -> Tensor:
         """For every element, ``base[sample] + position``: its index in a concatenation
         of per-sample tensors where sample ``i`` starts at ``base[i]``."""
-        return self.expand(torch.repeat_interleave(base, self.k) + self.run_first)
+        return self.expand(self.run_sources(base))
+
+    def run_sources(self, base: Tensor) -> Tensor:
+        """``sources`` of each run's first element (``k`` runs per sample)."""
+        return torch.repeat_interleave(base, self.k) + self.run_first
 
     def expand(self, first: Tensor) -> Tensor:
         """``first[run] + 0, 1, ..., run_count[run] - 1`` for every run, concatenated."""

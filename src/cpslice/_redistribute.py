@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, selection
+from ._plan import resolve_length, response_base, selection
 from ._types import Share
 
 _I64 = torch.int64
@@ -42,13 +42,10 @@ def _ranks(layout: Layout, size: int) -> list[Layout]:
 
 
 def _element_ids(layout: Layout) -> Tensor:
-    """For each response row of the rank, in extraction order, its global element id
-    ``roff_i + (p - (P_i - 1))`` (sample i's response starts at ``roff_i``)."""
+    """For each response row of the rank, in extraction order, its index in all the
+    responses back to back (the same numbering on every rank)."""
     sel = selection(layout, resolve_length(layout, what="the layout"), "response")
-    response = torch.tensor(layout.response_lengths, dtype=_I64)
-    prompt = torch.tensor(layout.prompt_lengths, dtype=_I64)
-    roff = torch.cumsum(response, 0) - response
-    return sel.sources(roff - (prompt - 1))
+    return sel.sources(response_base(layout, concatenated=True))
 
 
 @functools.lru_cache(maxsize=16)
