@@ -63,3 +63,6 @@ def test_reducer_errors() -> None:
         sum_of_sample_means([torch.zeros(2), torch.zeros(1)], [torch.ones(2), torch.ones(2)], layout)
     with pytest.raises(LayoutError, match=r"values holds 1 shares but the layout has 2 samples"):
         sum_of_tokens([torch.zeros(1)], [torch.ones(2), torch.ones(2)], layout)
+    with pytest.raises(LayoutError, match=r"sample 1: loss_masks\[1\] has 3 positions but "
+                       r"response_length is 2"):
+        sum_of_tokens([torch.zeros(0), torch.zeros(1)], [torch.ones(2), torch.ones(3)], layout)

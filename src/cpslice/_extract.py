@@ -5,7 +5,7 @@ samples; the row index comes from the layout's cached selection (``_plan``).
 """
 
 from collections.abc import Sequence
-from typing import overload
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -52,6 +52,42 @@ def check_values(values: object, layout: Layout, name: str) -> int:
             "values) must be floating point"
         )
     return resolve_length(layout, int(values.shape[0]), name)
+
+
+def check_samples(
+    per_sample: object,
+    layout: Layout,
+    name: str,
+    length: Literal["total", "response"],
+    *,
+    uniform: bool,
+) -> list[Tensor]:
+    """A list of per-sample tensors whose dimension 0 is each sample's total (``L_i``)
+    or response (``R_i``) length, else a TypeError/LayoutError naming the sample; with
+    ``uniform``, every sample must also share sample 0's dtype and trailing shape."""
+    if isinstance(per_sample, Tensor) or not isinstance(per_sample, Sequence):
+        raise TypeError(
+            f"{name} must be a list of per-sample tensors, got {type(per_sample).__name__}"
+        )
+    n = layout.num_samples
+    if len(per_sample) != n:
+        raise LayoutError(f"{name} has {len(per_sample)} samples but the layout has {n}")
+    lengths = layout.total_lengths if length == "total" else layout.response_lengths
+    items: list[Tensor] = []
+    for i, (x, want) in enumerate(zip(per_sample, lengths)):
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise TypeError(f"sample {i}: {name}[{i}] must be a tensor [{length}_length, ...]")
+        if x.shape[0] != want:
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] has {x.shape[0]} positions but {length}_length is {want}"
+            )
+        if uniform and items and (x.shape[1:] != items[0].shape[1:] or x.dtype != items[0].dtype):
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] is {x.dtype} {tuple(x.shape)} but sample 0 is "
+                f"{items[0].dtype} {tuple(items[0].shape)} (trailing shape and dtype must agree)"
+            )
+        items.append(x)
+    return items
 
 
 def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor]:
@@ -131,21 +167,7 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
         LayoutError: the number of samples, or a sample's length, disagrees with
             the layout; an allgather layout without ``local_length``.
     """
-    given: object = full  # checked at run time whatever the static type says
-    if isinstance(given, Tensor) or not isinstance(given, Sequence):
-        raise TypeError(
-            f"full must be a list of per-sample tensors, got {type(given).__name__}"
-        )
-    n = layout.num_samples
-    if len(full) != n:
-        raise LayoutError(f"full has {len(full)} samples but the layout has {n}")
-    for i, (f, r) in enumerate(zip(given, layout.response_lengths)):
-        if not isinstance(f, Tensor) or f.dim() == 0:
-            raise TypeError(f"sample {i}: full[{i}] must be a tensor [R_i, ...] of >= 1 dim")
-        if f.shape[0] != r:
-            raise LayoutError(
-                f"sample {i}: full[{i}] has {f.shape[0]} positions but response_length is {r}"
-            )
+    check_samples(full, layout, "full", "response", uniform=False)
     sel = selection(layout, resolve_length(layout), "response")
     offsets: list[int] = sel.run_sources(response_base(layout)).tolist()
     sizes: list[int] = sel.run_count.tolist()

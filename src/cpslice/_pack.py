@@ -11,36 +11,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._errors import LayoutError
+from ._extract import check_samples
 from ._layout import Layout
 from ._plan import needed_length, packed_offsets, resolve_length, selection
 from ._types import AnyShare, AnyValues, Rows, Targets
-
-
-def _check_samples(per_sample: object, layout: Layout, name: str) -> list[Tensor]:
-    if isinstance(per_sample, Tensor) or not isinstance(per_sample, Sequence):
-        raise TypeError(
-            f"{name} must be a list of per-sample tensors [L_i, ...], got "
-            f"{type(per_sample).__name__}"
-        )
-    items: list[Tensor] = []
-    n = layout.num_samples
-    if len(per_sample) != n:
-        raise LayoutError(f"{name} has {len(per_sample)} samples but the layout has {n}")
-    for i, (x, length) in enumerate(zip(per_sample, layout.total_lengths)):
-        if not isinstance(x, Tensor) or x.dim() == 0:
-            raise TypeError(f"sample {i}: {name}[{i}] must be a tensor [L_i, ...] of >= 1 dim")
-        if x.shape[0] != length:
-            raise LayoutError(
-                f"sample {i}: {name}[{i}] has {x.shape[0]} positions but total_length is {length}"
-            )
-        if items and (x.shape[1:] != items[0].shape[1:] or x.dtype != items[0].dtype):
-            raise LayoutError(
-                f"sample {i}: {name}[{i}] is {x.dtype} {tuple(x.shape)} but sample 0 is "
-                f"{items[0].dtype} {tuple(items[0].shape)} (trailing shape and dtype must agree)"
-            )
-        items.append(x)
-    return items
 
 
 def packed_length(layout: Layout) -> int:
@@ -76,7 +50,7 @@ def pack(per_sample: Sequence[AnyShare], layout: Layout, *, fill: float | int = 
         LayoutError: the number of samples, a sample's length, or a sample's dtype
             or trailing shape disagrees.
     """
-    items = _check_samples(per_sample, layout, "per_sample")
+    items = check_samples(per_sample, layout, "per_sample", "total", uniform=True)
     if not items:
         return torch.full((packed_length(layout),), fill)
     first = items[0]
@@ -96,7 +70,7 @@ def shifted_targets(tokens: Sequence[AnyShare], layout: Layout, *, fill: int = 0
         TypeError: ``tokens`` is not a list of integer tensors.
         LayoutError: as ``pack``, or a sample's tokens are not 1-D.
     """
-    items = _check_samples(tokens, layout, "tokens")
+    items = check_samples(tokens, layout, "tokens", "total", uniform=True)
     for i, x in enumerate(items):
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ._errors import LayoutError
-from ._extract import shard_responses
+from ._extract import check_samples, shard_responses
 from ._layout import Layout
 from ._plan import resolve_length, selection
 from ._types import AnyShare, Share
@@ -31,6 +31,7 @@ def _masked(
                 f"sample {i}: values[{i}] has shape {tuple(v.shape)} but this rank holds "
                 f"[{c}] of its response (a 1-D share per sample)"
             )
+    check_samples(loss_masks, layout, "loss_masks", "response", uniform=False)
     mask_shares = shard_responses(loss_masks, layout)
     for i, m in enumerate(loss_masks):
         if m.dim() != 1:
