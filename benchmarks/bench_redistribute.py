@@ -41,6 +41,8 @@ def _median_ms(fn: Callable[[], None], repeat: int) -> float:
 def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=CP)
+    # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
     from cpslice import Layout, extract_responses, redistribute
     from cpslice._plan import needed_length
     from cpslice._redistribute import _route
