@@ -1,7 +1,7 @@
 """extract_responses and shard_responses against the naive oracle of LAYOUTS.md."""
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cpslice
@@ -17,8 +17,29 @@ def _as_lists(shares: list[torch.Tensor]) -> list[list[float]]:
     return [s[:, 0].tolist() if s.dim() > 1 else s.tolist() for s in shares]
 
 
+# the edges, always run: LAYOUTS.md's example (rank 0 holds none of the response),
+# single-token samples only, samples shorter than 2 * cp_size with ranks that hold
+# nothing, an allgather response crossing ranks, bshd rows under zigzag
+EDGES = [
+    Config((10,), (4,), "thd", None, "zigzag", 2, None, 0),
+    Config((1, 1, 1), (0, 0, 0), "thd", None, "zigzag", 8, None, 0),
+    Config((2, 3, 1, 5), (1, 2, 0, 4), "thd", None, "zigzag", 8, None, 1),
+    Config((3, 20), (1, 15), "thd", None, "allgather", 4, 6, 0),
+    Config((3, 20), (1, 15), "thd", None, "allgather", 8, None, 2),
+    Config((7, 2), (3, 1), "bshd", 9, "zigzag", 3, None, 0),
+    Config((), (), "thd", None, "allgather", 5, None, 0),
+]
+
+
 @PROPS
 @given(configs(), st.sampled_from([(), (1,), (3,)]))
+@example(EDGES[0], ()).via("edge")
+@example(EDGES[1], (3,)).via("edge")
+@example(EDGES[2], ()).via("edge")
+@example(EDGES[3], (1,)).via("edge")
+@example(EDGES[4], ()).via("edge")
+@example(EDGES[5], ()).via("edge")
+@example(EDGES[6], ()).via("edge")
 def test_every_rank_matches_the_oracle(cfg: Config, rest: tuple[int, ...]) -> None:
     for rank in range(cfg.cp):
         layout = cfg.layout(rank)
@@ -33,6 +54,9 @@ def test_every_rank_matches_the_oracle(cfg: Config, rest: tuple[int, ...]) -> No
 
 @PROPS
 @given(configs())
+@example(EDGES[0]).via("edge")
+@example(EDGES[2]).via("edge")
+@example(EDGES[4]).via("edge")
 def test_union_over_ranks_is_the_no_cp_result(cfg: Config) -> None:
     whole: list[list[float | None]] = [[None] * r for r in cfg.response]
     for rank in range(cfg.cp):

@@ -1,0 +1,30 @@
+"""The public API is exactly what cpslice exports, and every piece of it is documented."""
+
+import inspect
+
+import cpslice
+
+PUBLIC = {
+    "Layout", "LayoutError", "ResponseRows", "Strategy",
+    "extract_responses", "extraction_strategy", "shard_responses",
+    "pack", "shifted_targets", "response_rows",
+    "log_probs_and_entropy", "response_log_probs",
+    "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
+}
+
+
+def test_all_lists_exactly_the_public_api() -> None:
+    assert set(cpslice.__all__) == PUBLIC
+    exported = {n for n in dir(cpslice) if not n.startswith("_")}
+    if hasattr(cpslice.extract_responses, "__wrapped__"):
+        exported.discard("jaxtyping")  # the import hook of the checked test session adds it
+    assert exported - PUBLIC == set(), "a name leaks into the public namespace"
+
+
+def test_every_public_callable_has_a_docstring() -> None:
+    for name in PUBLIC - {"Strategy"}:
+        obj = getattr(cpslice, name)
+        assert inspect.getdoc(obj), name
+    for name in ("from_parallel_state", "for_rank", "with_local_length", "num_samples",
+                 "prompt_lengths"):
+        assert inspect.getdoc(getattr(cpslice.Layout, name)), name
