@@ -48,23 +48,30 @@ class Row:
         return self.cold_ms / self.floor_ms
 
 
-def _median_ms(fn: Callable[[], None], repeat: int) -> float:
+def _median_ms(fn: Callable[[], None], repeat: int, device: str = "cpu") -> float:
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
     fn()
+    sync()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
 
 def _step(values: Tensor, shares: list[Tensor]) -> None:
-    torch.cat(shares).sum().backward()
+    torch.autograd.backward(torch.cat(shares).sum())
     values.grad = None
 
 
 def _case(
-    name: str, mode: CpMode, fmt: QkvFormat, cp: int, n: int, target_t: int, repeat: int
+    name: str, mode: CpMode, fmt: QkvFormat, cp: int, n: int, target_t: int, repeat: int,
+    device: str = "cpu",
 ) -> Row:
     rng = random.Random(0)
     mean = max(2, target_t * cp // n)
@@ -80,7 +87,7 @@ def _case(
     from cpslice._plan import needed_length
 
     t = needed_length(layout)
-    values = torch.randn(t, requires_grad=True)
+    values = torch.randn(t, device=device, requires_grad=True)
     # The loop's slice bounds, read from the same runs, outside the timing.
     sel = selection(layout, t, "response")
     rs = runs(layout, t)
@@ -90,7 +97,7 @@ def _case(
     bounds = [
         [(firsts[j], firsts[j] + counts[j]) for j in range(i * k, i * k + k)] for i in range(n)
     ]
-    index = sel.rows.clone()
+    index = sel.rows.to(device)
     per_sample = list(sel.counts)
 
     def loop() -> None:
@@ -108,10 +115,10 @@ def _case(
 
     return Row(
         name, n, t,
-        _median_ms(loop, max(3, repeat // 4)),
-        _median_ms(floor, repeat),
-        _median_ms(warm, repeat),
-        _median_ms(cold, repeat),
+        _median_ms(loop, max(3, repeat // 4), device),
+        _median_ms(floor, repeat, device),
+        _median_ms(warm, repeat, device),
+        _median_ms(cold, repeat, device),
     )
 
 
@@ -124,11 +131,11 @@ CASES: list[tuple[str, CpMode, QkvFormat, int]] = [
 ]
 
 
-def run(quick: bool = False) -> list[Row]:
+def run(quick: bool = False, device: str = "cpu") -> list[Row]:
     """Measure every layout; ``quick`` uses N=512, T near 128K."""
     n, t, repeat = (512, 1 << 17, 5) if quick else (4096, 1 << 20, 9)
     torch.manual_seed(0)
-    return [_case(name, mode, fmt, cp, n, t, repeat) for name, mode, fmt, cp in CASES]
+    return [_case(name, mode, fmt, cp, n, t, repeat, device) for name, mode, fmt, cp in CASES]
 
 
 def report(rows: list[Row]) -> str:
@@ -149,8 +156,9 @@ def report(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
-    print(report(run(args.quick)))
+    print(report(run(args.quick, args.device)))
     return 0
 
 
