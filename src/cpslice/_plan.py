@@ -71,6 +71,7 @@ def _zigzag_chunk(layout: Layout, total: Tensor) -> Tensor:
     return _ceil_div(total, two_c)
 
 
+@functools.lru_cache(maxsize=64)
 def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
     total, _ = _lengths(layout)
