@@ -227,6 +227,13 @@ class Layout:
 
     def for_rank(self, cp_rank: int) -> "Layout":
         """The same samples and mode as seen by another rank of the CP group."""
+        return self._replace(cp_rank, self.local_length)
+
+    def with_local_length(self, local_length: int | None) -> "Layout":
+        """This layout with ``local_length`` set (or cleared, with None)."""
+        return self._replace(self.cp_rank, local_length)
+
+    def _replace(self, cp_rank: int, local_length: int | None) -> "Layout":
         return Layout(
             self.total_lengths,
             self.response_lengths,
@@ -234,19 +241,6 @@ class Layout:
             max_seq_len=self.max_seq_len,
             cp_mode=self.cp_mode,
             cp_rank=cp_rank,
-            cp_size=self.cp_size,
-            local_length=self.local_length,
-        )
-
-    def with_local_length(self, local_length: int | None) -> "Layout":
-        """This layout with ``local_length`` set (or cleared, with None)."""
-        return Layout(
-            self.total_lengths,
-            self.response_lengths,
-            qkv_format=self.qkv_format,
-            max_seq_len=self.max_seq_len,
-            cp_mode=self.cp_mode,
-            cp_rank=self.cp_rank,
             cp_size=self.cp_size,
             local_length=local_length,
         )
