@@ -28,8 +28,12 @@ class _Route(NamedTuple):
 
     send_index: list[Tensor]  # per destination rank: rows of my flat shares, in its order
     recv_splits: list[int]  # per source rank: how many elements come from it
-    recv_owner: Tensor  # per output element: the rank it comes from
-    recv_rank_index: Tensor  # per output element: its place among those from that rank
+    # Per output element, in my output order: where the block of the rank it comes
+    # from starts (counted in elements of one list), its place within that rank's
+    # elements, and how many elements of one list that rank sends me.
+    recv_block: Tensor
+    recv_place: Tensor
+    recv_run: Tensor
     dst_counts: list[int]  # per sample: elements of my output share
     src_total: int  # my flat input shares' length
 
@@ -54,29 +58,34 @@ def _route(src: Layout, dst: Layout, size: int) -> _Route:
     total = sum(src.response_lengths)
     owner = torch.full((total,), -1, dtype=_I64)
     place = torch.full((total,), -1, dtype=_I64)
+    src_total = 0
     for q, layout in enumerate(_ranks(src, size)):
         ids = _element_ids(layout)
         owner[ids] = q
         place[ids] = torch.arange(ids.numel(), dtype=_I64)
+        if q == me:
+            src_total = int(ids.numel())
     if total and bool((owner < 0).any()):  # pragma: no cover - LAYOUTS.md's shares partition
         raise AssertionError("the source layout's shares do not cover every response element")
     dst_ids = [_element_ids(layout) for layout in _ranks(dst, size)]
     send_index = [place[ids[owner[ids] == me]] for ids in dst_ids]
-    mine = dst_ids[me]
-    recv_owner = owner[mine]
-    recv_splits = torch.bincount(recv_owner, minlength=size).tolist() if mine.numel() else [0] * size
+    recv_owner = owner[dst_ids[me]]
+    splits = torch.bincount(recv_owner, minlength=size)
+    start = torch.cumsum(splits, 0) - splits
     # an element's place among those from the same rank, in my output order
     order = torch.sort(recv_owner, stable=True).indices
-    rank_start = torch.cumsum(torch.tensor(recv_splits, dtype=_I64), 0) - torch.tensor(
-        recv_splits, dtype=_I64
-    )
     grouped = torch.empty_like(order)
     grouped[order] = torch.arange(order.numel(), dtype=_I64)
-    recv_rank_index = grouped - rank_start[recv_owner] if mine.numel() else grouped
-    dst_length = resolve_length(dst, what="the layout") if dst.cp_mode != "none" else None
-    dst_counts = selection(dst, dst_length or resolve_length(dst), "response").counts
-    src_total = int(_element_ids(src).numel())
-    return _Route(send_index, recv_splits, recv_owner, recv_rank_index, list(dst_counts), src_total)
+    dst_counts = selection(dst, resolve_length(dst, what="the layout"), "response").counts
+    return _Route(
+        send_index,
+        splits.tolist(),
+        start[recv_owner],
+        grouped - start[recv_owner],
+        splits[recv_owner],
+        list(dst_counts),
+        src_total,
+    )
 
 
 class _AllToAll(torch.autograd.Function):
@@ -105,7 +114,7 @@ _all_to_all = cast(Callable[[Tensor, list[int], list[int], Any], Tensor], _AllTo
 
 def _check(
     lists: Sequence[Sequence[Tensor]], src: Layout, dst: Layout, group: Any
-) -> tuple[int, list[int]]:
+) -> int:
     if not dist.is_initialized():
         raise RuntimeError("redistribute needs torch.distributed: call init_process_group first")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -150,17 +159,16 @@ def _check(
                     f"others are {first.dtype} [*, {', '.join(map(str, first.shape[1:]))}] "
                     "(every share that travels in one call has one dtype and trailing shape)"
                 )
-    return size, counts
+    return size
 
 
 def _redistribute(
     lists: Sequence[Sequence[Tensor]], src: Layout, dst: Layout, group: Any
 ) -> list[list[Tensor]]:
-    size, _ = _check(lists, src, dst, group)
+    size = _check(lists, src, dst, group)
     route = _route(src, dst, size)
     nlists = len(lists)
     flats = [torch.cat(list(shares)) for shares in lists]
-    rest = flats[0].shape[1:] if flats else torch.Size()
     stacked = torch.cat(flats) if flats else torch.empty(0)
     device = stacked.device
     # send buffer: destination-major, then list, then the destination's order
@@ -170,16 +178,14 @@ def _redistribute(
     send_splits = [nlists * int(idx.numel()) for idx in route.send_index]
     recv_splits = [nlists * n for n in route.recv_splits]
     received = _all_to_all(send, send_splits, recv_splits, group)
-    # the block from rank o holds nlists runs of route.recv_splits[o] elements
-    start = torch.cumsum(torch.tensor(recv_splits, dtype=_I64), 0) - torch.tensor(
-        recv_splits, dtype=_I64
-    )
-    block = start[route.recv_owner] + route.recv_rank_index
-    per_rank = torch.tensor(route.recv_splits, dtype=_I64)[route.recv_owner]
+    # the block from rank o starts at nlists * (its start in one list's units) and
+    # holds nlists runs of what o sends of one list
+    block = (nlists * route.recv_block + route.recv_place).to(device)
+    run = route.recv_run.to(device)
     out: list[list[Tensor]] = []
     for k in range(nlists):
-        gathered = received.index_select(0, (block + k * per_rank).to(device))
-        out.append(list(torch.split(gathered.reshape(-1, *rest), route.dst_counts)))
+        gathered = received.index_select(0, block + k * run)
+        out.append(list(torch.split(gathered, route.dst_counts)))
     return out
 
 
