@@ -40,14 +40,19 @@ def _masked(
     flat = torch.cat(list(values)) if n else torch.zeros(0)
     device, dtype = flat.device, flat.dtype
     mask = torch.cat(mask_shares).to(device=device, dtype=dtype) if n else flat
+    # where, not a bare product: a masked -inf or NaN must not poison the sum
+    masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
+    whole = torch.cat(list(loss_masks)).to(device=device, dtype=dtype) if n else flat
+    return _per_sample(masked, counts), _per_sample(whole, list(layout.response_lengths))
+
+
+def _per_sample(x: Tensor, counts: list[int]) -> Tensor:
+    """Sums of consecutive runs of ``counts[i]`` elements of ``x``: one per sample."""
     sample = torch.repeat_interleave(
-        torch.arange(n, device=device), torch.tensor(counts, dtype=torch.int64, device=device)
+        torch.arange(len(counts), device=x.device),
+        torch.tensor(counts, dtype=torch.int64, device=x.device),
     )
-    per_sample = torch.zeros(n, dtype=dtype, device=device).index_add(
-        0, sample, torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
-    )  # where, not a bare product: a masked -inf or NaN must not poison the sum
-    whole = torch.stack([m.to(device=device, dtype=dtype).sum() for m in loss_masks]) if n else flat
-    return per_sample, whole
+    return torch.zeros(len(counts), dtype=x.dtype, device=x.device).index_add(0, sample, x)
 
 
 def sum_of_sample_means(
