@@ -29,7 +29,7 @@ import torch
 from ._errors import LayoutError
 from ._extract import extraction_strategy
 from ._layout import Layout
-from ._plan import needed_length, resolve_length, runs, selection
+from ._plan import default_length, needed_length, runs, selection
 from ._types import CpMode, QkvFormat
 
 EXIT_USAGE = 2
@@ -307,7 +307,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     first = layout(0, given)
     # An allgather layout without a local length has no pieces yet: take the least.
-    length = needed_length(first) if given is None else resolve_length(first)
+    length = default_length(first)
     how = "the least that fits" if given is None else "given"
     strategy = extraction_strategy(first)
     seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""

@@ -13,20 +13,15 @@ from torch import Tensor
 
 from ._extract import check_samples
 from ._layout import Layout
-from ._plan import needed_length, packed_offsets, resolve_length, selection
+from ._plan import default_length, packed_offsets, resolve_length, selection
 from ._types import AnyShare, AnyValues, Rows, Targets
-
-
-def packed_length(layout: Layout) -> int:
-    """The local length packing produces: ``local_length`` when set, else the least."""
-    return layout.local_length if layout.local_length is not None else needed_length(layout)
 
 
 def _lay_out(
     items: list[Tensor], layout: Layout, fill: float | int, shift: int, rest: tuple[int, ...],
     dtype: torch.dtype, device: torch.device,
 ) -> Tensor:
-    length = packed_length(layout)
+    length = default_length(layout)
     sel = selection(layout, length, "targets" if shift else "sample")
     src = (sel.sources(packed_offsets(layout)) + shift).to(device)
     out = torch.full((length, *rest), fill, dtype=dtype, device=device)
@@ -52,7 +47,7 @@ def pack(per_sample: Sequence[AnyShare], layout: Layout, *, fill: float | int = 
     """
     items = check_samples(per_sample, layout, "per_sample", "total", uniform=True)
     if not items:
-        return torch.full((packed_length(layout),), fill)
+        return torch.full((default_length(layout),), fill)
     first = items[0]
     return _lay_out(items, layout, fill, 0, tuple(first.shape[1:]), first.dtype, first.device)
 

@@ -112,6 +112,12 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
     raise LayoutError(f"{subject} is too short: {rule}")
 
 
+def default_length(layout: Layout) -> int:
+    """``local_length`` when set, else the least length the layout needs (for allgather,
+    the least piece length): the length of a local tensor cpslice builds itself."""
+    return layout.local_length if layout.local_length is not None else needed_length(layout)
+
+
 def resolve_length(layout: Layout, length: int | None = None, what: str = "local tensor") -> int:
     """The local length ``T``: the given tensor's, else the layout's, else the least one.
 
