@@ -13,7 +13,6 @@ Run: ``.venv/bin/python -m benchmarks.bench_redistribute [--quick]``.
 import argparse
 import os
 import random
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cpslice._verify import free_port
 
 CP = 4
 
@@ -122,9 +123,7 @@ _all_reduce = cast(Callable[[torch.Tensor], torch.Tensor], _AllReduce.apply)
 def run(quick: bool = False) -> list[tuple[str, int, int, float, float]]:
     """Spawn CP ranks and measure; rows of (case, our bytes, all_reduce bytes, ms, ms)."""
     n, mean, repeat = (256, 256, 5) if quick else (2048, 512, 7)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, n, mean, repeat, q)) for r in range(CP)]

@@ -3,7 +3,6 @@ port, and a join timeout so that a hang fails the test instead of blocking CI.""
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -11,14 +10,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cpslice._verify import free_port
+
 Worker = Callable[..., Any]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _child(
