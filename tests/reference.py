@@ -1,7 +1,6 @@
 """A random batch and its float64 single-process reference: per-sample logits over the
 whole vocabulary, log-probs, entropy, and the gradient of a weighted loss."""
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +8,7 @@ from torch import Tensor
 
 from cpslice import Layout, pack
 from cpslice._types import CpMode, QkvFormat
+from cpslice._verify import edge_lengths
 
 
 @dataclass
@@ -27,31 +27,9 @@ class Batch:
     ref_grad: list[Tensor]  # [L_i, V] float64: d(sum w_lp*lp + w_ent*ent) / d logits
 
 
-def edge_lengths(rng: random.Random, n: int, cp: int) -> tuple[list[int], list[int]]:
-    """Random lengths with the edges: single tokens, empty responses, samples shorter
-    than 2 * cp, and long responses that cross chunk and rank boundaries."""
-    total, response = [], []
-    for i in range(n):
-        kind = i % 5 if i < 5 else rng.randrange(5)
-        if kind == 0:
-            t = 1
-        elif kind == 1:
-            t = rng.randint(1, max(1, 2 * cp - 1))
-        else:
-            t = rng.randint(2, 6 * cp + 3)
-        r = 0 if kind == 2 else rng.randint(0, t - 1)
-        if kind == 4:
-            r = t - 1
-        total.append(t)
-        response.append(r)
-    rng.shuffle(order := list(range(n)))
-    return [total[i] for i in order], [response[i] for i in order]
-
-
 def make_batch(seed: int, n: int, cp: int, vocab: int, temperature: float = 0.8) -> Batch:
-    rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    total, response = edge_lengths(rng, n, cp)
+    total, response = edge_lengths(n, cp, seed)
     tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in total]
     logits = [3 * torch.randn(t, vocab, generator=gen) for t in total]
     w_lp = [torch.randn(r, generator=gen, dtype=torch.float64) for r in response]
