@@ -190,6 +190,6 @@ def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
     assert "src is rank 2 of cp_size 4 but this process is rank 1 of a group of 4" in wrong_rank
     assert "pass the CP group" in wrong_size
     assert "same samples" in other_samples
-    assert "sample 0: list 0's share has (1,) but rank 1 holds 0 positions" in wrong_length
+    assert "sample 0: values[0] has 1 positions but rank 1's share in src is 0" in wrong_length
     assert "one dtype and trailing shape" in mixed
     assert "local_length=T" in no_local

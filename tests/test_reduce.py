@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 
 from cpslice import Layout, LayoutError, extract_responses, sum_of_sample_means, sum_of_tokens
+from tests.checked import CHECKED, refused
 
 from .oracle import Config, local_length, local_values
 from .strategies import configs
@@ -58,11 +59,24 @@ def test_fully_masked_samples_count_zero_and_masked_infinities_do_not_poison() -
 
 def test_reducer_errors() -> None:
     layout = Layout([4, 3], [2, 2], cp_mode="zigzag", cp_size=2)
-    with pytest.raises(LayoutError, match=r"sample 0: values\[0\] has shape \(2,\) but this rank "
-                       r"holds \[0\]"):
+    with refused(LayoutError, r"sample 0: values\[0\] has 2 positions but this rank's share is 0"):
         sum_of_sample_means([torch.zeros(2), torch.zeros(1)], [torch.ones(2), torch.ones(2)], layout)
-    with pytest.raises(LayoutError, match=r"values holds 1 shares but the layout has 2 samples"):
+    with refused(LayoutError, r"values has 1 samples but the layout has 2"):
         sum_of_tokens([torch.zeros(1)], [torch.ones(2), torch.ones(2)], layout)
-    with pytest.raises(LayoutError, match=r"sample 1: loss_masks\[1\] has 3 positions but "
-                       r"response_length is 2"):
+    with refused(LayoutError, r"sample 1: loss_masks\[1\] has 3 positions but response_length is 2"):
         sum_of_tokens([torch.zeros(0), torch.zeros(1)], [torch.ones(2), torch.ones(3)], layout)
+
+
+def test_a_2d_share_is_refused_as_values() -> None:
+    layout = Layout([3], [2])
+    with refused(LayoutError, r"sample 0: values\[0\] has shape \(2, 1\); it must be 1-D"):
+        sum_of_tokens([torch.zeros(2, 1)], [torch.ones(2)], layout)
+    with refused(LayoutError, r"sample 0: loss_masks\[0\] has shape \(2, 1\); it must be 1-D"):
+        sum_of_tokens([torch.zeros(2)], [torch.ones(2, 1)], layout)
+    if CHECKED:
+        # the checker names the argument that is wrong, not the one after it
+        from jaxtyping import TypeCheckError
+
+        with pytest.raises(TypeCheckError) as info:
+            sum_of_sample_means([torch.zeros(2, 1)], [torch.ones(2)], layout)
+        assert "typechecking parameter 'values'" in str(info.value), str(info.value)[:2000]

@@ -5,11 +5,12 @@ samples; the row index comes from the layout's cached selection (``_plan``).
 """
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import overload
 
 import torch
 from torch import Tensor
 
+from ._checks import per_position, per_sample
 from ._errors import LayoutError
 from ._layout import Layout
 from ._plan import resolve_length, response_base, rows_on, selection, strategy
@@ -42,52 +43,7 @@ def extraction_strategy(layout: Layout) -> Strategy:
 
 def check_values(values: object, layout: Layout, name: str) -> int:
     """The local length of a per-position tensor, or a TypeError/LayoutError saying why not."""
-    if not isinstance(values, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-    if values.dim() == 0:
-        raise TypeError(f"{name} is 0-d; it needs a leading per-position dimension [T, ...]")
-    if not values.is_floating_point():
-        raise TypeError(
-            f"{name} has dtype {values.dtype}; per-position results (log-probs, entropy, "
-            "values) must be floating point"
-        )
-    return resolve_length(layout, int(values.shape[0]), name)
-
-
-def check_samples(
-    per_sample: object,
-    layout: Layout,
-    name: str,
-    length: Literal["total", "response"],
-    *,
-    uniform: bool,
-) -> list[Tensor]:
-    """A list of per-sample tensors whose dimension 0 is each sample's total (``L_i``)
-    or response (``R_i``) length, else a TypeError/LayoutError naming the sample; with
-    ``uniform``, every sample must also share sample 0's dtype and trailing shape."""
-    if isinstance(per_sample, Tensor) or not isinstance(per_sample, Sequence):
-        raise TypeError(
-            f"{name} must be a list of per-sample tensors, got {type(per_sample).__name__}"
-        )
-    n = layout.num_samples
-    if len(per_sample) != n:
-        raise LayoutError(f"{name} has {len(per_sample)} samples but the layout has {n}")
-    lengths = layout.total_lengths if length == "total" else layout.response_lengths
-    items: list[Tensor] = []
-    for i, (x, want) in enumerate(zip(per_sample, lengths)):
-        if not isinstance(x, Tensor) or x.dim() == 0:
-            raise TypeError(f"sample {i}: {name}[{i}] must be a tensor [{length}_length, ...]")
-        if x.shape[0] != want:
-            raise LayoutError(
-                f"sample {i}: {name}[{i}] has {x.shape[0]} positions but {length}_length is {want}"
-            )
-        if uniform and items and (x.shape[1:] != items[0].shape[1:] or x.dtype != items[0].dtype):
-            raise LayoutError(
-                f"sample {i}: {name}[{i}] is {x.dtype} {tuple(x.shape)} but sample 0 is "
-                f"{items[0].dtype} {tuple(items[0].shape)} (trailing shape and dtype must agree)"
-            )
-        items.append(x)
-    return items
+    return resolve_length(layout, int(per_position(name, values).shape[0]), name)
 
 
 def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor]:
@@ -169,7 +125,7 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
         LayoutError: the number of samples, or a sample's length, disagrees with
             the layout; an allgather layout without ``local_length``.
     """
-    check_samples(full, layout, "full", "response", uniform=False)
+    per_sample("full", full, layout.response_lengths, "response_length")
     sel = selection(layout, resolve_length(layout), "response")
     offsets: list[int] = sel.run_sources(response_base(layout)).tolist()
     sizes: list[int] = sel.run_count.tolist()

@@ -4,40 +4,12 @@ A Layout is a validated, immutable record. It holds no offset arithmetic of its
 own: every offset is read from it by ``_plan`` (LAYOUTS.md, one place).
 """
 
-from typing import cast
-
+from ._checks import integer, kind, lengths
 from ._errors import LayoutError
-from ._types import CpMode, FormatArg, Lengths, ModeArg, QkvFormat
+from ._types import CpMode, FormatArg, IntArg, Lengths, ModeArg, QkvFormat
 
 _FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
 _MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
-
-
-def _kind(value: object) -> str:
-    return "a bool" if isinstance(value, bool) else f"a {type(value).__name__}"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _lengths(name: str, values: object) -> tuple[int, ...]:
-    if not isinstance(values, (list, tuple)):
-        hint = " (call .tolist() on it first)" if hasattr(values, "tolist") else ""
-        raise LayoutError(f"{name} must be a list or tuple of ints, got {_kind(values)}{hint}")
-    for i, v in enumerate(values):
-        if not _is_int(v):
-            raise LayoutError(
-                f"sample {i}: {name[:-1]} {v!r} is {_kind(v)}, not an int "
-                "(lengths are whole token counts)"
-            )
-    return tuple(int(v) for v in values)
-
-
-def _int_arg(name: str, value: object) -> int:
-    if not _is_int(value):
-        raise LayoutError(f"{name} {value!r} is {_kind(value)}, not an int")
-    return cast(int, value)
 
 
 class Layout:
@@ -57,10 +29,18 @@ class Layout:
         local_length: the length ``T`` of this rank's local tensor. For allgather
             it defines the pieces ``[r*T, (r+1)*T)``; a function that receives the
             local tensor infers it when it is None. When set, a local tensor of
-            another length is an error.
+            another length is an error, and so is a ``local_length`` shorter than
+            the layout needs (reported by the first function that reads the layout:
+            a Layout is a record and computes no offsets itself).
+
+    Integers may be ints, numpy integers or anything with ``__index__``; lengths
+    any sequence of them (a list, a tuple, a ``range``).
 
     Raises:
-        LayoutError: on any input that breaks a rule of LAYOUTS.md; the message
+        TypeError: a length, ``max_seq_len``, rank, size or ``local_length`` that is
+            not an integer (a bool or a float included); lengths that are not a
+            sequence; ``qkv_format`` or ``cp_mode`` not a str.
+        LayoutError: on any value that breaks a rule of LAYOUTS.md; the message
             names the sample, the values and the rule.
     """
 
@@ -94,14 +74,14 @@ class Layout:
         response_lengths: Lengths,
         *,
         qkv_format: FormatArg = "thd",
-        max_seq_len: int | None = None,
+        max_seq_len: IntArg | None = None,
         cp_mode: ModeArg = "none",
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        local_length: int | None = None,
+        cp_rank: IntArg = 0,
+        cp_size: IntArg = 1,
+        local_length: IntArg | None = None,
     ) -> None:
-        total = _lengths("total_lengths", total_lengths)
-        response = _lengths("response_lengths", response_lengths)
+        total = lengths("total_lengths", total_lengths)
+        response = lengths("response_lengths", response_lengths)
         if len(total) != len(response):
             raise LayoutError(
                 f"total_lengths has {len(total)} samples but response_lengths has "
@@ -117,19 +97,23 @@ class Layout:
                     f"sample {i}: response_length {r} > total_length - 1 = {t - 1} "
                     "(a response needs at least one prompt token before it)"
                 )
+        for name, given in (("qkv_format", qkv_format), ("cp_mode", cp_mode)):
+            if not isinstance(given, str):
+                raise TypeError(f"{name} must be a str, got {kind(given)} {given!r}")
         if qkv_format not in _FORMATS:
             raise LayoutError(f"qkv_format {qkv_format!r} is not one of {_FORMATS}")
         if cp_mode not in _MODES:
             raise LayoutError(f"cp_mode {cp_mode!r} is not one of {_MODES}")
         fmt: QkvFormat = qkv_format
         mode: CpMode = cp_mode
+        seq: int | None = None
         if fmt == "bshd":
             if max_seq_len is None:
                 raise LayoutError(
                     "qkv_format 'bshd' needs max_seq_len, the padded row length S "
                     "(or pass qkv_format='thd' for packed samples)"
                 )
-            seq = _int_arg("max_seq_len", max_seq_len)
+            seq = integer("max_seq_len", max_seq_len)
             if seq < 1:
                 raise LayoutError(f"max_seq_len {seq} < 1")
             for i, t in enumerate(total):
@@ -143,8 +127,8 @@ class Layout:
                 f"max_seq_len={max_seq_len!r} is given with qkv_format 'thd', where it means "
                 "nothing; pass qkv_format='bshd' for padded rows, or drop max_seq_len"
             )
-        size = _int_arg("cp_size", cp_size)
-        rank = _int_arg("cp_rank", cp_rank)
+        size = integer("cp_size", cp_size)
+        rank = integer("cp_rank", cp_rank)
         if size < 1:
             raise LayoutError(f"cp_size {size} < 1")
         if not 0 <= rank < size:
@@ -159,26 +143,23 @@ class Layout:
                 "cp_mode 'allgather' splits the packed stream, so it needs qkv_format "
                 "'thd'; pass cp_mode='zigzag' for bshd rows"
             )
+        local: int | None = None
         if local_length is not None:
-            local_length = _int_arg("local_length", local_length)
-            if local_length < 0:
-                raise LayoutError(f"local_length {local_length} < 0")
+            local = integer("local_length", local_length)
+            if local < 0:
+                raise LayoutError(f"local_length {local} < 0")
         setattr_ = object.__setattr__
         setattr_(self, "total_lengths", total)
         setattr_(self, "response_lengths", response)
         setattr_(self, "qkv_format", fmt)
-        setattr_(self, "max_seq_len", max_seq_len)
+        setattr_(self, "max_seq_len", seq)
         setattr_(self, "cp_mode", mode)
         setattr_(self, "cp_rank", rank)
         setattr_(self, "cp_size", size)
-        setattr_(self, "local_length", local_length)
-        key = (total, response, fmt, max_seq_len, mode, rank, size, local_length)
+        setattr_(self, "local_length", local)
+        key = (total, response, fmt, seq, mode, rank, size, local)
         setattr_(self, "_key", key)
         setattr_(self, "_hash", hash(key))
-        if local_length is not None:
-            from ._plan import check_local_length
-
-            check_local_length(self, local_length)
 
     @classmethod
     def from_parallel_state(
@@ -187,9 +168,9 @@ class Layout:
         response_lengths: Lengths,
         *,
         qkv_format: FormatArg = "thd",
-        max_seq_len: int | None = None,
+        max_seq_len: IntArg | None = None,
         allgather_cp: bool = False,
-        local_length: int | None = None,
+        local_length: IntArg | None = None,
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
@@ -225,15 +206,15 @@ class Layout:
         """``P_i = L_i - R_i`` of each sample."""
         return tuple(t - r for t, r in zip(self.total_lengths, self.response_lengths))
 
-    def for_rank(self, cp_rank: int) -> "Layout":
+    def for_rank(self, cp_rank: IntArg) -> "Layout":
         """The same samples and mode as seen by another rank of the CP group."""
         return self._replace(cp_rank, self.local_length)
 
-    def with_local_length(self, local_length: int | None) -> "Layout":
+    def with_local_length(self, local_length: IntArg | None) -> "Layout":
         """This layout with ``local_length`` set (or cleared, with None)."""
         return self._replace(self.cp_rank, local_length)
 
-    def _replace(self, cp_rank: int, local_length: int | None) -> "Layout":
+    def _replace(self, cp_rank: IntArg, local_length: IntArg | None) -> "Layout":
         return Layout(
             self.total_lengths,
             self.response_lengths,

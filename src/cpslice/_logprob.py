@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import _checks as checks
 from ._errors import LayoutError
 from ._types import Logits, PerRow, Targets
 
@@ -43,9 +44,11 @@ CPU_CHUNK_BYTES = 8 * 2**20
 _FLOOR = -1.0e4
 
 if TYPE_CHECKING:
+    from typing import SupportsFloat, SupportsIndex
+
     TensorArg = Tensor
-    FloatArg = float
-    ChunkArg = int | None
+    FloatArg = SupportsFloat
+    ChunkArg = SupportsIndex | None
 else:
     # Checked by _check below, whose TypeError/LayoutError names the value and the
     # rule; a beartype error raised first would say less.
@@ -76,63 +79,48 @@ def default_chunk_rows(
 def _check(
     logits: object, targets: object, temperature: object, chunk_size: object
 ) -> tuple[Tensor, Tensor, float, int | None]:
-    if not isinstance(logits, Tensor):
+    logits_ = checks.tensor("logits", logits, "a torch.Tensor [T, V_local]")
+    if not logits_.is_floating_point():
         raise TypeError(
-            f"logits must be a torch.Tensor [T, V_local], got {type(logits).__name__}"
-        )
-    if not logits.is_floating_point():
-        raise TypeError(
-            f"logits has dtype {logits.dtype}; pass floating-point logits (float32 or "
+            f"logits has dtype {logits_.dtype}; pass floating-point logits (float32 or "
             "bfloat16; float16 and float64 are accepted too)"
         )
-    if not isinstance(targets, Tensor):
+    targets_ = checks.tensor("targets", targets, "a torch.Tensor [T] of int64 token ids")
+    if targets_.dtype != torch.int64:
         raise TypeError(
-            f"targets must be a torch.Tensor [T] of int64 token ids, got {type(targets).__name__}"
+            f"targets has dtype {targets_.dtype}; pass int64 token ids (targets.long())"
         )
-    if targets.dtype != torch.int64:
-        raise TypeError(
-            f"targets has dtype {targets.dtype}; pass int64 token ids (targets.long())"
-        )
-    if logits.dim() != 2:
+    if logits_.dim() != 2:
         raise LayoutError(
-            f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
+            f"logits has shape {tuple(logits_.shape)}; it must be 2-D [T, V_local] "
             "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
         )
-    rows, vocab = logits.shape
+    rows, vocab = logits_.shape
     if vocab == 0:
         raise LayoutError(
-            f"logits has shape {tuple(logits.shape)}: 0 vocabulary columns; a vocabulary "
+            f"logits has shape {tuple(logits_.shape)}: 0 vocabulary columns; a vocabulary "
             "shard needs at least one"
         )
-    if tuple(targets.shape) != (rows,):
+    if tuple(targets_.shape) != (rows,):
         raise LayoutError(
-            f"targets has shape {tuple(targets.shape)} but logits has {rows} rows; targets "
+            f"targets has shape {tuple(targets_.shape)} but logits has {rows} rows; targets "
             f"must be [T] = [{rows}], one token id per row"
         )
-    if targets.device != logits.device:
+    if targets_.device != logits_.device:
         raise LayoutError(
-            f"targets is on {targets.device} but logits on {logits.device}; put them on "
+            f"targets is on {targets_.device} but logits on {logits_.device}; put them on "
             "the same device"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    tau = float(temperature)
-    if not (math.isfinite(tau) and tau > 0):
-        raise LayoutError(
-            f"temperature={temperature!r} is not allowed: it must be finite and > 0 "
-            "(the logits are divided by it)"
-        )
+    tau = checks.temperature(temperature)
+    chunk: int | None = None
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-            raise TypeError(
-                f"chunk_size must be an int or None, got {type(chunk_size).__name__}"
-            )
-        if chunk_size < 1:
+        chunk = checks.integer("chunk_size", chunk_size)
+        if chunk < 1:
             raise LayoutError(
-                f"chunk_size={chunk_size} is not allowed: it must be >= 1 (rows per "
+                f"chunk_size={chunk} is not allowed: it must be >= 1 (rows per "
                 "chunk), or None for the default (about CHUNK_BYTES of work buffers)"
             )
-    return logits, targets, tau, chunk_size
+    return logits_, targets_, tau, chunk
 
 
 def _check_range(targets: Tensor, vocab_total: int) -> None:
@@ -391,7 +379,7 @@ def log_probs_and_entropy(
 
     Raises:
         TypeError: logits not a floating-point tensor, targets not an int64 tensor,
-            temperature not a number, chunk_size not an int.
+            temperature not a real number, chunk_size not an integer.
         LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
             different devices, temperature not finite and > 0, chunk_size < 1, a CPU
             target outside ``[0, tp_size * V_local)`` (checked only on the CPU, where

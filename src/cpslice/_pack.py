@@ -11,27 +11,38 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._extract import check_samples
+from . import _checks as checks
+from ._cache import cached
 from ._layout import Layout
-from ._plan import default_length, packed_offsets, resolve_length, selection
-from ._types import AnyShare, AnyValues, Rows, Targets
+from ._plan import default_length, packed_offsets, resolve_length, rows_on, selection
+from ._types import AnyShare, AnyValues, IntArg, RealArg, Rows, Targets
+
+
+@cached(maxsize=8)
+def _index_on(layout: Layout, length: int, shift: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The rows a packing writes and, for each, the element of the concatenated samples
+    it reads (``shift`` 1: the next token), on ``device``: copied once per layout."""
+    sel = selection(layout, length, "targets" if shift else "sample")
+    src = sel.sources(packed_offsets(layout)) + shift
+    return rows_on(layout, length, "targets" if shift else "sample", device), src.to(device)
 
 
 def _lay_out(
-    items: list[Tensor], layout: Layout, fill: float | int, shift: int, rest: tuple[int, ...],
+    items: list[Tensor], layout: Layout, fill: object, shift: int, rest: tuple[int, ...],
     dtype: torch.dtype, device: torch.device,
 ) -> Tensor:
     length = default_length(layout)
-    sel = selection(layout, length, "targets" if shift else "sample")
-    src = (sel.sources(packed_offsets(layout)) + shift).to(device)
-    out = torch.full((length, *rest), fill, dtype=dtype, device=device)
+    out = torch.full((length, *rest), checks.fill_value(fill, dtype), dtype=dtype, device=device)
     if not items:
         return out
+    rows, src = _index_on(layout, length, shift, device)
     flat = torch.cat(items)
-    return out.index_copy(0, sel.rows.to(device), flat.index_select(0, src).to(dtype))
+    return out.index_copy(0, rows, flat.index_select(0, src).to(dtype))
 
 
-def pack(per_sample: Sequence[AnyShare], layout: Layout, *, fill: float | int = 0) -> AnyValues:
+def pack(
+    per_sample: Sequence[AnyShare], layout: Layout, *, fill: RealArg = 0
+) -> AnyValues:
     """Lay each sample's whole tensor into this rank's local tensor, as LAYOUTS.md says.
 
     ``per_sample[i]`` is ``[L_i, *rest]`` (tokens, loss masks, position ids; any dtype,
@@ -41,18 +52,24 @@ def pack(per_sample: Sequence[AnyShare], layout: Layout, *, fill: float | int = 
     padding, the tail) is ``fill``. Differentiable for floating-point inputs.
 
     Raises:
-        TypeError: ``per_sample`` is not a list of tensors of at least 1 dim.
+        TypeError: ``per_sample`` is not a list of tensors of at least 1 dim; ``fill``
+            is not a number.
         LayoutError: the number of samples, a sample's length, or a sample's dtype
-            or trailing shape disagrees.
+            or trailing shape disagrees; a ``fill`` the dtype cannot hold exactly (0.5
+            or NaN into integer tokens, 300 into uint8).
     """
-    items = check_samples(per_sample, layout, "per_sample", "total", uniform=True)
+    items = checks.per_sample(
+        "per_sample", per_sample, layout.total_lengths, "total_length", uniform=True
+    )
     if not items:
-        return torch.full((default_length(layout),), fill)
+        return torch.full((default_length(layout),), checks.fill_value(fill, torch.float32))
     first = items[0]
     return _lay_out(items, layout, fill, 0, tuple(first.shape[1:]), first.dtype, first.device)
 
 
-def shifted_targets(tokens: Sequence[AnyShare], layout: Layout, *, fill: int = 0) -> Targets:
+def shifted_targets(
+    tokens: Sequence[AnyShare], layout: Layout, *, fill: IntArg = 0
+) -> Targets:
     """The int64 ``[T]`` target of every local position: the next token of the same sample.
 
     ``tokens[i]`` is sample ``i``'s whole token tensor ``[L_i]`` (prompt + response),
@@ -65,7 +82,9 @@ def shifted_targets(tokens: Sequence[AnyShare], layout: Layout, *, fill: int = 0
         TypeError: ``tokens`` is not a list of integer tensors.
         LayoutError: as ``pack``, or a sample's tokens are not 1-D.
     """
-    items = check_samples(tokens, layout, "tokens", "total", uniform=True)
+    items = checks.per_sample(
+        "tokens", tokens, layout.total_lengths, "total_length", uniform=True
+    )
     for i, x in enumerate(items):
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "

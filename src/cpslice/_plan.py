@@ -11,12 +11,12 @@ expands the result into row indices with vectorized integer arithmetic: no
 Python loop over samples, no per-sample ``torch.arange``.
 """
 
-import functools
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
 from ._types import Strategy
@@ -71,7 +71,7 @@ def _zigzag_chunk(layout: Layout, total: Tensor) -> Tensor:
     return _ceil_div(total, two_c)
 
 
-@functools.lru_cache(maxsize=64)
+@cached(maxsize=64)
 def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
     total, _ = _lengths(layout)
@@ -113,9 +113,13 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
 
 
 def default_length(layout: Layout) -> int:
-    """``local_length`` when set, else the least length the layout needs (for allgather,
-    the least piece length): the length of a local tensor cpslice builds itself."""
-    return layout.local_length if layout.local_length is not None else needed_length(layout)
+    """``local_length`` when set (and long enough), else the least length the layout
+    needs (for allgather, the least piece length): the length of a local tensor cpslice
+    builds itself."""
+    if layout.local_length is not None:
+        check_local_length(layout, layout.local_length)
+        return layout.local_length
+    return needed_length(layout)
 
 
 def resolve_length(layout: Layout, length: int | None = None, what: str = "local tensor") -> int:
@@ -127,6 +131,7 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
         check_local_length(layout, length, what)
         return length
     if layout.local_length is not None:
+        check_local_length(layout, layout.local_length)
         return layout.local_length
     if layout.cp_mode == "allgather":
         raise LayoutError(
@@ -232,11 +237,8 @@ def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor) -> Selection:
 Span = Literal["response", "sample", "targets"]
 
 
-# A few layouts at a time: one step reads the same layout several times (log-probs,
-# entropy, masks), and a selection of ~1M rows holds ~16 MB.
-@functools.lru_cache(maxsize=8)
-def selection(layout: Layout, length: int, span: Span) -> Selection:
-    """The cached selection of one span of every sample (rows on the CPU).
+def select(layout: Layout, length: int, span: Span) -> Selection:
+    """The selection of one span of every sample (rows on the CPU), computed anew.
 
     - ``"response"``: positions ``[P_i - 1, L_i - 1)``, the logits that predict the
       response (what extraction returns);
@@ -253,7 +255,15 @@ def selection(layout: Layout, length: int, span: Span) -> Selection:
     return _select(layout, length, lo, hi)
 
 
-@functools.lru_cache(maxsize=8)
+# A few layouts at a time: one step reads the same layout several times (log-probs,
+# entropy, masks), and a selection of ~1M rows holds ~16 MB.
+@cached(maxsize=8)
+def selection(layout: Layout, length: int, span: Span) -> Selection:
+    """``select``, cached: the selections of this rank's layouts that a step reads."""
+    return select(layout, length, span)
+
+
+@cached(maxsize=8)
 def rows_on(layout: Layout, length: int, span: Span, device: torch.device) -> Tensor:
     """``selection(...).rows`` on ``device``, cached so a step copies it once."""
     return selection(layout, length, span).rows.to(device)

@@ -7,7 +7,6 @@ padding. The backward pass is the reverse ``all_to_all``. All the index
 arithmetic is a reading of ``_plan``'s selections.
 """
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast, overload
 
@@ -15,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _checks as checks
+from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, response_base, selection
+from ._plan import resolve_length, response_base, select, selection
 from ._types import Share
 
 _I64 = torch.int64
@@ -48,11 +49,14 @@ def _ranks(layout: Layout, size: int) -> list[Layout]:
 def _element_ids(layout: Layout) -> Tensor:
     """For each response row of the rank, in extraction order, its index in all the
     responses back to back (the same numbering on every rank)."""
-    sel = selection(layout, resolve_length(layout, what="the layout"), "response")
+    # `select`, not the cached `selection`: the other ranks' layouts would push this
+    # step's own entries out of that small cache.
+    sel = select(layout, resolve_length(layout, what="the layout"), "response")
     return sel.sources(response_base(layout, concatenated=True))
 
 
-@functools.lru_cache(maxsize=16)
+# One step redistributes between a few pairs of layouts.
+@cached(maxsize=8)
 def _route(src: Layout, dst: Layout, size: int) -> _Route:
     me = src.cp_rank
     total = sum(src.response_lengths)
@@ -88,6 +92,37 @@ def _route(src: Layout, dst: Layout, size: int) -> _Route:
     )
 
 
+class _DeviceRoute(NamedTuple):
+    """A route's indices for ``nlists`` lists on one device, built once per step's layouts."""
+
+    send_index: Tensor  # rows of the stacked flat shares, destination-major, then list
+    send_splits: list[int]
+    recv_splits: list[int]
+    block: Tensor  # per output element of list 0: its place in the received buffer
+    run: Tensor  # per output element: the stride to the same element of the next list
+    dst_counts: list[int]
+
+
+@cached(maxsize=8)
+def _device_route(
+    src: Layout, dst: Layout, size: int, nlists: int, device: torch.device
+) -> _DeviceRoute:
+    route = _route(src, dst, size)
+    # send buffer: destination-major, then list, then the destination's order
+    lists_base = torch.arange(nlists, dtype=_I64).unsqueeze(1) * route.src_total
+    send_index = torch.cat([(lists_base + idx).reshape(-1) for idx in route.send_index])
+    # the block from rank o starts at nlists * (its start in one list's units) and
+    # holds nlists runs of what o sends of one list
+    return _DeviceRoute(
+        send_index.to(device),
+        [nlists * int(idx.numel()) for idx in route.send_index],
+        [nlists * n for n in route.recv_splits],
+        (nlists * route.recv_block + route.recv_place).to(device),
+        route.recv_run.to(device),
+        route.dst_counts,
+    )
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dimension 0; backward is the reverse exchange."""
 
@@ -113,13 +148,45 @@ _all_to_all = cast(Callable[[Tensor, list[int], list[int], Any], Tensor], _AllTo
 
 
 def _check(
-    lists: Sequence[Sequence[Tensor]], src: Layout, dst: Layout, group: Any
-) -> int:
+    lists: Sequence[object], src: Layout, dst: Layout, name: str
+) -> list[list[Tensor]]:
+    """Every list's shares, checked against ``src``'s counts on this rank, before any
+    collective: one dtype and trailing shape for all (they travel in one buffer)."""
+    if src.response_lengths != dst.response_lengths:
+        raise LayoutError(
+            f"src has response_lengths {list(src.response_lengths)} but dst has "
+            f"{list(dst.response_lengths)} (src and dst must describe the same samples)"
+        )
+    if src.total_lengths != dst.total_lengths:
+        raise LayoutError(
+            f"src has total_lengths {list(src.total_lengths)} but dst has "
+            f"{list(dst.total_lengths)} (src and dst must describe the same samples)"
+        )
+    counts = selection(src, resolve_length(src, what="the layout"), "response").counts
+    out: list[list[Tensor]] = []
+    first: Tensor | None = None
+    for k, given in enumerate(lists):
+        label = name if len(lists) == 1 else f"{name}[{k}]"
+        shares = checks.per_sample(label, given, counts, f"rank {src.cp_rank}'s share in src")
+        for i, x in enumerate(shares):
+            first = x if first is None else first
+            if x.shape[1:] != first.shape[1:] or x.dtype != first.dtype:
+                raise LayoutError(
+                    f"sample {i}: {label}[{i}] is {x.dtype} {tuple(x.shape)} but another "
+                    f"share is {first.dtype} {tuple(first.shape)} (every share that travels "
+                    "in one call has one dtype and trailing shape)"
+                )
+        out.append(shares)
+    return out
+
+
+def _check_group(src: Layout, dst: Layout, group: Any) -> int:
     if not dist.is_initialized():
-        raise RuntimeError("redistribute needs torch.distributed: call init_process_group first")
+        raise RuntimeError(
+            f"redistribute at cp_size {src.cp_size} needs torch.distributed: call "
+            "init_process_group first"
+        )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if (src.total_lengths, src.response_lengths) != (dst.total_lengths, dst.response_lengths):
-        raise LayoutError("src and dst must describe the same samples (total and response lengths)")
     if src.cp_size != size or src.cp_rank != rank:
         raise LayoutError(
             f"src is rank {src.cp_rank} of cp_size {src.cp_size} but this process is rank "
@@ -132,61 +199,27 @@ def _check(
             f"{rank} of {size}; a dst with CP must be this rank's layout, or use "
             "cp_mode='none' for whole responses on every rank"
         )
-    counts = selection(src, resolve_length(src, what="the layout"), "response").counts
-    first: Tensor | None = None
-    for k, shares in enumerate(lists):
-        given: object = shares  # checked at run time whatever the static type says
-        if isinstance(given, Tensor) or not isinstance(given, Sequence):
-            raise TypeError(f"list {k} must be a list of per-sample tensors")
-        if len(shares) != src.num_samples:
-            raise LayoutError(
-                f"list {k} holds {len(shares)} shares but the layout has {src.num_samples} samples"
-            )
-        for i, (share, count) in enumerate(zip(shares, counts)):
-            item: object = share
-            if not isinstance(item, Tensor):
-                raise TypeError(f"sample {i}: list {k}'s share is a {type(item).__name__}")
-            if share.dim() == 0 or share.shape[0] != count:
-                raise LayoutError(
-                    f"sample {i}: list {k}'s share has {tuple(share.shape)} but rank {rank} "
-                    f"holds {count} positions of it in the src layout"
-                )
-            if first is None:
-                first = share
-            elif share.shape[1:] != first.shape[1:] or share.dtype != first.dtype:
-                raise LayoutError(
-                    f"sample {i}: list {k}'s share is {share.dtype} {tuple(share.shape)} but "
-                    f"others are {first.dtype} [*, {', '.join(map(str, first.shape[1:]))}] "
-                    "(every share that travels in one call has one dtype and trailing shape)"
-                )
     return size
 
 
 def _redistribute(
-    lists: Sequence[Sequence[Tensor]], src: Layout, dst: Layout, group: Any
+    lists: Sequence[object], src: Layout, dst: Layout, group: Any, name: str
 ) -> list[list[Tensor]]:
-    size = _check(lists, src, dst, group)
-    route = _route(src, dst, size)
-    nlists = len(lists)
-    flats = [torch.cat(list(shares)) for shares in lists]
-    stacked = torch.cat(flats) if flats else torch.empty(0)
-    device = stacked.device
-    # send buffer: destination-major, then list, then the destination's order
-    lists_base = torch.arange(nlists, dtype=_I64).unsqueeze(1) * route.src_total
-    send_index = torch.cat([(lists_base + idx).reshape(-1) for idx in route.send_index])
-    send = stacked.index_select(0, send_index.to(device))
-    send_splits = [nlists * int(idx.numel()) for idx in route.send_index]
-    recv_splits = [nlists * n for n in route.recv_splits]
-    received = _all_to_all(send, send_splits, recv_splits, group)
-    # the block from rank o starts at nlists * (its start in one list's units) and
-    # holds nlists runs of what o sends of one list
-    block = (nlists * route.recv_block + route.recv_place).to(device)
-    run = route.recv_run.to(device)
-    out: list[list[Tensor]] = []
-    for k in range(nlists):
-        gathered = received.index_select(0, block + k * run)
-        out.append(list(torch.split(gathered, route.dst_counts)))
-    return out
+    # One rank holds every share whole, in every layout: nothing to move, no group.
+    local = src.cp_size == 1 and dst.cp_size == 1
+    size = 1 if local else _check_group(src, dst, group)
+    shares = _check(lists, src, dst, name)
+    if local:
+        return [list(s) for s in shares]
+    nlists = len(shares)
+    stacked = torch.cat([x for s in shares for x in s])
+    route = _device_route(src, dst, size, nlists, stacked.device)
+    send = stacked.index_select(0, route.send_index)
+    received = _all_to_all(send, route.send_splits, route.recv_splits, group)
+    return [
+        list(torch.split(received.index_select(0, route.block + k * route.run), route.dst_counts))
+        for k in range(nlists)
+    ]
 
 
 @overload
@@ -228,15 +261,19 @@ def redistribute(
     all-gather) for -> none. The zero-padded ``all_reduce`` of whole responses moves
     ``cp_size x`` as much data (and a ring all_reduce twice that).
 
+    At cp_size 1 (src and dst both on one rank) every share already is the whole
+    response: nothing moves, no collective is entered and no process group is needed.
+
     Raises:
-        RuntimeError: torch.distributed is not initialized.
-        LayoutError: layouts for other samples, ranks or group size; a share of the
-            wrong length, dtype or trailing shape.
+        TypeError: ``values`` is not a list (or tuple of lists) of per-sample tensors.
+        RuntimeError: cp_size > 1 and torch.distributed is not initialized.
+        LayoutError: layouts for other samples (total or response lengths), ranks or
+            group size; a share of the wrong length, dtype or trailing shape. Raised
+            before any collective.
     """
-    if isinstance(values, tuple) and all(not isinstance(v, Tensor) for v in values):
-        return tuple(_redistribute(values, src, dst, group))
-    single = list(values)
-    return _redistribute([single], src, dst, group)[0]  # type: ignore[list-item]
+    if isinstance(values, tuple) and values and all(not isinstance(v, Tensor) for v in values):
+        return tuple(_redistribute(values, src, dst, group, "values"))
+    return _redistribute([values], src, dst, group, "values")[0]
 
 
 def gather_responses(values: Sequence[Share], layout: Layout, *, group: Any = None) -> list[Share]:

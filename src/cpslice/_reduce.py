@@ -6,36 +6,21 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._errors import LayoutError
-from ._extract import check_samples, shard_responses
+from ._checks import per_sample
+from ._extract import shard_responses
 from ._layout import Layout
 from ._plan import resolve_length, selection
-from ._types import AnyShare, Share
+from ._types import Mask, Share1D
 
 
 def _masked(
-    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
 ) -> tuple[Tensor, Tensor]:
     """Per sample: the sum of value * mask over this rank's share, and the whole mask sum."""
-    given: object = values
-    if isinstance(given, Tensor) or not isinstance(given, Sequence):
-        raise TypeError(f"values must be a list of per-sample shares, got {type(given).__name__}")
     counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
-    if len(values) != layout.num_samples:
-        raise LayoutError(
-            f"values holds {len(values)} shares but the layout has {layout.num_samples} samples"
-        )
-    for i, (v, c) in enumerate(zip(values, counts)):
-        if v.dim() != 1 or v.shape[0] != c:
-            raise LayoutError(
-                f"sample {i}: values[{i}] has shape {tuple(v.shape)} but this rank holds "
-                f"[{c}] of its response (a 1-D share per sample)"
-            )
-    check_samples(loss_masks, layout, "loss_masks", "response", uniform=False)
+    per_sample("values", values, counts, "this rank's share", one_dim=True, floating=True)
+    per_sample("loss_masks", loss_masks, layout.response_lengths, "response_length", one_dim=True)
     mask_shares = shard_responses(loss_masks, layout)
-    for i, m in enumerate(loss_masks):
-        if m.dim() != 1:
-            raise LayoutError(f"sample {i}: loss_masks[{i}] must be 1-D [R_i], got {tuple(m.shape)}")
     n = layout.num_samples
     flat = torch.cat(list(values)) if n else torch.zeros(0)
     device, dtype = flat.device, flat.dtype
@@ -56,7 +41,7 @@ def _per_sample(x: Tensor, counts: list[int]) -> Tensor:
 
 
 def sum_of_sample_means(
-    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
 ) -> Tensor:
     """This rank's part of ``sum_i mean_i``, the masked mean of each sample's response.
 
@@ -76,7 +61,7 @@ def sum_of_sample_means(
 
 
 def sum_of_tokens(
-    values: Sequence[Share], loss_masks: Sequence[AnyShare], layout: Layout
+    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
 ) -> Tensor:
     """This rank's part of ``sum`` of ``value * mask`` over every response token.
 

@@ -4,19 +4,15 @@ from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch.distributed as dist
-from torch import Tensor
 
+from . import _checks as checks
 from ._errors import LayoutError
 from ._extract import extract_responses
 from ._layout import Layout
 from ._logprob import log_probs_and_entropy
 from ._pack import shifted_targets
 from ._plan import resolve_length
-from ._types import AnyShare, Logits, Share
-
-
-def _describe(x: object) -> str:
-    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+from ._types import AnyShare, IntArg, Logits, RealArg, Share
 
 
 @overload
@@ -27,9 +23,9 @@ def response_log_probs(
     *,
     with_entropy: Literal[False] = False,
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
+    chunk_size: IntArg | None = None,
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs(
@@ -39,9 +35,9 @@ def response_log_probs(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
+    chunk_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs(
@@ -51,9 +47,9 @@ def response_log_probs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
+    chunk_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs(
     logits: Logits,
@@ -62,9 +58,9 @@ def response_log_probs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: float = 1.0,
+    temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
-    chunk_size: int | None = None,
+    chunk_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -78,12 +74,16 @@ def response_log_probs(
     no CP communication (see ``redistribute`` / ``gather_responses`` for that).
 
     Raises:
-        TypeError, LayoutError: as ``shifted_targets``, ``log_probs_and_entropy`` and
-            ``extract_responses``; ``logits`` of a length the layout cannot hold.
+        TypeError: ``logits`` is not a tensor; as ``shifted_targets``,
+            ``log_probs_and_entropy`` and ``extract_responses``.
+        LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
+            three functions above.
     """
-    given: object = logits
-    if not isinstance(given, Tensor) or given.dim() != 2:
-        raise LayoutError(f"logits must be a [T, V_local] tensor, got {_describe(given)}")
+    if checks.tensor("logits", logits, "a torch.Tensor [T, V_local]").dim() != 2:
+        raise LayoutError(
+            f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
+            "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
+        )
     length = resolve_length(layout, int(logits.shape[0]), "logits")
     local = layout.with_local_length(length)
     targets = shifted_targets(tokens, local).to(logits.device)

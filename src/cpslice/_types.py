@@ -6,7 +6,7 @@ bound across the arguments and the result of one call.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex
 
 from jaxtyping import Float, Int64, Shaped
 from torch import Tensor
@@ -17,6 +17,10 @@ AnyValues = Shaped[Tensor, "t *rest"]
 # One sample's share, or one sample's whole response.
 Share = Float[Tensor, "_r *rest"]
 AnyShare = Shaped[Tensor, "_r *rest"]
+# The reducers' arguments: a 1-D share of values and a whole 1-D mask are of different
+# lengths, and neither binds a dimension name to the other.
+Share1D = Float[Tensor, " _r"]
+Mask = Shaped[Tensor, " _R"]
 Rows = Int64[Tensor, " m"]
 Logits = Float[Tensor, "t v"]
 PerRow = Float[Tensor, " t"]
@@ -27,7 +31,9 @@ CpMode = Literal["none", "zigzag", "allgather"]
 Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
 
 if TYPE_CHECKING:
-    Lengths = Sequence[int]
+    Lengths = Sequence[SupportsIndex]
+    IntArg = SupportsIndex
+    RealArg = SupportsFloat
     FormatArg = QkvFormat
     ModeArg = CpMode
 else:
@@ -35,5 +41,7 @@ else:
     # LayoutError names the sample, the value and the rule; a beartype error
     # raised first would say less.
     Lengths = object
-    FormatArg = str
-    ModeArg = str
+    IntArg = object
+    RealArg = object
+    FormatArg = object
+    ModeArg = object

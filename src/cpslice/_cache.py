@@ -1,0 +1,42 @@
+"""The module-level caches of cpslice, bounded, registered in one place, clearable.
+
+A training step reads a handful of layouts (this rank's, perhaps one with another
+``local_length``, the destination of a ``redistribute``), each for a few spans and on
+one device; every cache below holds about that much, so repeated steps with the same
+layouts neither recompute the index arithmetic nor copy an index to the device again,
+and a new batch's layouts push the old ones out. ``clear_caches()`` empties them all.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_CACHES: list[Any] = []
+
+
+def cached(maxsize: int) -> Callable[[_F], _F]:
+    """``functools.lru_cache(maxsize)``, registered so that ``clear_caches`` empties it."""
+
+    def wrap(fn: _F) -> _F:
+        wrapped = functools.lru_cache(maxsize=maxsize)(fn)
+        _CACHES.append(wrapped)
+        return wrapped  # type: ignore[return-value]  # lru_cache keeps the signature
+
+    return wrap
+
+
+def clear_caches() -> None:
+    """Empty every cache of cpslice (layout plans, device copies of indices, routes).
+
+    Nothing needs it for correctness: every cache is keyed by immutable layouts and
+    devices. Call it to release the memory the last batch's index tensors hold (a few
+    bytes per token), e.g. before a phase that uses other layouts.
+    """
+    for cache in _CACHES:
+        cache.cache_clear()
+
+
+def cache_sizes() -> dict[str, int]:
+    """How many entries each registered cache holds now (for tests and debugging)."""
+    return {f"{c.__module__}.{c.__qualname__}": c.cache_info().currsize for c in _CACHES}

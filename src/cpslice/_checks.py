@@ -1,0 +1,223 @@
+"""Argument checks, in one place: every public function validates through these.
+
+The rule for the exception type: a value of the wrong *kind* (not a tensor, not an
+integer, a list where a tensor belongs) is a ``TypeError``; a value of the right kind
+with the wrong length, shape, sign or range is a ``LayoutError``. Every message names
+the argument, the sample where there is one, the offending value and the rule.
+
+Python users pass more than ``int``: numpy integers and anything else with
+``__index__`` count as integers, any ``Sequence`` of them (a ``range``, a tuple) as a
+list of lengths, any ``numbers.Real`` (a numpy float) as a real number. ``bool`` is
+never a number here: ``True`` as a length is a mistake, not a 1.
+"""
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._errors import LayoutError
+
+
+def kind(value: object) -> str:
+    """``"a float"``, ``"a Tensor"``: the kind of a value, for messages."""
+    name = type(value).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name}"
+
+
+def _is_bool(value: object) -> bool:
+    # numpy's bool is `bool_` (numpy 1) or `bool` (numpy 2) and has no __index__ in
+    # numpy 2, but older numpy gave it one.
+    return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
+
+
+def integer(name: str, value: object) -> int:
+    """``value`` as an ``int``: an int, a numpy integer, anything with ``__index__``.
+
+    Raises:
+        TypeError: a bool, a float, or anything else without ``__index__``.
+    """
+    if _is_bool(value) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} {value!r} is {kind(value)}, not an int")
+    return operator.index(value)  # type: ignore[arg-type]  # has __index__, checked above
+
+
+def lengths(name: str, values: object) -> tuple[int, ...]:
+    """A ``Sequence`` of integers (list, tuple, range, ...) as a tuple of ints.
+
+    ``name`` is the plural argument name (``total_lengths``); a bad element is reported
+    as ``sample i: total_length ...``.
+
+    Raises:
+        TypeError: not a sequence (a tensor or array: call ``.tolist()`` first), or an
+            element that is not an integer.
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        hint = " (call .tolist() on it first)" if hasattr(values, "tolist") else ""
+        raise TypeError(f"{name} must be a sequence of ints, got {kind(values)}{hint}")
+    out: list[int] = []
+    for i, v in enumerate(values):
+        if _is_bool(v) or not hasattr(type(v), "__index__"):
+            raise TypeError(
+                f"sample {i}: {name.removesuffix('s')} {v!r} is {kind(v)}, not an int "
+                "(lengths are whole token counts)"
+            )
+        out.append(operator.index(v))
+    return tuple(out)
+
+
+def real(name: str, value: object) -> float:
+    """A ``numbers.Real`` (int, float, numpy float; not bool) as a float.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {kind(value)} {value!r}")
+    return float(value)
+
+
+def temperature(value: object) -> float:
+    """A temperature: a real number, finite and > 0.
+
+    Raises:
+        TypeError: not a real number.
+        LayoutError: not finite, or <= 0.
+    """
+    tau = real("temperature", value)
+    if not (math.isfinite(tau) and tau > 0):
+        raise LayoutError(
+            f"temperature={value!r} is not allowed: it must be finite and > 0 "
+            "(the logits are divided by it)"
+        )
+    return tau
+
+
+def tensor(name: str, value: object, what: str) -> Tensor:
+    """``value`` if it is a tensor, else a TypeError saying ``name`` must be ``what``."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be {what}, got {kind(value)}")
+    return value
+
+
+def per_position(name: str, value: object) -> Tensor:
+    """A per-position floating-point tensor ``[T, *rest]`` (log-probs, entropy, values).
+
+    Raises:
+        TypeError: not a tensor, 0-d, or not floating point.
+    """
+    x = tensor(name, value, "a torch.Tensor [T, ...]")
+    if x.dim() == 0:
+        raise TypeError(f"{name} is 0-d; it needs a leading per-position dimension [T, ...]")
+    if not x.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; per-position results (log-probs, entropy, "
+            "values) must be floating point"
+        )
+    return x
+
+
+def tensor_list(name: str, value: object, count: int, what: str) -> list[Tensor]:
+    """A sequence of ``count`` tensors of at least one dimension, one per sample.
+
+    Raises:
+        TypeError: ``value`` is a tensor or not a sequence; an element is not a tensor
+            of at least one dimension.
+        LayoutError: it holds another number of elements than ``count``.
+    """
+    if isinstance(value, (Tensor, str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of per-sample tensors, got {kind(value)}")
+    if len(value) != count:
+        raise LayoutError(f"{name} has {len(value)} samples but the layout has {count}")
+    items: list[Tensor] = []
+    for i, x in enumerate(value):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"sample {i}: {name}[{i}] must be a tensor {what}, got {kind(x)}")
+        if x.dim() == 0:
+            raise TypeError(f"sample {i}: {name}[{i}] is 0-d; it must be a tensor {what}")
+        items.append(x)
+    return items
+
+
+def per_sample(
+    name: str,
+    value: object,
+    want: Sequence[int],
+    which: str,
+    *,
+    uniform: bool = False,
+    one_dim: bool = False,
+    floating: bool = False,
+) -> list[Tensor]:
+    """One tensor per sample whose dimension 0 is ``want[i]``.
+
+    ``which`` names ``want`` in messages: ``"total_length"``, ``"response_length"``, or
+    ``"this rank's share"``. With ``uniform`` every tensor must share sample 0's dtype
+    and trailing shape (one tensor is built from them all); with ``one_dim`` each must be
+    1-D; with ``floating`` each must be floating point.
+
+    Raises:
+        TypeError: not a sequence of tensors of at least one dimension; with
+            ``floating``, a tensor that is not floating point.
+        LayoutError: another number of samples than ``len(want)``, a sample of another
+            length, and with ``one_dim`` / ``uniform`` a shape or dtype that differs.
+    """
+    items = tensor_list(name, value, len(want), f"[{which}, ...]")
+    for i, (x, n) in enumerate(zip(items, want)):
+        if floating and not x.is_floating_point():
+            raise TypeError(
+                f"sample {i}: {name}[{i}] has dtype {x.dtype}; it must be floating point"
+            )
+        if one_dim and x.dim() != 1:
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] has shape {tuple(x.shape)}; it must be 1-D "
+                f"[{which}] = [{n}]"
+            )
+        if x.shape[0] != n:
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] has {x.shape[0]} positions but {which} is {n}"
+            )
+        if uniform and (x.shape[1:] != items[0].shape[1:] or x.dtype != items[0].dtype):
+            raise LayoutError(
+                f"sample {i}: {name}[{i}] is {x.dtype} {tuple(x.shape)} but sample 0 is "
+                f"{items[0].dtype} {tuple(items[0].shape)} (trailing shape and dtype must "
+                "agree)"
+            )
+    return items
+
+
+def fill_value(fill: object, dtype: torch.dtype) -> float | int | bool:
+    """``fill`` as a value ``dtype`` holds exactly: refuse a fill it would truncate.
+
+    Raises:
+        TypeError: ``fill`` is not a real number (or a bool for a bool dtype).
+        LayoutError: a fraction, NaN or infinity for an integer dtype, or an integer
+            outside the dtype's range; anything but 0/1 for bool.
+    """
+    if dtype == torch.bool:
+        if _is_bool(fill):
+            return bool(fill)
+        value = real("fill", fill)
+        if value not in (0.0, 1.0):
+            raise LayoutError(f"fill {fill!r} cannot be held by a bool tensor (0, 1, False or True)")
+        return bool(value)
+    if dtype.is_floating_point or dtype.is_complex:
+        return real("fill", fill)
+    if hasattr(type(fill), "__index__") and not _is_bool(fill):
+        whole = operator.index(fill)  # type: ignore[arg-type]  # has __index__
+    else:
+        value = real("fill", fill)
+        if not value.is_integer():
+            raise LayoutError(
+                f"fill {fill!r} cannot be held by {dtype} (an integer dtype holds whole "
+                "numbers; it would be truncated)"
+            )
+        whole = int(value)
+    info = torch.iinfo(dtype)
+    if not info.min <= whole <= info.max:
+        raise LayoutError(f"fill {fill!r} is outside the range of {dtype} [{info.min}, {info.max}]")
+    return whole
