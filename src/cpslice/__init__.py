@@ -16,6 +16,7 @@ if _debug_enabled():
 else:
     _hook = None
 
+from ._cache import clear_caches as clear_caches
 from ._errors import LayoutError as LayoutError
 from ._extract import extract_responses as extract_responses
 from ._extract import extraction_strategy as extraction_strategy
@@ -41,6 +42,7 @@ __all__ = [
     "LayoutError",
     "ResponseRows",
     "Strategy",
+    "clear_caches",
     "extract_responses",
     "extraction_strategy",
     "gather_responses",

@@ -1,5 +1,10 @@
 """The module-level caches of cpslice, bounded, registered in one place, clearable.
 
+Every cached function is also a ``torch.compiler.disable`` boundary: the planning
+arithmetic (Python ints, ``.tolist()``, data-dependent shapes) is what a compiled
+training step should not trace, and the cache is only honoured when the call is not
+traced (dynamo would trace through ``lru_cache`` and recompute).
+
 A training step reads a handful of layouts (this rank's, perhaps one with another
 ``local_length``, the destination of a ``redistribute``), each for a few spans and on
 one device; every cache below holds about that much, so repeated steps with the same
@@ -9,21 +14,31 @@ and a new batch's layouts push the old ones out. ``clear_caches()`` empties them
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
+
+import torch
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CACHES: list[Any] = []
 
 
 def cached(maxsize: int) -> Callable[[_F], _F]:
-    """``functools.lru_cache(maxsize)``, registered so that ``clear_caches`` empties it."""
+    """``functools.lru_cache(maxsize)``, registered so that ``clear_caches`` empties it,
+    behind a ``torch.compiler.disable`` boundary (see the module docstring)."""
 
     def wrap(fn: _F) -> _F:
         wrapped = functools.lru_cache(maxsize=maxsize)(fn)
         _CACHES.append(wrapped)
-        return wrapped  # type: ignore[return-value]  # lru_cache keeps the signature
+        return boundary(cast(_F, wrapped))  # lru_cache keeps the signature
 
     return wrap
+
+
+def boundary(fn: _F) -> _F:
+    """``torch.compiler.disable``: a compiled caller runs ``fn`` eagerly (one graph
+    break) instead of tracing its index arithmetic."""
+    disable = cast(Callable[[_F], _F], torch.compiler.disable)  # untyped in torch
+    return disable(fn)
 
 
 def clear_caches() -> None:

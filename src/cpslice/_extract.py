@@ -10,6 +10,7 @@ from typing import overload
 import torch
 from torch import Tensor
 
+from ._cache import cached
 from ._checks import per_position, per_sample
 from ._errors import LayoutError
 from ._layout import Layout
@@ -57,6 +58,14 @@ def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor
     parts = iter(torch.split(values.index_select(0, rows), [c for c in counts if c]))
     empty = values[:0]
     return [next(parts) if count else empty for count in counts]
+
+
+@cached(maxsize=8)
+def _shard_plan(layout: Layout, length: int) -> tuple[list[int], list[int], int]:
+    """Per run (``k`` per sample): where this rank's piece starts in the whole response,
+    and its length."""
+    sel = selection(layout, length, "response")
+    return sel.run_sources(response_base(layout)).tolist(), sel.run_count.tolist(), sel.k
 
 
 @overload
@@ -126,11 +135,8 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
             the layout; an allgather layout without ``local_length``.
     """
     per_sample("full", full, layout.response_lengths, "response_length")
-    sel = selection(layout, resolve_length(layout), "response")
-    offsets: list[int] = sel.run_sources(response_base(layout)).tolist()
-    sizes: list[int] = sel.run_count.tolist()
+    offsets, sizes, k = _shard_plan(layout, resolve_length(layout))
     out: list[Tensor] = []
-    k = sel.k
     for i, f in enumerate(full):
         pieces = [
             f.narrow(0, offsets[j], sizes[j]) for j in range(i * k, i * k + k) if sizes[j]

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks as checks
+from ._cache import boundary
 from ._errors import LayoutError
 from ._types import Logits, PerRow, Targets
 
@@ -123,6 +124,7 @@ def _check(
     return logits_, targets_, tau, chunk
 
 
+@boundary  # data-dependent (nonzero): not for a compiled caller to trace
 def _check_range(targets: Tensor, vocab_total: int) -> None:
     """On the CPU, where it costs no device sync, refuse a target outside the vocabulary."""
     if targets.device.type != "cpu" or targets.numel() == 0:

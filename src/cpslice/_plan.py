@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from ._cache import cached
+from ._cache import boundary, cached
 from ._errors import LayoutError
 from ._layout import Layout
 from ._types import Strategy
@@ -112,6 +112,7 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
     raise LayoutError(f"{subject} is too short: {rule}")
 
 
+@boundary
 def default_length(layout: Layout) -> int:
     """``local_length`` when set (and long enough), else the least length the layout
     needs (for allgather, the least piece length): the length of a local tensor cpslice
@@ -122,6 +123,7 @@ def default_length(layout: Layout) -> int:
     return needed_length(layout)
 
 
+@boundary
 def resolve_length(layout: Layout, length: int | None = None, what: str = "local tensor") -> int:
     """The local length ``T``: the given tensor's, else the layout's, else the least one.
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._cache import cached
 from ._checks import per_sample
 from ._extract import shard_responses
 from ._layout import Layout
@@ -31,12 +32,16 @@ def _masked(
     return _per_sample(masked, counts), _per_sample(whole, list(layout.response_lengths))
 
 
+@cached(maxsize=8)
+def _sample_of(counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """The sample of each element of ``counts``' consecutive runs, on ``device``, once."""
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+    return index.to(device)
+
+
 def _per_sample(x: Tensor, counts: list[int]) -> Tensor:
     """Sums of consecutive runs of ``counts[i]`` elements of ``x``: one per sample."""
-    sample = torch.repeat_interleave(
-        torch.arange(len(counts), device=x.device),
-        torch.tensor(counts, dtype=torch.int64, device=x.device),
-    )
+    sample = _sample_of(tuple(counts), x.device)
     return torch.zeros(len(counts), dtype=x.dtype, device=x.device).index_add(0, sample, x)
 
 

@@ -1,0 +1,44 @@
+"""The module-level caches: bounded, clearable, and a step's own entries survive the
+planning of a redistribute route (which reads every rank's layout)."""
+
+import torch
+
+import cpslice
+from cpslice import Layout, extract_responses, pack, shard_responses, shifted_targets
+from cpslice._cache import _CACHES, cache_sizes
+from cpslice._plan import selection
+from cpslice._redistribute import _route
+
+
+def _step(layout: Layout, tokens: list[torch.Tensor]) -> None:
+    length = pack(tokens, layout).shape[0]
+    shifted_targets(tokens, layout)
+    extract_responses(torch.zeros(length), layout)
+    shard_responses([torch.zeros(r) for r in layout.response_lengths], layout)
+
+
+def test_every_cache_is_bounded_and_clear_caches_empties_them() -> None:
+    assert _CACHES and all(c.cache_parameters()["maxsize"] is not None for c in _CACHES)
+    assert all(c.cache_parameters()["maxsize"] <= 64 for c in _CACHES)
+    layout = Layout([10, 6, 3], [4, 2, 1], cp_mode="zigzag", cp_rank=1, cp_size=2)
+    _step(layout, [torch.arange(t) for t in layout.total_lengths])
+    assert sum(cache_sizes().values()) > 0
+    cpslice.clear_caches()
+    assert set(cache_sizes().values()) == {0}
+
+
+def test_a_route_miss_does_not_evict_the_steps_own_entries() -> None:
+    cpslice.clear_caches()
+    total, response = [10, 6, 3, 17, 9], [4, 2, 1, 9, 0]
+    zig = Layout(total, response, cp_mode="zigzag", cp_rank=1, cp_size=8)
+    tokens = [torch.arange(t) for t in total]
+    _step(zig, tokens)
+    step_entries = selection.__wrapped__.cache_info().currsize  # type: ignore[attr-defined]
+    # a new route reads all 8 ranks' layouts of src and of dst
+    allgather = Layout(total, response, cp_mode="allgather", cp_rank=1, cp_size=8, local_length=6)
+    _route(allgather, zig, 8)
+    before = selection.__wrapped__.cache_info()  # type: ignore[attr-defined]
+    _step(zig, tokens)
+    after = selection.__wrapped__.cache_info()  # type: ignore[attr-defined]
+    assert after.misses == before.misses, "the step's selections were evicted by the route"
+    assert after.hits > before.hits and after.currsize == step_entries
