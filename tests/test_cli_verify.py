@@ -168,17 +168,43 @@ def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture
     assert time.monotonic() - start < 100
 
 
+def _spawned_ranks(parent: int) -> list[int]:
+    """The pids of ``parent``'s multiprocessing ranks (children running spawn_main)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_during_start_up_stops_the_ranks_quietly() -> None:
-    # a terminal's Ctrl-C goes to the whole process group: the parent and its ranks
+    # a terminal's Ctrl-C goes to the whole process group: the parent and its ranks.
+    # SIGINT back to its default in the child: a background job starts with it ignored.
     proc = subprocess.Popen(
         [sys.executable, "-m", "cpslice", "verify", "--cp-size", "2", "--tp-size", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert proc.stderr is not None
-        first = proc.stderr.readline()
-        assert first.startswith("starting 2 processes"), first
-        time.sleep(2.0)  # the ranks are importing torch now
+        deadline = time.monotonic() + 120
+        while len(_spawned_ranks(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = _spawned_ranks(proc.pid)
+        assert len(ranks) == 2, "the ranks did not spawn"
+        # they ignore SIGINT from their first instruction (while they import torch):
+        # otherwise each prints a KeyboardInterrupt traceback, if the parent's kill
+        # does not happen to come first
+        for pid in ranks:
+            status = Path(f"/proc/{pid}/status").read_text()
+            ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+            assert ignored & (1 << (signal.SIGINT - 1)), f"rank {pid} takes SIGINT"
+        time.sleep(1.0)  # they are importing torch now, far from ready
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -186,7 +212,9 @@ def test_ctrl_c_during_start_up_stops_the_ranks_quietly() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130, err
-    assert err == "cpslice verify: interrupted\n", err
+    assert err.splitlines()[-1] == "cpslice verify: interrupted", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "ready" not in err  # it was start-up that was interrupted
 
 
 def test_verify_without_megatron_names_the_extra() -> None:
