@@ -155,7 +155,7 @@ def test_debug_mode_without_beartype_names_the_extra() -> None:
 def test_the_dev_install_still_has_the_extras() -> None:
     pins = (ROOT / "requirements-dev.txt").read_text()
     assert re.search(r"^megatron-core==", pins, re.M) and re.search(r"^beartype==", pins, re.M)
-    assert "-e ." in (ROOT / "Makefile").read_text()
+    assert "-e '.[megatron,debug]'" in (ROOT / "Makefile").read_text()
 
 
 def test_readme_opens_with_what_and_how_to_install() -> None:
