@@ -250,6 +250,7 @@ def test_bad_arguments_are_one_line(
     # the flags' names, never the API's arguments
     assert not re.search(r"\b(cp_size|cp_mode|qkv_format|max_seq_len|local_length|total_lengths|"
                          r"response_lengths)\b", err), err
+    assert not re.search(r"--[a-z-]+=", err), "advice in the flags' own form: --mode zigzag"
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

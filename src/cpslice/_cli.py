@@ -53,9 +53,14 @@ _FLAGS = {
 _API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
 
 
+_FLAG_VALUE = re.compile(r"(--[a-z-]+)=(?:'([^']*)'|(\d+))")
+
+
 def _flag_names(message: str) -> str:
-    """``message`` with the API's argument names replaced by plan's flags."""
-    return _API_NAMES.sub(lambda m: _FLAGS[m.group(1)], message)
+    """``message`` with the API's argument names replaced by plan's flags, and
+    ``name='value'`` advice written as ``--flag value``."""
+    flags = _API_NAMES.sub(lambda m: _FLAGS[m.group(1)], message)
+    return _FLAG_VALUE.sub(lambda m: f"{m.group(1)} {m.group(2) or m.group(3)}", flags)
 
 Colour = Literal["auto", "always", "never"]
 
@@ -468,7 +473,7 @@ def _verify(args: argparse.Namespace) -> int:
         return verify.verify_main(config)
     except ImportError as err:  # megatron-core missing: not a usage error
         _one_line("cpslice verify", str(err))
-        return 1
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         sys.stderr.write("cpslice verify: interrupted\n")
         return 130
