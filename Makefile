@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml requirements-dev.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e .
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[megatron,debug]'
 	touch $(STAMP)
 
 typecheck: install

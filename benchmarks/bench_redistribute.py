@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cpslice._verify import free_port
+from cpslice._verify import host_store, join_store
 
 CP = 4
 
@@ -40,8 +40,7 @@ def _median_ms(fn: Callable[[], None], repeat: int) -> float:
 
 
 def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
+    dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=CP)
     # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
     from cpslice import Layout, extract_responses, redistribute
@@ -123,7 +122,8 @@ _all_reduce = cast(Callable[[torch.Tensor], torch.Tensor], _AllReduce.apply)
 def run(quick: bool = False) -> list[tuple[str, int, int, float, float]]:
     """Spawn CP ranks and measure; rows of (case, our bytes, all_reduce bytes, ms, ms)."""
     n, mean, repeat = (256, 256, 5) if quick else (2048, 512, 7)
-    port = free_port()
+    store = host_store()  # held (and its port with it) until the ranks are done
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, n, mean, repeat, q)) for r in range(CP)]

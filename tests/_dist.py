@@ -1,5 +1,6 @@
-"""Real torch.distributed gloo process groups for tests: spawned processes, a free
-port, and a join timeout so that a hang fails the test instead of blocking CI."""
+"""Real torch.distributed gloo process groups for tests: spawned processes, a store
+the parent serves on a port it holds (no race for a free port), and a join timeout
+so that a hang fails the test instead of blocking CI."""
 
 import os
 import queue
@@ -10,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cpslice._verify import free_port
+from cpslice._verify import host_store, join_store
 
 Worker = Callable[..., Any]
 
@@ -18,10 +19,8 @@ Worker = Callable[..., Any]
 def _child(
     fn: Worker, rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
 ) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=world)
         try:
             out.put((rank, True, fn(rank, world, *args)))
         finally:
@@ -40,7 +39,8 @@ def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    store = host_store()  # served from here until the ranks are done
+    port = store.port
     old = os.environ.get("CPSLICE_DEBUG")
     os.environ["CPSLICE_DEBUG"] = "1"
     try:

@@ -120,3 +120,32 @@ def response_rows(cfg: Config, rank: int) -> list[int]:
             if cfg.total[i] - cfg.response[i] - 1 <= p < cfg.total[i] - 1:
                 rows.append(row)
     return rows
+
+
+def config_of(layout: Layout) -> Config:
+    """The oracle's Config of a Layout (its plain numbers only; no local length: the least)."""
+    return Config(tuple(layout.total_lengths), tuple(layout.response_lengths), layout.qkv_format,
+                  layout.max_seq_len, layout.cp_mode, layout.cp_size, layout.local_length, 0)
+
+
+def shares(whole: list[Tensor], cfg: Config, rank: int) -> list[Tensor]:
+    """The rank's share of whole per-sample response tensors ``[R_i, *rest]``: the
+    elements at its response-span positions, ascending."""
+    offsets: list[list[int]] = [[] for _ in cfg.total]
+    for m in local_map(cfg, rank):
+        if m is not None:
+            i, p = m
+            first = cfg.total[i] - cfg.response[i] - 1
+            if first <= p < cfg.total[i] - 1:
+                offsets[i].append(p - first)
+    return [w[torch.tensor(o, dtype=torch.int64)] for w, o in zip(whole, offsets)]
+
+
+def rows(per_sample: list[Tensor], cfg: Config, rank: int) -> Tensor:
+    """The rank's local tensor of whole per-sample ``[L_i, *rest]`` tensors; zero padding."""
+    places = local_map(cfg, rank)
+    out = torch.zeros((len(places), *per_sample[0].shape[1:]), dtype=per_sample[0].dtype)
+    for row, m in enumerate(places):
+        if m is not None:
+            out[row] = per_sample[m[0]][m[1]]
+    return out

@@ -217,14 +217,20 @@ def test_printed_shares_are_what_extraction_returns(
         (["plan", "--total", "10", "--response", "10"],
          "cpslice plan: error: sample 0: response_length 10 > total_length - 1 = 9"),
         (["plan", "--total", "10,3", "--response", "4"],
-         "total_lengths has 2 samples but response_lengths has 1"),
+         "--total has 2 samples but --response has 1"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2"],
-         "cp_mode 'none' with cp_size 2"),
+         "--mode 'none' with --cp-size 2"),
         (["plan", "--total", "10", "--response", "4", "--format", "bshd"],
-         "qkv_format 'bshd' needs max_seq_len"),
+         "--format 'bshd' needs --max-seq-len"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "allgather",
           "--local-length", "4"],
-         "cp_size * T = 2 * 4 = 8 < sum(total_lengths) = 10"),
+         "--cp-size * T = 2 * 4 = 8 < sum(--total) = 10"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "0"], "--cp-size"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "4096", "--mode", "zigzag"],
+         "cpslice plan: error: --cp-size 4096 > 1024: plan draws every rank"),
+        (["plan", "--bogus"], "cpslice plan: error: "),  # not cpslice's top level
+        (["plan", "--total", "10", "--response", "4", "--bogus", "1"],
+         "cpslice plan: error: unrecognized arguments: --bogus 1"),
         (["plan", "--total", "10", "--response", "4", "--local-length", "9"],
          "too short: the layout needs at least 10 positions"),
         ([], "cpslice: error: the following arguments are required: COMMAND"),
@@ -241,6 +247,59 @@ def test_bad_arguments_are_one_line(
     assert re.match(r"cpslice( plan)?: error: ", err)
     assert message in err
     assert "Traceback" not in err
+    # the flags' names, never the API's arguments
+    assert not re.search(r"\b(cp_size|cp_mode|qkv_format|max_seq_len|local_length|total_lengths|"
+                         r"response_lengths)\b", err), err
+    assert not re.search(r"--[a-z-]+=", err), "advice in the flags' own form: --mode zigzag"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["--version"], capsys)
+    assert (code, err) == (0, "")
+    assert re.fullmatch(r"cpslice \d+\.\d+\.\d+\S*\n", out), out
+
+
+@pytest.mark.parametrize("how", [["-m", "cpslice"], ["script"]])
+def test_an_invalid_cpslice_debug_is_one_line_from_the_command_line(
+    how: list[str], tmp_path: Path
+) -> None:
+    if how == ["script"]:  # what pip's console script does
+        script = tmp_path / "cpslice"
+        script.write_text("import sys\nfrom cpslice._cli import main\nsys.exit(main())\n")
+        how = [str(script)]
+    env = {**os.environ, "CPSLICE_DEBUG": "yes"}
+    done = subprocess.run([sys.executable, *how, *ZIGZAG_EXAMPLE], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "cpslice: error: CPSLICE_DEBUG='yes' is not valid; use one of: unset or '' or '0' "
+        "(no checking), '1' (jaxtyping + beartype checks on every cpslice function)\n")
+
+
+@pytest.mark.parametrize(
+    ("env", "tty", "colour"),
+    [
+        ({"TERM": "dumb"}, True, False),
+        ({"TERM": "xterm-256color"}, True, True),
+        ({"FORCE_COLOR": "1"}, False, True),
+        ({"FORCE_COLOR": "1", "TERM": "dumb"}, True, True),
+        ({"FORCE_COLOR": ""}, False, False),
+        ({"FORCE_COLOR": "1", "NO_COLOR": "1"}, True, False),
+    ],
+)
+def test_colour_follows_term_and_force_color(
+    env: dict[str, str], tty: bool, colour: bool, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("NO_COLOR", "FORCE_COLOR", "TERM"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: tty)
+    code, out, _ = run(ZIGZAG_EXAMPLE, capsys)
+    assert code == 0
+    assert ("\x1b[" in out) == colour
+    assert ANSI.sub("", out) == ZIGZAG_EXAMPLE_OUT
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,18 +1,28 @@
 """``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), a real
-small verify run (exit 0 and its table), the verifier catching an injected bug and a
-rank that raises (exit 1), the timeout, and bench's adapters and its source-checkout
-check. ``bench`` itself is not run here (it takes most of a minute)."""
+small verify run (exit 0 and its table), the verifier catching a bug planted in the
+layout arithmetic and a rank that raises (exit 1), the start-up timeout apart from a
+hang, Ctrl-C, a missing megatron-core, and bench's adapters, its source-checkout check
+and its target marks. ``bench`` itself is not run here (it takes most of a minute).
+Faults are injected from tests/_verify_ranks.py: the library carries none."""
 
+import importlib.util
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from cpslice import _cli, _verify
 from cpslice._cli import main
-from cpslice._verify import Case, Config, select_cases, verify_main
+from cpslice._verify import Case, Config, host_store, join_store, select_cases, verify_main
+
+from . import _verify_ranks
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -57,10 +67,10 @@ def test_bad_arguments_are_one_line_and_exit_2(
 def test_unknown_options_are_one_line_and_exit_2(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # argparse reports these from the top-level parser, as for plan
+    # said by the subcommand, as for plan
     code, out, err = run([command, "--frobnicate"], capsys)
     assert (code, out) == (2, "")
-    assert err == "cpslice: error: unrecognized arguments: --frobnicate\n"
+    assert err == f"cpslice {command}: error: unrecognized arguments: --frobnicate\n"
 
 
 def test_which_layouts_each_mode_checks() -> None:
@@ -97,34 +107,138 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         ["zigzag", "thd", "pass"], ["zigzag", "bshd", "pass"], ["allgather", "thd", "pass"]]
 
 
-def test_an_injected_bug_fails(capsys: pytest.CaptureFixture[str]) -> None:
-    cases = select_cases(2, "all", "thd")
-    code = verify_main(Config(2, 1, cases, samples=3, fault="shifted-tokens"))
-    out, _ = capsys.readouterr()
-    assert code == 1
-    rows = [line.split() for line in out.splitlines() if line.endswith("  FAIL")]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"], ["allgather", "thd"]]
-    for r in rows:
-        assert float(r[7]) > 0.1 and float(r[9]) > 0.1  # log-probs and gradient
-    assert out.splitlines()[-1] == "2 of 2 layouts FAIL"
+def _patched_copy(tmp_path: Path, old: str, new: str) -> Path:
+    """A copy of the cpslice package with one line of ``_plan.py`` changed (a planted
+    bug); returns the folder to put on PYTHONPATH."""
+    src = tmp_path / "src"
+    shutil.copytree(Path(_verify.__file__).parent, src / "cpslice",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    plan = src / "cpslice" / "_plan.py"
+    text = plan.read_text()
+    assert text.count(old) == 1, f"the line to plant the bug in moved: {old!r}"
+    plan.write_text(text.replace(old, new))
+    return src
+
+
+def test_a_planted_layout_bug_fails(tmp_path: Path) -> None:
+    # zigzag rank r holds chunks r and 2c-1-r; plant 2c-2-r. pack, extraction and
+    # shard_responses all read the same wrong plan, so only expected values computed
+    # independently of _plan (the verifier's oracle) can catch it.
+    src = _patched_copy(tmp_path, "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(
+        [sys.executable, "-m", "cpslice", "verify", "--cp-size", "2", "--tp-size", "1",
+         "--mode", "zigzag", "--format", "thd", "--samples", "4"],
+        env=env, capture_output=True, text=True, timeout=200, check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.endswith("  FAIL")]
+    assert [r[:2] for r in rows] == [["zigzag", "thd"]], done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "1 of 1 layout FAIL"
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = Config(2, 1, (Case("allgather", "thd"),), samples=2, fault="rank-1-raises",
-                    timeout=60.0)
-    assert verify_main(config) == 1
+    config = Config(2, 1, (Case("allgather", "thd"),), samples=2, timeout=60.0)
+    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises) == 1
     _, err = capsys.readouterr()
     assert "cpslice verify: rank 1 raised in layout allgather thd:" in err
     assert "RuntimeError: fault injected: rank 1 raises" in err
 
 
-def test_a_hang_fails_at_the_timeout(capsys: pytest.CaptureFixture[str]) -> None:
-    # Nothing starts within a tenth of a second: the same path as a rank that hangs.
-    assert verify_main(Config(2, 1, (Case("zigzag", "thd"),), timeout=0.1)) == 1
-    _, err = capsys.readouterr()
-    assert "2 of 2 ranks did not start within --timeout 0.1 s" in err.splitlines()[-1]
+def test_a_slow_start_is_not_called_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
+    config = Config(2, 1, (Case("zigzag", "thd"),), startup_timeout=1.0, timeout=0.1)
+    assert verify_main(config, rank_main=_verify_ranks.never_start) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "2 of 2 ranks did not start within --startup-timeout 1 s" in last
+    assert "hang" not in last
+
+
+def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
+    # a generous start-up, a short wait for progress: once every rank is ready and one
+    # layout is half done, nothing more comes
+    cases = (Case("zigzag", "thd"), Case("zigzag", "bshd"))
+    config = Config(2, 1, cases, startup_timeout=120.0, timeout=2.0)
+    start = time.monotonic()
+    assert verify_main(config, rank_main=_verify_ranks.ready_then_stall) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert ("1 of 2 ranks made no progress on layout zigzag thd for --timeout 2 s (a hang"
+            in last), last
+    assert time.monotonic() - start < 100
+
+
+def _spawned_ranks(parent: int) -> list[int]:
+    """The pids of ``parent``'s multiprocessing ranks (children running spawn_main)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_ctrl_c_during_start_up_stops_the_ranks_quietly() -> None:
+    # a terminal's Ctrl-C goes to the whole process group: the parent and its ranks.
+    # SIGINT back to its default in the child: a background job starts with it ignored.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpslice", "verify", "--cp-size", "2", "--tp-size", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_spawned_ranks(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ranks = _spawned_ranks(proc.pid)
+        assert len(ranks) == 2, "the ranks did not spawn"
+        # they ignore SIGINT from their first instruction (while they import torch):
+        # otherwise each prints a KeyboardInterrupt traceback, if the parent's kill
+        # does not happen to come first
+        for pid in ranks:
+            status = Path(f"/proc/{pid}/status").read_text()
+            ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+            assert ignored & (1 << (signal.SIGINT - 1)), f"rank {pid} takes SIGINT"
+        time.sleep(1.0)  # they are importing torch now, far from ready
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == "cpslice verify: interrupted", err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "ready" not in err  # it was start-up that was interrupted
+
+
+def test_verify_without_megatron_names_the_extra() -> None:
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["megatron"] = None  # as if megatron-core were not installed
+        from cpslice._cli import main
+        raise SystemExit(main(["verify", "--cp-size", "2", "--tp-size", "1"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr.startswith("cpslice verify: error: megatron-core is not installed")
+    assert "pip install 'cpslice[megatron]'" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_the_store_holds_its_port() -> None:
+    # the ranks' rendezvous port is taken by the parent's store from the start, so
+    # nothing can take it between choosing it and binding it (free_port's race)
+    store = host_store()
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    store.set("k", "v")
+    assert join_store(store.port).get("k") == b"v"
 
 
 def test_verify_and_plan_do_not_import_megatron() -> None:
@@ -144,7 +258,7 @@ def test_bench_needs_a_source_checkout(
 ) -> None:
     monkeypatch.setattr(_cli, "_SOURCE_ROOT", tmp_path / "site-packages")
     code, out, err = run(["bench", "--quick"], capsys)
-    assert (code, out) == (2, "")
+    assert (code, out) == (1, "")  # not a usage error: nothing to run in this installation
     assert err.startswith("cpslice bench: error: bench needs a source checkout: no "
                           "bench_extract.py in ") and err.count("\n") == 1
 
@@ -180,3 +294,25 @@ def test_bench_sections_and_a_failing_benchmark(
     assert out.splitlines()[-1] == "1 of 3 benchmarks failed"
     assert "cpslice bench: bench_redistribute failed:" in err
     assert "RuntimeError: no gloo today" in err
+
+
+def test_bench_extract_marks_a_ratio_that_misses_its_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the real file (another test leaves fake benchmarks in sys.modules)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_extract.py"
+    spec = importlib.util.spec_from_file_location("_real_bench_extract", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    Row, report = module.Row, module.report
+
+    good = Row("none-thd", 8, 64, loop_ms=300.0, floor_ms=10.0, warm_ms=11.0, cold_ms=12.0)
+    slow = Row("zigzag-thd cp4", 8, 64, loop_ms=100.0, floor_ms=10.0, warm_ms=20.0,
+               cold_ms=25.0)  # loop/cold 4x < 20x, cold/floor 2.5x > 2x
+    lines = report([good, slow]).splitlines()
+    assert "!" not in lines[1]
+    assert "4.0x!" in lines[2] and "2.50x!" in lines[2]
+    assert lines[-1] == "MISSED: 2 ratios (marked !) miss the target"
+    assert report([good]).splitlines()[-1] == "every ratio meets its target"

@@ -2,7 +2,9 @@
 TP 1 and 2, every layout. Each rank's log-prob and entropy shares equal the float64
 reference at its positions; its logits' gradient equals the reference gradient at
 the rows it holds (zero on padding); redistribution, gathering and the reducers
-give the cp_size 1 result."""
+give the cp_size 1 result. Every expected share, loss weight and gradient row is read
+from tests/oracle.py (a position-by-position transcription of the layout rules),
+never from the pack/shard_responses code under test."""
 
 from typing import Any
 
@@ -15,11 +17,11 @@ from cpslice import (
     pack,
     redistribute,
     response_log_probs,
-    shard_responses,
     sum_of_sample_means,
     sum_of_tokens,
 )
 
+from . import oracle
 from ._dist import destroy_megatron, init_megatron, run_distributed
 from .reference import Batch, layout_for, make_batch
 
@@ -40,6 +42,7 @@ def _err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: Any,
                 tp_group: Any) -> dict[str, float]:
     v = VOCAB_PER_RANK
+    cfg, rank = oracle.config_of(layout), layout.cp_rank
     full = pack(batch.logits, layout)  # [T, V]: this CP rank's rows
     logits = full[:, tp_rank * v : (tp_rank + 1) * v].clone().requires_grad_()
     before = logits.detach().clone()
@@ -48,16 +51,16 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
         tp_group=tp_group if tp > 1 else None, chunk_size=3,
     )
     err = {
-        "lp": _err(lp, shard_responses(batch.ref_lp, layout)),
-        "ent": _err(ent, shard_responses(batch.ref_ent, layout)),
+        "lp": _err(lp, oracle.shares(batch.ref_lp, cfg, rank)),
+        "ent": _err(ent, oracle.shares(batch.ref_ent, cfg, rank)),
     }
-    w_lp = shard_responses(batch.w_lp, layout)
-    w_ent = shard_responses(batch.w_ent, layout)
+    w_lp = oracle.shares(batch.w_lp, cfg, rank)
+    w_ent = oracle.shares(batch.w_ent, cfg, rank)
     anchor = logits.sum() * 0
     loss = sum(((a.float() * x).sum() + (b.float() * y).sum()
                 for a, x, b, y in zip(w_lp, lp, w_ent, ent)), anchor)
     (grad,) = torch.autograd.grad(loss, logits)
-    want = pack(batch.ref_grad, layout)[:, tp_rank * v : (tp_rank + 1) * v]
+    want = oracle.rows(batch.ref_grad, cfg, rank)[:, tp_rank * v : (tp_rank + 1) * v]
     err["grad"] = float((grad.double() - want).abs().max()) if grad.numel() else 0.0
     assert torch.equal(logits.detach(), before), "the caller's logits were modified"
 
@@ -72,8 +75,9 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
         zig = Layout(batch.total, batch.response, cp_mode="zigzag", cp_rank=layout.cp_rank,
                      cp_size=layout.cp_size)
         zlp = redistribute(lp, layout, zig, group=cp_group)
-        err["to_zigzag"] = _err(zlp, shard_responses(batch.ref_lp, zig))
-        target, weights = zig, shard_responses(batch.w_lp, zig)
+        zcfg = oracle.config_of(zig)
+        err["to_zigzag"] = _err(zlp, oracle.shares(batch.ref_lp, zcfg, rank))
+        target, weights = zig, oracle.shares(batch.w_lp, zcfg, rank)
     else:
         zlp, target, weights = lp, layout, w_lp
     # the reduced losses: parts sum over the CP group to the cp_size 1 value
@@ -100,7 +104,7 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
         lpx = logp[t - r - 1 : t - 1].gather(1, tok[t - r :, None])[:, 0]
         loss2 = (lpx[m].sum() / m.sum() if m.any() else lpx.sum() * 0) + (w[m] * lpx[m]).sum()
         ref_grad2.append(torch.autograd.grad(loss2, x)[0])
-    want2 = pack(ref_grad2, layout)[:, tp_rank * v : (tp_rank + 1) * v]
+    want2 = oracle.rows(ref_grad2, cfg, rank)[:, tp_rank * v : (tp_rank + 1) * v]
     err["reduced_grad"] = float((grad2.double() - want2).abs().max()) if grad2.numel() else 0.0
     return err
 

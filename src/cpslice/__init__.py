@@ -7,9 +7,9 @@ jaxtyping + beartype, checking dtypes and shapes with dimension names bound
 across arguments; unset, no wrapper exists at all.
 """
 
-from ._debug import debug_enabled as _debug_enabled
+from ._debug import debug_setting as _debug_setting
 
-if _debug_enabled():
+if _debug_setting():
     from jaxtyping import install_import_hook as _install_import_hook
 
     _hook = _install_import_hook("cpslice", "beartype.beartype")
@@ -57,4 +57,14 @@ __all__ = [
     "sum_of_tokens",
 ]
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cpslice")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
+"""The installed distribution's version (pyproject.toml is its one source)."""

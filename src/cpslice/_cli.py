@@ -16,6 +16,7 @@ import importlib
 import io
 import itertools
 import os
+import re
 import sys
 import time
 import traceback
@@ -26,6 +27,7 @@ from typing import Literal, NamedTuple, NoReturn, cast
 
 import torch
 
+from . import __version__
 from ._errors import LayoutError
 from ._extract import extraction_strategy
 from ._layout import Layout
@@ -33,6 +35,32 @@ from ._plan import default_length, needed_length, runs, selection
 from ._types import CpMode, QkvFormat
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+MAX_PLAN_CP_SIZE = 1024
+"""``cpslice plan`` draws every rank; a CP size beyond any real setup is refused."""
+
+# The API's argument names in a LayoutError from plan, and plan's flags for them.
+_FLAGS = {
+    "total_lengths": "--total",
+    "response_lengths": "--response",
+    "cp_size": "--cp-size",
+    "cp_mode": "--mode",
+    "qkv_format": "--format",
+    "max_seq_len": "--max-seq-len",
+    "local_length": "--local-length",
+}
+_API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
+
+
+_FLAG_VALUE = re.compile(r"(--[a-z-]+)=(?:'([^']*)'|(\d+))")
+
+
+def _flag_names(message: str) -> str:
+    """``message`` with the API's argument names replaced by plan's flags, and
+    ``name='value'`` advice written as ``--flag value``."""
+    flags = _API_NAMES.sub(lambda m: _FLAGS[m.group(1)], message)
+    return _FLAG_VALUE.sub(lambda m: f"{m.group(1)} {m.group(2) or m.group(3)}", flags)
 
 Colour = Literal["auto", "always", "never"]
 
@@ -273,10 +301,16 @@ def _rank_block(layout: Layout, length: int, colour: bool) -> list[str]:
 
 
 def _use_colour(choice: Colour) -> bool:
+    """``--color``; for auto: off with NO_COLOR (https://no-color.org), on with
+    FORCE_COLOR (https://force-color.org), each when set to anything but ""; else on
+    for a terminal other than TERM=dumb."""
     if choice != "auto":
         return choice == "always"
-    # https://no-color.org: NO_COLOR set to anything but "" turns colour off.
-    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    return sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -292,6 +326,11 @@ def _plan(args: argparse.Namespace) -> int:
     cp_mode = cast(CpMode, args.mode)
     given = cast("int | None", args.local_length)
     colour = _use_colour(cast(Colour, args.color))
+    if cp_size > MAX_PLAN_CP_SIZE:
+        raise LayoutError(
+            f"--cp-size {cp_size} > {MAX_PLAN_CP_SIZE}: plan draws every rank, and no real "
+            f"setup has more than {MAX_PLAN_CP_SIZE} context-parallel ranks"
+        )
 
     def layout(rank: int, local_length: int | None) -> Layout:
         return Layout(
@@ -305,7 +344,10 @@ def _plan(args: argparse.Namespace) -> int:
             local_length=local_length,
         )
 
-    first = layout(0, given)
+    try:
+        first = layout(0, given)
+    except LayoutError as err:  # name the flags the user typed, not the API's arguments
+        raise LayoutError(_flag_names(str(err))) from None
     # An allgather layout without a local length has no pieces yet: take the least.
     length = default_length(first)
     how = "the least that fits" if given is None else "given"
@@ -363,13 +405,15 @@ def _seconds(text: str) -> float:
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
-    from ._verify import DEFAULT_TIMEOUT, TOLERANCE  # no megatron-core: that is the ranks'
+    # no megatron-core: that is the ranks'
+    from ._verify import DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, TOLERANCE
 
     parser.epilog = (
         "A layout passes when its log-probs, entropy and logits' gradient are each within "
         f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. Exit status: 0 when "
-        "every layout passes; 1 when one fails, or a rank raises, dies or hangs past "
-        "--timeout; 2 on bad arguments."
+        "every layout passes; 1 when one fails, or a rank raises, dies, does not start "
+        "within --startup-timeout or makes no progress for --timeout, or megatron-core "
+        "is not installed; 2 on bad arguments; 130 on Ctrl-C."
     )
     parser.add_argument(
         "--cp-size", type=_count(1), default=2, metavar="N",
@@ -399,8 +443,13 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SEC",
-        help=f"give up (and kill the ranks) after SEC seconds: a hang fails "
-        f"(default {DEFAULT_TIMEOUT:g})",
+        help=f"once the ranks have started, fail as a hang (and kill them) when none "
+        f"finishes a layout for SEC seconds (default {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=_seconds, default=DEFAULT_STARTUP_TIMEOUT, metavar="SEC",
+        help="fail when the ranks have not all spawned, imported megatron-core and joined "
+        f"the group within SEC seconds (default {DEFAULT_STARTUP_TIMEOUT:g})",
     )
 
 
@@ -418,10 +467,13 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config = verify.Config(
         cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
-        timeout=cast(float, args.timeout),
+        timeout=cast(float, args.timeout), startup_timeout=cast(float, args.startup_timeout),
     )
     try:
         return verify.verify_main(config)
+    except ImportError as err:  # megatron-core missing: not a usage error
+        _one_line("cpslice verify", str(err))
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         sys.stderr.write("cpslice verify: interrupted\n")
         return 130
@@ -463,14 +515,14 @@ def _bench(args: argparse.Namespace) -> int:
     quick = cast(bool, args.quick)
     folder = _SOURCE_ROOT / "benchmarks"
     missing = [name for name, _ in _BENCHMARKS if not (folder / f"{name}.py").is_file()]
-    if missing:
+    if missing:  # not a usage error: nothing to run in this installation
         _one_line(
             "cpslice bench",
             f"bench needs a source checkout: no {missing[0]}.py in {folder} (cpslice is "
             "installed without its benchmarks/ folder); clone the repository and "
             "pip install -e . there",
         )
-        return EXIT_USAGE
+        return EXIT_FAILURE
     if str(_SOURCE_ROOT) not in sys.path:
         sys.path.insert(0, str(_SOURCE_ROOT))
     sys.stdout.write(f"cpslice bench{' --quick' if quick else ''}: {len(_BENCHMARKS)} benchmarks "
@@ -523,6 +575,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         prog="cpslice",
         description="Inspect packed, context-parallel layouts of response-aligned tensors.",
     )
+    parser.add_argument("--version", action="version", version=f"cpslice {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers: dict[str, argparse.ArgumentParser] = {}
     for name, command in SUBCOMMANDS.items():
@@ -540,7 +593,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser, parsers = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the subcommand: `cpslice plan: error: ...`
+            parsers[cast(str, args.command)].error(
+                f"unrecognized arguments: {' '.join(unknown)}"
+            )
     except SystemExit as stop:  # --help, or an argument error already reported
         code = stop.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)

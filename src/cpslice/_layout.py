@@ -178,6 +178,7 @@ class Layout:
         CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
 
         Raises:
+            ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
             RuntimeError: megatron-core's model parallel state is not initialized.
             LayoutError: as ``Layout(...)``.
         """

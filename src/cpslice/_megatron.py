@@ -5,7 +5,17 @@ Apex, so ``import cpslice`` never imports this module.
 """
 
 import torch.distributed as dist
-from megatron.core import parallel_state
+
+try:
+    from megatron.core import parallel_state
+except ModuleNotFoundError as err:
+    if (err.name or "").split(".")[0] != "megatron":
+        raise  # megatron-core is there but one of its own imports failed: say that
+    raise ImportError(
+        "Layout.from_parallel_state reads megatron-core's parallel_state, and megatron-core "
+        "is not installed: pip install 'cpslice[megatron]' (or build the Layout directly "
+        "with cp_mode/cp_rank/cp_size)"
+    ) from err
 
 
 def _require_initialized() -> None:

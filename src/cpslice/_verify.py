@@ -11,8 +11,10 @@ layout asked for, runs the path of a training step through the public API:
 
 and compares the log-probs, the entropy and the logits' gradient with a float64
 ``torch.log_softmax`` of every sample's whole logits, which each process computes
-for itself from the seed. The expected shares and gradient rows are read with
-``shard_responses`` and ``pack``: no offset is derived here. Each rank sends its
+for itself from the seed. The expected shares, loss weights and gradient rows are
+read from ``_verify_oracle``, a position-by-position transcription of the layout
+rules that shares no code with the library's layout arithmetic (``_plan``,
+``_pack``, ``_extract``), so a bug there fails a row. Each rank sends its
 largest errors to the parent through a queue. Only the children import megatron-core.
 
 Every layout runs two batches: ``samples`` random samples that include the edges
@@ -23,6 +25,8 @@ collective). Each rank's local tensor carries one padding row more than the layo
 needs, whose gradient must be zero.
 """
 
+import contextlib
+import importlib.util
 import math
 import multiprocessing
 import multiprocessing.queues
@@ -30,23 +34,23 @@ import os
 import queue
 import random
 import signal
-import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
-from ._extract import shard_responses
+from . import _verify_oracle as oracle
 from ._layout import Layout
 from ._pack import pack
-from ._plan import needed_length
 from ._redistribute import redistribute
 from ._response import response_log_probs
 from ._types import CpMode, QkvFormat
@@ -64,20 +68,22 @@ wrong target is off by ~1 or more."""
 MAX_PROCESSES = 32
 DEFAULT_TIMEOUT = 180.0
 
-Fault = Literal["shifted-tokens", "rank-1-raises"]
-"""A deliberate bug, for testing the verifier itself (the command line offers none):
-``"shifted-tokens"`` feeds every rank each sample's tokens rotated by one, so the
-log-probs and the gradient must fail; ``"rank-1-raises"`` makes rank 1 raise in the
-first layout while the others go on into their collectives, so the run must report
-the traceback and stop them."""
+DEFAULT_STARTUP_TIMEOUT = 120.0
+"""Seconds for every rank to spawn, import torch and megatron-core and join the group
+(15-30 s on a loaded machine)."""
 
+MEGATRON_MISSING = (
+    "megatron-core is not installed, and verify's ranks run megatron-core's "
+    "parallel_state: pip install 'cpslice[megatron]'"
+)
 
 class VerifyArgumentError(ValueError):
     """A combination of verify's options that names no runnable check."""
 
 
 class VerifyFailure(RuntimeError):
-    """The run itself broke: a rank raised or died, or the ranks hung past the timeout."""
+    """The run itself broke: a rank raised or died, the ranks did not start in time,
+    or the started ranks stopped making progress (a hang)."""
 
 
 class Case(NamedTuple):
@@ -163,8 +169,10 @@ class Config:
     samples: int = 16
     seed: int = 0
     timeout: float = DEFAULT_TIMEOUT
+    """Seconds the started ranks may go without progress (a finished layout) before
+    the run fails as a hang."""
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     tolerance: float = TOLERANCE
-    fault: Fault | None = None
 
     @property
     def world(self) -> int:
@@ -302,7 +310,11 @@ def _max_error(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
 
 
 def _weighted(a: Sequence[Tensor], x: Sequence[Tensor], anchor: Tensor) -> Tensor:
-    return sum(((w * v).sum() for w, v in zip(a, x)), anchor)
+    """``sum(w * v)``; a share of the wrong shape (already a failure: its error is inf)
+    counts as ``0 * v``, so that the rank still runs the same backward as the others."""
+    return sum(
+        ((w * v).sum() if w.shape == v.shape else (v * 0).sum() for w, v in zip(a, x)), anchor
+    )
 
 
 def check_batch(
@@ -325,34 +337,38 @@ def check_batch(
     )
     if layout.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {layout.cp_mode!r}, not {case.mode!r}")
-    layout = layout.with_local_length(needed_length(layout) + 1)
+    # one padding row more than the rules need (from the oracle, not from _plan)
+    length = oracle.least_length(batch.total, case.mode, case.fmt, seq, layout.cp_size) + 1
+    layout = layout.with_local_length(length)
+    view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
+                           layout.cp_rank, layout.cp_size, length)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
-    tokens = batch.tokens
-    if config.fault == "rank-1-raises" and dist.get_rank() == 1:
-        raise RuntimeError("fault injected: rank 1 raises")
-    if config.fault == "shifted-tokens":
-        tokens = [t.roll(1) for t in tokens]
     lp, ent = response_log_probs(
-        logits, tokens, layout, with_entropy=True, temperature=TEMPERATURE,
+        logits, batch.tokens, layout, with_entropy=True, temperature=TEMPERATURE,
         tp_group=tp_group, chunk_size=CHUNK_ROWS,
     )
     empty = sum(int(x.numel()) for x in lp) == 0
-    err_lp = _max_error(lp, shard_responses(batch.ref_lp, layout))
-    err_ent = _max_error(ent, shard_responses(batch.ref_ent, layout))
-    where = layout
+    err_lp = _max_error(lp, oracle.shares(batch.ref_lp, view))
+    err_ent = _max_error(ent, oracle.shares(batch.ref_ent, view))
+    where, where_view = layout, view
     if layout.cp_mode == "allgather":
         # what loss code written for ring attention reads: zigzag (none at cp 1)
         where = Layout.from_parallel_state(batch.total, batch.response)
+        mode = "zigzag" if layout.cp_size > 1 else "none"
+        where_view = oracle.RankView(
+            batch.total, batch.response, mode, "thd", None, layout.cp_rank, layout.cp_size,
+            oracle.least_length(batch.total, mode, "thd", None, layout.cp_size),
+        )
         lp, ent = redistribute((lp, ent), layout, where, group=cp_group)
-        err_lp = max(err_lp, _max_error(lp, shard_responses(batch.ref_lp, where)))
-        err_ent = max(err_ent, _max_error(ent, shard_responses(batch.ref_ent, where)))
+        err_lp = max(err_lp, _max_error(lp, oracle.shares(batch.ref_lp, where_view)))
+        err_ent = max(err_ent, _max_error(ent, oracle.shares(batch.ref_ent, where_view)))
     anchor = logits.sum() * 0  # a rank holding no response still runs backward
-    loss = _weighted(shard_responses(batch.w_lp, where), lp, anchor) + _weighted(
-        shard_responses(batch.w_ent, where), ent, anchor
+    loss = _weighted(oracle.shares(batch.w_lp, where_view), lp, anchor) + _weighted(
+        oracle.shares(batch.w_ent, where_view), ent, anchor
     )
     (grad,) = torch.autograd.grad(loss, logits)
-    want = pack([g[:, shard] for g in batch.ref_grad], layout)
+    want = oracle.rows([g[:, shard] for g in batch.ref_grad], view)
     return Errors(err_lp, err_ent, _max_error([grad], [want])), empty
 
 
@@ -379,15 +395,17 @@ def _rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     A failure is sent to the parent first and cleaned up after: the parent kills the
     ranks still waiting in a collective for this one.
     """
-    # Ctrl-C reaches the whole process group: the parent alone handles it (and kills us).
+    # Ctrl-C reaches the whole process group: the parent alone handles it (and kills
+    # us). The parent spawned us with SIGINT ignored already, so that a Ctrl-C while
+    # we import torch prints nothing either; this keeps it so.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
     where = {"case": -1, "cp_rank": -1}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=config.world)
+        dist.init_process_group(
+            "gloo", store=join_store(port), rank=rank, world_size=config.world
+        )
         from megatron.core import parallel_state as ps
 
         ps.initialize_model_parallel(
@@ -446,59 +464,103 @@ class CaseResult:
         return all(e <= self.tolerance for e in self.errors)  # NaN-free: inf stands for it
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def host_store() -> TCPStore:
+    """A torch.distributed store served from this process on a port of 127.0.0.1
+    that the operating system picks (port 0) and this process holds until the store
+    is dropped, so no other program can take it between choosing and binding
+    (``store.port`` says which). Ranks join it with ``join_store``."""
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_store(port: int) -> TCPStore:
+    """A client of the store ``host_store`` serves on ``port``; pass it to
+    ``torch.distributed.init_process_group(store=...)``."""
+    return TCPStore("127.0.0.1", port, is_master=False)
+
+
+RankMain = Callable[[int, int, Config, Outbox], None]
+"""A spawned rank's entry: ``(rank, store port, config, outbox)``; ``_rank_main``."""
+
+
+def megatron_available() -> bool:
+    """Whether megatron-core can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # "megatron" itself is missing (or blocked)
+        return False
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while children are spawned: they inherit that from their first
+    instruction, so a Ctrl-C while they import torch and megatron-core prints no
+    tracebacks (the parent, which handles it, kills them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def run(
     config: Config,
     progress: Callable[[CaseResult], None] | None = None,
     ready: Callable[[float], None] | None = None,
+    *,
+    rank_main: RankMain | None = None,
 ) -> list[CaseResult]:
     """Spawn the ranks, check every case, and return one result per case, in order.
 
     ``ready`` is called with the seconds the start took once every rank has set up
     gloo and megatron-core; ``progress`` with each case's result as soon as every
-    rank has sent it.
+    rank has sent it. ``rank_main`` replaces each spawned rank's entry (a
+    module-level function, for testing the verifier itself; default ``_rank_main``).
 
     Raises:
-        VerifyFailure: a rank raised (the message holds its traceback) or died, or the
-            ranks did not finish within ``config.timeout`` seconds (a hang); every
-            rank still running is killed first.
+        ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
+        VerifyFailure: a rank raised (the message holds its traceback) or died; not
+            every rank started within ``config.startup_timeout`` seconds; or the
+            started ranks made no progress for ``config.timeout`` seconds (a hang).
+            Every rank still running is killed first.
     """
+    if not megatron_available():
+        raise ImportError(MEGATRON_MISSING)
     ctx = multiprocessing.get_context("spawn")
     out: Outbox = ctx.Queue()
-    port = free_port()
+    store = host_store()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, config, out), daemon=True)
+        ctx.Process(target=rank_main or _rank_main, args=(r, store.port, config, out),
+                    daemon=True)
         for r in range(config.world)
     ]
     results: list[CaseResult] = []
     pending: dict[int, list[Report]] = {}
     started = 0
     start = last = time.monotonic()
-    deadline = start + config.timeout
+    deadline = start + config.startup_timeout
     try:
-        for p in procs:
-            p.start()
+        with _sigint_ignored():
+            for p in procs:
+                p.start()
         while len(results) < len(config.cases):
             left = deadline - time.monotonic()
             if left <= 0:
                 if started < config.world:
-                    what = f"{config.world - started} of {config.world} ranks did not start"
-                else:
-                    done = len(pending.get(len(results), []))
-                    what = (
-                        f"{config.world - done} of {config.world} ranks did not finish layout "
-                        f"{config.cases[len(results)].name}"
+                    raise VerifyFailure(
+                        f"{config.world - started} of {config.world} ranks did not start "
+                        f"within --startup-timeout {config.startup_timeout:g} s (spawning "
+                        "them and importing torch and megatron-core; on a loaded machine "
+                        "pass a larger --startup-timeout); killed them"
                     )
+                done = len(pending.get(len(results), []))
                 raise VerifyFailure(
-                    f"{what} within --timeout {config.timeout:g} s (a hang: a rank skipped "
-                    "a collective?); killed them"
+                    f"{config.world - done} of {config.world} ranks made no progress on "
+                    f"layout {config.cases[len(results)].name} for --timeout "
+                    f"{config.timeout:g} s (a hang: a rank skipped a collective?); "
+                    "killed them"
                 )
             try:
                 report = out.get(timeout=min(left, 0.5))
@@ -518,9 +580,11 @@ def run(
                 started += 1
                 if started == config.world:
                     last = time.monotonic()
+                    deadline = last + config.timeout
                     if ready is not None:
                         ready(last - start)
                 continue
+            deadline = time.monotonic() + config.timeout  # a rank made progress
             arrived = pending.setdefault(report.case, [])
             arrived.append(report)
             if len(arrived) == config.world and report.case == len(results):
@@ -538,6 +602,7 @@ def run(
                 p.kill()
                 p.join(timeout=5)
         out.close()
+        del store
 
 
 def _combine(config: Config, index: int, reports: list[Report], seconds: float) -> CaseResult:
@@ -614,15 +679,22 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
     return "\n".join(lines)
 
 
-def verify_main(config: Config) -> int:
+def verify_main(config: Config, *, rank_main: RankMain | None = None) -> int:
     """Run ``config``: the header and the table on stdout, a line per layout on stderr.
 
     Returns 0 when every layout passes, 1 when one fails or the run breaks (a rank
-    raised, died or hung: said on stderr, with the rank's traceback).
+    raised, died, did not start or hung: said on stderr, with the rank's traceback).
+    ``rank_main``: as ``run``'s.
+
+    Raises:
+        ImportError: megatron-core is not installed, before anything is printed.
     """
+    if not megatron_available():
+        raise ImportError(MEGATRON_MISSING)
     say(header(config))
     note(f"starting {_plural(config.world, 'process', 'processes')} (each imports "
-         "megatron-core: a few seconds)")
+         f"megatron-core: a few seconds, at most --startup-timeout "
+         f"{config.startup_timeout:g} s)")
 
     def show(result: CaseResult) -> None:
         note(progress_line(result))
@@ -631,7 +703,7 @@ def verify_main(config: Config) -> int:
         note(f"  {_plural(config.world, 'rank')} ready ({seconds:.1f} s)")
 
     try:
-        results = run(config, show, started)
+        results = run(config, show, started, rank_main=rank_main)
     except VerifyFailure as failure:
         note(f"cpslice verify: {failure}")
         return 1

@@ -1,0 +1,122 @@
+"""The layout rules read position by position, for ``cpslice verify``'s expected values.
+
+A second, deliberately plain transcription of the layout rules (README, "The
+layouts"): a loop over every position of every sample, written without the
+vectorized run arithmetic of ``_plan`` and without ``_pack`` or ``_extract``, and
+importing nothing from cpslice. ``verify`` reads its expected response shares,
+loss weights and gradient rows from here, so that a bug in the layout arithmetic
+shows up as a failing row instead of agreeing with itself.
+
+A ``Place`` is what one local row holds: ``(sample, within-sample position)``, or
+None for padding.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Place = tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank's layout, as plain numbers: what the rules need and nothing else.
+
+    ``mode`` is ``"none"``, ``"zigzag"`` or ``"allgather"``; ``fmt`` ``"thd"`` or
+    ``"bshd"``; ``seq`` the bshd row length; ``length`` the local tensor's length
+    (for allgather, the piece length ``T``).
+    """
+
+    total: tuple[int, ...]
+    response: tuple[int, ...]
+    mode: str
+    fmt: str
+    seq: int | None
+    rank: int
+    size: int
+    length: int
+
+
+def least_length(
+    total: Sequence[int], mode: str, fmt: str, seq: int | None, size: int
+) -> int:
+    """The fewest local rows that hold this rank's positions of every sample."""
+    if mode == "allgather":
+        return -(-sum(total) // size)
+    return len(_places(total, mode, fmt, seq, 0, size, None))
+
+
+def _padded(width: int, multiple: int) -> int:
+    while width % multiple:
+        width += 1
+    return width
+
+
+def _places(
+    total: Sequence[int], mode: str, fmt: str, seq: int | None, rank: int, size: int,
+    length: int | None,
+) -> list[Place]:
+    rows: list[Place] = []
+    if mode == "none":
+        for i, n in enumerate(total):
+            width = n if fmt == "thd" else int(seq or 0)
+            rows += [(i, p) if p < n else None for p in range(width)]
+    elif mode == "zigzag":
+        for i, n in enumerate(total):
+            width = _padded(n if fmt == "thd" else int(seq or 0), 2 * size)
+            chunk = width // (2 * size)
+            for k in (rank, 2 * size - 1 - rank):  # chunk r, then chunk 2c-1-r
+                rows += [(i, p) if p < n else None for p in range(k * chunk, (k + 1) * chunk)]
+    elif mode == "allgather":
+        assert length is not None, "allgather needs the piece length"
+        stream: list[Place] = [(i, p) for i, n in enumerate(total) for p in range(n)]
+        stream += [None] * (size * length - len(stream))
+        rows = stream[rank * length : (rank + 1) * length]
+    else:
+        raise ValueError(f"unknown cp mode {mode!r}")
+    return rows
+
+
+def places(view: RankView) -> list[Place]:
+    """What each of the rank's ``view.length`` local rows holds (padding: None)."""
+    rows = _places(view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length)
+    if len(rows) > view.length:
+        raise ValueError(f"local length {view.length} < {len(rows)} rows this rank holds")
+    return rows + [None] * (view.length - len(rows))
+
+
+def share_offsets(view: RankView) -> list[list[int]]:
+    """Per sample, the offsets into its whole response (``p - (P_i - 1)``) of the
+    response-span positions ``p`` that this rank holds, in ascending order."""
+    out: list[list[int]] = [[] for _ in view.total]
+    for place in places(view):
+        if place is None:
+            continue
+        i, p = place
+        first = view.total[i] - view.response[i] - 1  # P_i - 1
+        if first <= p < view.total[i] - 1:
+            out[i].append(p - first)
+    for offsets in out:
+        assert offsets == sorted(offsets)
+    return out
+
+
+def shares(whole: Sequence[Tensor], view: RankView) -> list[Tensor]:
+    """This rank's share of each whole per-sample response tensor ``[R_i, *rest]``."""
+    return [
+        w[torch.tensor(offsets, dtype=torch.int64)]
+        for w, offsets in zip(whole, share_offsets(view))
+    ]
+
+
+def rows(per_sample: Sequence[Tensor], view: RankView) -> Tensor:
+    """The rank's local ``[length, *rest]`` tensor of whole per-sample ``[L_i, *rest]``
+    tensors: row ``j`` is ``per_sample[i][p]`` where it holds ``(i, p)``, else zero."""
+    first = per_sample[0]
+    out = torch.zeros((view.length, *first.shape[1:]), dtype=first.dtype)
+    for j, place in enumerate(places(view)):
+        if place is not None:
+            out[j] = per_sample[place[0]][place[1]]
+    return out
