@@ -1,13 +1,15 @@
 """The Layout: which samples a micro-batch holds and how one rank lays them out.
 
 A Layout is a validated, immutable record. It holds no offset arithmetic of its
-own: every offset is read from it by ``_plan`` (LAYOUTS.md, one place).
+own: every offset is read from it by ``_plan`` (docs/layouts.md, one place).
 """
 
 from typing import cast
 
+import torch
+
 from ._errors import LayoutError
-from ._types import CpMode, FormatArg, Lengths, ModeArg, QkvFormat
+from ._types import Boundaries, CpMode, FormatArg, Lengths, ModeArg, QkvFormat
 
 _FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
 _MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
@@ -40,6 +42,28 @@ def _int_arg(name: str, value: object) -> int:
     return cast(int, value)
 
 
+def _boundaries(values: object) -> tuple[int, ...]:
+    """``cu_seqlens_padded`` as host ints: a list/tuple of ints, or a 1-D integer tensor
+    on any device (read with one host copy)."""
+    name = "cu_seqlens_padded"
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {values.dtype}")
+        if values.dim() != 1:
+            raise LayoutError(
+                f"{name} must be 1-D [n + 1] (the padded sample boundaries), got shape "
+                f"{tuple(values.shape)}"
+            )
+        host: list[int] = values.tolist()  # the one host copy
+        return tuple(host)
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list of ints or an integer tensor, got {_kind(values)}")
+    for i, v in enumerate(values):
+        if not _is_int(v):
+            raise LayoutError(f"{name}[{i}] {v!r} is {_kind(v)}, not an int")
+    return tuple(int(v) for v in values)
+
+
 class Layout:
     """Where every token of every sample sits in one rank's local tensor.
 
@@ -58,9 +82,28 @@ class Layout:
             it defines the pieces ``[r*T, (r+1)*T)``; a function that receives the
             local tensor infers it when it is None. When set, a local tensor of
             another length is an error.
+        padded_lengths: thd only, keyword-only: ``W_i >= L_i`` positions per sample,
+            its ``L_i`` tokens then ``W_i - L_i`` padding on the right (verl,
+            Megatron-Bridge, NeMo: ``PackedSeqParams.cu_seqlens_q_padded``; see
+            ``from_cu_seqlens``). No CP: sample ``i`` starts at ``W_0 + ... + W_{i-1}``;
+            zigzag: ``W_i`` must be a multiple of ``2 * cp_size`` and is cut into
+            ``2 * cp_size`` chunks; allgather: the stream of padded samples is cut into
+            ``cp_size`` pieces of ``T``. None: each sample's default extent.
+        align: thd only, keyword-only: shorthand for ``W_i = ceil(L_i / align) * align``
+            (``align >= 1``; under zigzag a multiple of ``2 * cp_size``). Give
+            ``padded_lengths`` or ``align``, not both.
+
+    The resolved ``W_i`` of every layout is ``padded_lengths`` (the attribute): the
+    given ones; without them ``L_i`` (cp none and allgather, thd), the least multiple
+    of ``2 * cp_size`` that is ``>= L_i`` (zigzag, thd), or the padded row width
+    (bshd). Padding positions hold no token: never extracted, filled by ``pack``
+    and ``shifted_targets``. Two layouts are equal when they place every token of
+    every sample at the same local row: the same lengths, format, mode, rank, size,
+    local length and resolved ``padded_lengths`` (``align=8`` equals the
+    ``padded_lengths`` it stands for). docs/layouts.md gives every rule.
 
     Raises:
-        LayoutError: on any input that breaks a rule of LAYOUTS.md; the message
+        LayoutError: on any input that breaks a rule of docs/layouts.md; the message
             names the sample, the values and the rule.
     """
 
@@ -73,6 +116,9 @@ class Layout:
         "cp_rank",
         "cp_size",
         "local_length",
+        "padded_lengths",
+        "align",
+        "_given_padding",
         "_key",
         "_hash",
     )
@@ -85,6 +131,11 @@ class Layout:
     cp_rank: int
     cp_size: int
     local_length: int | None
+    padded_lengths: tuple[int, ...]
+    """``W_i``, the positions sample ``i`` occupies, its padding included (resolved
+    for every layout; for bshd, the padded row width)."""
+    align: int | None
+    _given_padding: tuple[int, ...] | None
     _key: tuple[object, ...]
     _hash: int
 
@@ -99,6 +150,8 @@ class Layout:
         cp_rank: int = 0,
         cp_size: int = 1,
         local_length: int | None = None,
+        padded_lengths: Lengths | None = None,
+        align: int | None = None,
     ) -> None:
         total = _lengths("total_lengths", total_lengths)
         response = _lengths("response_lengths", response_lengths)
@@ -163,6 +216,10 @@ class Layout:
             local_length = _int_arg("local_length", local_length)
             if local_length < 0:
                 raise LayoutError(f"local_length {local_length} < 0")
+        given, align = _padding(total, fmt, mode, size, padded_lengths, align)
+        from ._plan import resolve_padded_lengths
+
+        padded = resolve_padded_lengths(total, fmt, max_seq_len, mode, size, given, align)
         setattr_ = object.__setattr__
         setattr_(self, "total_lengths", total)
         setattr_(self, "response_lengths", response)
@@ -172,7 +229,10 @@ class Layout:
         setattr_(self, "cp_rank", rank)
         setattr_(self, "cp_size", size)
         setattr_(self, "local_length", local_length)
-        key = (total, response, fmt, max_seq_len, mode, rank, size, local_length)
+        setattr_(self, "padded_lengths", padded)
+        setattr_(self, "align", align)
+        setattr_(self, "_given_padding", given)
+        key = (total, response, fmt, max_seq_len, mode, rank, size, local_length, padded)
         setattr_(self, "_key", key)
         setattr_(self, "_hash", hash(key))
         if local_length is not None:
@@ -190,11 +250,15 @@ class Layout:
         max_seq_len: int | None = None,
         allgather_cp: bool = False,
         local_length: int | None = None,
+        padded_lengths: Lengths | None = None,
+        align: int | None = None,
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
         The mode is ``"allgather"`` when ``allgather_cp``, else ``"zigzag"`` when the
         CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
+        ``padded_lengths`` and ``align`` are ``Layout``'s (e.g. verl's
+        ``align=tp * cp * 2`` under CP, ``tp`` without).
 
         Raises:
             RuntimeError: megatron-core's model parallel state is not initialized.
@@ -213,6 +277,76 @@ class Layout:
             cp_rank=rank,
             cp_size=size,
             local_length=local_length,
+            padded_lengths=padded_lengths,
+            align=align,
+        )
+
+    @classmethod
+    def from_cu_seqlens(
+        cls,
+        cu_seqlens_padded: Boundaries,
+        total_lengths: Lengths,
+        response_lengths: Lengths,
+        *,
+        cp_mode: ModeArg = "none",
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        local_length: int | None = None,
+    ) -> "Layout":
+        """The thd Layout of samples padded to the boundaries a framework already holds.
+
+        Args:
+            cu_seqlens_padded: ``[n + 1]`` ints, ``0 = b_0 <= b_1 <= ... <= b_n``: the
+                global padded boundaries before any CP split, exactly what megatron-core's
+                ``PackedSeqParams.cu_seqlens_q_padded`` holds. A list/tuple of ints or an
+                integer tensor on any device (read with one host copy). Sample ``i``
+                occupies ``W_i = b_{i+1} - b_i`` positions.
+            total_lengths, response_lengths, cp_mode, cp_rank, cp_size, local_length:
+                as ``Layout``.
+
+        Returns:
+            ``Layout(total_lengths, response_lengths, padded_lengths=W, ...)``.
+
+        Raises:
+            TypeError: ``cu_seqlens_padded`` is neither a list of ints nor an integer tensor.
+            LayoutError: it is not 1-D, has not ``n + 1`` entries, does not start at 0,
+                decreases, or gives a sample fewer positions than its tokens; anything
+                ``Layout`` refuses.
+        """
+        total = _lengths("total_lengths", total_lengths)
+        bounds = _boundaries(cu_seqlens_padded)
+        n = len(total)
+        if len(bounds) != n + 1:
+            raise LayoutError(
+                f"cu_seqlens_padded has {len(bounds)} entries but there are {n} samples "
+                f"(it holds the n + 1 = {n + 1} padded boundaries, starting at 0)"
+            )
+        if bounds[0] != 0:
+            raise LayoutError(
+                f"cu_seqlens_padded starts at {bounds[0]}, not 0 (the global boundaries of "
+                "the whole micro-batch, before any CP split)"
+            )
+        widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        for i, (w, t) in enumerate(zip(widths, total)):
+            if w < 0:
+                raise LayoutError(
+                    f"sample {i}: cu_seqlens_padded decreases, {bounds[i]} then {bounds[i + 1]} "
+                    "(boundaries are non-decreasing)"
+                )
+            if w < t:
+                raise LayoutError(
+                    f"sample {i}: cu_seqlens_padded[{i + 1}] - cu_seqlens_padded[{i}] = "
+                    f"{bounds[i + 1]} - {bounds[i]} = {w} < total_length {t} (a padded "
+                    "sample holds its tokens, then padding)"
+                )
+        return cls(
+            total,
+            response_lengths,
+            cp_mode=cp_mode,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            local_length=local_length,
+            padded_lengths=widths,
         )
 
     @property
@@ -243,6 +377,8 @@ class Layout:
             cp_rank=cp_rank,
             cp_size=self.cp_size,
             local_length=local_length,
+            padded_lengths=self._given_padding,
+            align=self.align,
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -257,9 +393,66 @@ class Layout:
     def __repr__(self) -> str:
         extra = f", max_seq_len={self.max_seq_len}" if self.max_seq_len is not None else ""
         local = f", local_length={self.local_length}" if self.local_length is not None else ""
+        if self._given_padding is not None:
+            local += f", padded_lengths={list(self._given_padding)}"
+        if self.align is not None:
+            local += f", align={self.align}"
         return (
             f"Layout(total_lengths={list(self.total_lengths)}, "
             f"response_lengths={list(self.response_lengths)}, qkv_format={self.qkv_format!r}"
             f"{extra}, cp_mode={self.cp_mode!r}, cp_rank={self.cp_rank}, "
             f"cp_size={self.cp_size}{local})"
         )
+
+
+def _padding(
+    total: tuple[int, ...],
+    fmt: QkvFormat,
+    mode: CpMode,
+    size: int,
+    padded_lengths: object,
+    align: object,
+) -> tuple[tuple[int, ...] | None, int | None]:
+    """The validated ``padded_lengths`` and ``align`` arguments (at most one of them)."""
+    if padded_lengths is None and align is None:
+        return None, None
+    what = "padded_lengths" if padded_lengths is not None else "align"
+    if fmt == "bshd":
+        raise LayoutError(
+            f"{what} is given with qkv_format 'bshd', whose rows are already padded to "
+            "max_seq_len; pass qkv_format='thd' for packed padded samples, or drop it"
+        )
+    if padded_lengths is not None and align is not None:
+        raise LayoutError(
+            f"padded_lengths and align={align!r} are both given; pass one: align=a stands "
+            "for padded_lengths W_i = ceil(L_i / a) * a"
+        )
+    two_c = 2 * size
+    zigzag = (
+        f" (zigzag cuts each padded sample into 2 * cp_size = {two_c} equal chunks)"
+    )
+    if align is not None:
+        a = _int_arg("align", align)
+        if a < 1:
+            raise LayoutError(f"align {a} < 1 (samples are padded to a multiple of align)")
+        if mode == "zigzag" and a % two_c:
+            raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
+        return None, a
+    given = _lengths("padded_lengths", padded_lengths)
+    if len(given) != len(total):
+        raise LayoutError(
+            f"padded_lengths has {len(given)} samples but total_lengths has {len(total)} "
+            "(one entry per sample in each)"
+        )
+    for i, (w, t) in enumerate(zip(given, total)):
+        if w < t:
+            raise LayoutError(
+                f"sample {i}: padded_length {w} < total_length {t} (a padded sample holds "
+                "its tokens, then padding)"
+            )
+        if mode == "zigzag" and w % two_c:
+            raise LayoutError(
+                f"sample {i}: padded_length {w} is not a multiple of 2 * cp_size = "
+                f"{two_c}{zigzag}"
+            )
+    return given, None

@@ -28,6 +28,8 @@ Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
 
 if TYPE_CHECKING:
     Lengths = Sequence[int]
+    # ``cu_seqlens_padded``: a list of ints or an integer tensor, on any device.
+    Boundaries = Sequence[int] | Tensor
     FormatArg = QkvFormat
     ModeArg = CpMode
 else:
@@ -35,5 +37,6 @@ else:
     # LayoutError names the sample, the value and the rule; a beartype error
     # raised first would say less.
     Lengths = object
+    Boundaries = object
     FormatArg = str
     ModeArg = str
