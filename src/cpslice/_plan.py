@@ -8,9 +8,10 @@ number ``k`` of runs (1, or 2 for zigzag's two chunks), in ascending position
 order, and runs are grouped sample after sample. Padding positions belong to no
 run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
 padding included: ``Layout.padded_lengths``), so the padded samples of verl or
-Megatron-Bridge are one more input of the same runs, not another code path. A *selection* intersects the runs with one position range per sample and
-expands the result into row indices with vectorized integer arithmetic: no
-Python loop over samples, no per-sample ``torch.arange``.
+Megatron-Bridge are one more input of the same runs, not another code path.
+A *selection* intersects the runs with one position range per sample and expands
+the result into row indices with vectorized integer arithmetic: no Python loop
+over samples, no per-sample ``torch.arange``.
 """
 
 import functools
