@@ -411,6 +411,12 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         help="qkv format to check (default: every format the mode has; allgather is thd only)",
     )
     parser.add_argument(
+        "--align", type=_count(1), default=None, metavar="N",
+        help="also check every thd layout with each sample padded to a multiple of N "
+        "(verl, Megatron-Bridge: tp * cp * 2); under zigzag a multiple of 2 * --cp-size "
+        "(default: one extra layout, allgather thd with align 4 * --cp-size)",
+    )
+    parser.add_argument(
         "--samples", type=_count(1), default=16, metavar="K",
         help="random samples per layout, edge cases first (default 16)",
     )
@@ -432,7 +438,10 @@ def _verify(args: argparse.Namespace) -> int:
     tp_size = cast(int, args.tp_size)
     try:
         verify.check_sizes(cp_size, tp_size)
-        cases = verify.select_cases(cp_size, cast(str, args.mode), cast("str | None", args.format))
+        cases = verify.select_cases(
+            cp_size, cast(str, args.mode), cast("str | None", args.format),
+            cast("int | None", args.align),
+        )
     except verify.VerifyArgumentError as err:
         _one_line("cpslice verify", str(err))
         return EXIT_USAGE
