@@ -33,8 +33,10 @@ def padding(
         return None, step * draw(st.integers(1, 4 if step > 1 else 9))
     if kind == "default":
         return None, None
-    widths = [-(-t // step) * step + step * draw(st.integers(0, 3)) for t in total]
-    if widths and draw(st.booleans()):  # the stream's last sample stretched to a round size
+    more = draw(st.lists(st.integers(0, 3), min_size=len(total), max_size=len(total)))
+    widths = [-(-t // step) * step + step * m for t, m in zip(total, more)]
+    stretched = draw(st.booleans())
+    if widths and stretched:  # the stream's last sample stretched to a round size
         widths[-1] += step * draw(st.integers(1, 8))
     return tuple(widths), None
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from cpslice import Layout, extract_responses, pack, shifted_targets
+from cpslice._types import CpMode
 
 Row = tuple[int, int] | None  # (sample, position within the sample), or padding
 
@@ -101,7 +102,7 @@ def test_verl_and_megatron_bridge(tp: int, cp: int, seed: int, fp8: bool) -> Non
     align = tp * cp * 2 if cp > 1 else tp
     for rank in range(cp):
         rows = _rank_rows(total, widths, cp, rank)
-        mode = "zigzag" if cp > 1 else "none"
+        mode: CpMode = "zigzag" if cp > 1 else "none"
         if fp8:
             align8 = math.lcm(16, align)
             padded = [-(-t // align8) * align8 for t in total]
