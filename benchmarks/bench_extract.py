@@ -70,8 +70,8 @@ def _step(values: Tensor, shares: list[Tensor]) -> None:
 
 
 def _case(
-    name: str, mode: CpMode, fmt: QkvFormat, cp: int, n: int, target_t: int, repeat: int,
-    device: str = "cpu",
+    name: str, mode: CpMode, fmt: QkvFormat, cp: int, align: int | None, n: int, target_t: int,
+    repeat: int, device: str = "cpu",
 ) -> Row:
     rng = random.Random(0)
     mean = max(2, target_t * cp // n)
@@ -81,7 +81,7 @@ def _case(
 
     def build() -> Layout:
         return Layout(total, response, qkv_format=fmt, max_seq_len=seq, cp_mode=mode,
-                      cp_rank=min(1, cp - 1), cp_size=cp)
+                      cp_rank=min(1, cp - 1), cp_size=cp, align=align)
 
     layout = build()
     from cpslice._plan import needed_length
@@ -122,12 +122,18 @@ def _case(
     )
 
 
-CASES: list[tuple[str, CpMode, QkvFormat, int]] = [
-    ("none-thd", "none", "thd", 1),
-    ("none-bshd", "none", "bshd", 1),
-    ("zigzag-thd cp4", "zigzag", "thd", 4),
-    ("zigzag-bshd cp4", "zigzag", "bshd", 4),
-    ("allgather cp4", "allgather", "thd", 4),
+# (name, cp_mode, qkv_format, cp_size, align): the aligned cases are verl's and
+# Megatron-Bridge's packing, every sample padded to a multiple of tp * cp * 2 (tp
+# without CP), here at tp 8 and tp 4.
+CASES: list[tuple[str, CpMode, QkvFormat, int, int | None]] = [
+    ("none-thd", "none", "thd", 1, None),
+    ("none-bshd", "none", "bshd", 1, None),
+    ("zigzag-thd cp4", "zigzag", "thd", 4, None),
+    ("zigzag-bshd cp4", "zigzag", "bshd", 4, None),
+    ("allgather cp4", "allgather", "thd", 4, None),
+    ("none-thd a8", "none", "thd", 1, 8),
+    ("zigzag-thd cp4 a32", "zigzag", "thd", 4, 32),
+    ("allgather cp4 a32", "allgather", "thd", 4, 32),
 ]
 
 
@@ -141,12 +147,15 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
     """Measure every layout; ``quick`` uses N=512, T near 128K."""
     n, t, repeat = (512, 1 << 17, 5) if quick else (4096, 1 << 20, 9)
     torch.manual_seed(0)
-    return [_case(name, mode, fmt, cp, n, t, repeat, device) for name, mode, fmt, cp in CASES]
+    return [
+        _case(name, mode, fmt, cp, align, n, t, repeat, device)
+        for name, mode, fmt, cp, align in CASES
+    ]
 
 
 def report(rows: list[Row]) -> str:
     lines = [
-        f"{'layout':<16} {'N':>5} {'T':>8} {'loop ms':>8} {'floor ms':>8} {'warm ms':>8} "
+        f"{'layout':<18} {'N':>5} {'T':>8} {'loop ms':>8} {'floor ms':>8} {'warm ms':>8} "
         f"{'cold ms':>8} {'loop/cold':>9} {'cold/floor':>10} {'warm/floor':>10}"
     ]
     missed = 0
@@ -155,8 +164,8 @@ def report(rows: list[Row]) -> str:
         floor_mark = " " if r.vs_floor <= FLOOR_TARGET else "!"
         missed += (loop_mark == "!") + (floor_mark == "!")
         lines.append(
-            f"{r.layout:<16} {r.n:>5} {r.t:>8} {r.loop_ms:>8.2f} {r.floor_ms:>8.2f} "
-            f"{r.warm_ms:>8.2f} {r.cold_ms:>8.2f} {r.speedup_vs_loop:>7.1f}x{loop_mark}"
+            f"{r.layout:<18} {r.n:>5} {r.t:>8} {r.loop_ms:>8.2f} {r.floor_ms:>8.2f} "
+            f"{r.warm_ms:>8.2f} {r.cold_ms:>8.2f} {r.speedup_vs_loop:>8.1f}x{loop_mark}"
             f"{r.vs_floor:>9.2f}x{floor_mark}{r.warm_ms / r.floor_ms:>9.2f}x"
         )
     lines.append(f"targets: loop/cold >= {LOOP_TARGET:g}x, cold/floor <= {FLOOR_TARGET:g}x "

@@ -1,4 +1,4 @@
-"""A deliberately naive, loop-by-loop reading of LAYOUTS.md, used only as a test oracle.
+"""A deliberately naive, loop-by-loop reading of docs/layouts.md, used only as a test oracle.
 
 It shares no code with cpslice._plan, so the library's vectorized arithmetic is
 checked against an independent transcription of the ground truth.
@@ -23,6 +23,8 @@ class Config:
     cp: int
     local_length: int | None  # given to the Layout (allgather: the piece length)
     extra: int  # extra padding rows at the end of the local tensor (when no local_length)
+    padded: tuple[int, ...] | None = None  # thd: each sample's W_i, given to the Layout
+    align: int | None = None  # thd: W_i = L_i rounded up to a multiple of align
 
     def layout(self, rank: int, *, with_local: bool = True) -> Layout:
         return Layout(
@@ -34,20 +36,41 @@ class Config:
             cp_rank=rank,
             cp_size=self.cp,
             local_length=self.local_length if with_local else None,
+            padded_lengths=None if self.padded is None else list(self.padded),
+            align=self.align,
         )
 
 
+def _round_up(value: int, step: int) -> int:
+    while value % step:
+        value += 1
+    return value
+
+
+def widths(cfg: Config) -> list[int]:
+    """Each sample's positions, its right padding included (W_i)."""
+    out = []
+    for i, length in enumerate(cfg.total):
+        if cfg.padded is not None:
+            out.append(cfg.padded[i])
+        elif cfg.align is not None:
+            out.append(_round_up(length, cfg.align))
+        elif cfg.fmt == "bshd":
+            assert cfg.seq is not None
+            out.append(_round_up(cfg.seq, 2 * cfg.cp) if cfg.mode == "zigzag" else cfg.seq)
+        elif cfg.mode == "zigzag":
+            out.append(_round_up(length, 2 * cfg.cp))
+        else:
+            out.append(length)
+    return out
+
+
 def least_length(cfg: Config) -> int:
-    n = len(cfg.total)
-    if cfg.mode == "none":
-        return sum(cfg.total) if cfg.fmt == "thd" else n * (cfg.seq or 0)
     if cfg.mode == "zigzag":
-        two_c = 2 * cfg.cp
-        if cfg.fmt == "bshd":
-            width = -(-(cfg.seq or 0) // two_c) * two_c
-            return n * 2 * (width // two_c)
-        return sum(2 * (-(-t // two_c) * two_c // two_c) for t in cfg.total)
-    return -(-sum(cfg.total) // cfg.cp)
+        # two chunks of W_i / 2c per sample
+        return sum(2 * (w // (2 * cfg.cp)) for w in widths(cfg))
+    stream = sum(widths(cfg))
+    return (stream + cfg.cp - 1) // cfg.cp
 
 
 def local_length(cfg: Config) -> int:
@@ -58,27 +81,23 @@ def local_map(cfg: Config, rank: int) -> list[tuple[int, int] | None]:
     """For each local row: (sample, within-sample position), or None for padding."""
     t = local_length(cfg)
     rows: list[tuple[int, int] | None] = []
-    if cfg.mode == "none" and cfg.fmt == "thd":
+    width = widths(cfg)
+    if cfg.mode == "none":
         for i, length in enumerate(cfg.total):
-            rows += [(i, p) for p in range(length)]
-    elif cfg.mode == "none":
-        assert cfg.seq is not None
-        for i, length in enumerate(cfg.total):
-            rows += [(i, p) if p < length else None for p in range(cfg.seq)]
+            rows += [(i, p) if p < length else None for p in range(width[i])]
     elif cfg.mode == "zigzag":
         c = cfg.cp
         for i, length in enumerate(cfg.total):
-            base = cfg.seq if cfg.fmt == "bshd" else length
-            assert base is not None
-            width = base
-            while width % (2 * c):
-                width += 1
-            chunk = width // (2 * c)
+            chunk = width[i] // (2 * c)
             for k in (rank, 2 * c - 1 - rank):
                 for p in range(k * chunk, (k + 1) * chunk):
                     rows.append((i, p) if p < length else None)
     else:
-        stream: list[tuple[int, int] | None] = [(i, p) for i, length in enumerate(cfg.total) for p in range(length)]
+        stream: list[tuple[int, int] | None] = [
+            (i, p) if p < length else None
+            for i, length in enumerate(cfg.total)
+            for p in range(width[i])
+        ]
         stream += [None] * (cfg.cp * t - len(stream))
         rows = list(stream[rank * t : (rank + 1) * t])
     assert len(rows) <= t, (len(rows), t)

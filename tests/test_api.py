@@ -26,6 +26,6 @@ def test_every_public_callable_has_a_docstring() -> None:
     for name in PUBLIC - {"Strategy"}:
         obj = getattr(cpslice, name)
         assert inspect.getdoc(obj), name
-    for name in ("from_parallel_state", "for_rank", "with_local_length", "num_samples",
+    for name in ("from_parallel_state", "from_cu_seqlens", "for_rank", "with_local_length", "num_samples",
                  "prompt_lengths"):
         assert inspect.getdoc(getattr(cpslice.Layout, name)), name

@@ -17,7 +17,7 @@ from cpslice._types import CpMode, QkvFormat
 
 ZIGZAG_EXAMPLE = ["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "zigzag"]
 
-# LAYOUTS.md's example: c = 2, L = 10, R = 4, so W = 12 and C = 3.
+# docs/layouts.md's example: c = 2, L = 10, R = 4, so W = 12 and C = 3.
 ZIGZAG_EXAMPLE_OUT = """\
 cpslice plan: 1 sample, cp_mode zigzag, cp_size 2, qkv_format thd, strategy zigzag, local length T = 6 (the least that fits)
 sample 0: L 10 = prompt 6 + response 4; prompt tokens [0, 6), response tokens [6, 10), response span [5, 9)
@@ -133,6 +133,57 @@ rank 1 of 2: T = 24, strategy zigzag
 """
 
 
+# docs/layouts.md's verl example: tp = 2, cp = 2, align = tp * cp * 2 = 8, L = 10, 7.
+ALIGNED_RANKS = """\
+rank 0 of 2: T = 12, strategy zigzag
+  pppp ....|pp r.
+  sample 0: holds positions [0, 4) at local [0, 4) + padding [12, 16) at local [4, 8)
+  sample 0: response share none
+  sample 1: holds positions [0, 2) at local [8, 10) + positions [6, 7) at local [10, 11) + padding [7, 8) at local [11, 12)
+  sample 1: response share none
+
+rank 1 of 2: T = 12, strategy zigzag
+  pPRR Rr..|pP RR
+  sample 0: holds positions [4, 8) at local [0, 4) + positions [8, 10) at local [4, 6) + padding [10, 12) at local [6, 8)
+  sample 0: response share local [1, 4) + [4, 5), positions [5, 8) + [8, 9) (4 of 4)
+  sample 1: holds positions [2, 4) at local [8, 10) + positions [4, 6) at local [10, 12)
+  sample 1: response share local [9, 10) + [10, 12), positions [3, 4) + [4, 6) (3 of 3)
+"""
+
+
+@pytest.mark.parametrize("padding", [["--align", "8"], ["--padded-lengths", "16,8"]])
+def test_padded_samples_are_drawn(padding: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        ["plan", "--total", "10,7", "--response", "4,3", "--cp-size", "2", "--mode", "zigzag",
+         *padding],
+        capsys,
+    )
+    assert (code, err) == (0, "")
+    given = "align 8" if padding[0] == "--align" else "padded lengths given"
+    assert f"qkv_format thd, {given}, strategy zigzag, local length T = 12" in out
+    assert "sample 0: L 10 = prompt 6 + response 4, padded to W 16; prompt tokens [0, 6)" in out
+    assert "sample 1: L 7 = prompt 4 + response 3, padded to W 8; prompt tokens [0, 4)" in out
+    assert out[out.index("rank 0 of 2") :] == ALIGNED_RANKS
+
+
+def test_allgather_padding_crosses_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["plan", "--total", "10,7", "--response", "4,3", "--cp-size", "2", "--mode", "allgather",
+         "--padded-lengths", "12,20"],
+        capsys,
+    )
+    assert code == 0
+    rank1 = out[out.index("rank 1 of 2") :]
+    assert rank1 == """\
+rank 1 of 2: T = 16, strategy allgather
+  RRr.............
+  sample 0: holds nothing
+  sample 0: response share none
+  sample 1: holds positions [4, 7) at local [0, 3) + padding [7, 20) at local [3, 16)
+  sample 1: response share local [0, 2), positions [4, 6) (2 of 3)
+"""
+
+
 def test_bshd_none_with_trailing_padding(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
         ["plan", "--total", "10,7", "--response", "4,6", "--format", "bshd",
@@ -165,6 +216,11 @@ LAYOUTS = [
     ["--total", "10,7,13", "--response", "4,6,3", "--cp-size", "4", "--mode", "allgather"],
     ["--total", "10,7,13", "--response", "9,6,3", "--cp-size", "3", "--mode", "allgather",
      "--local-length", "11"],
+    ["--total", "10,7,13", "--response", "4,6,3", "--cp-size", "3", "--mode", "zigzag",
+     "--align", "12"],
+    ["--total", "10,7,13", "--response", "9,6,3", "--cp-size", "3", "--mode", "allgather",
+     "--padded-lengths", "10,16,40"],
+    ["--total", "10,7,13", "--response", "4,6,3", "--padded-lengths", "12,7,20"],
 ]
 
 
@@ -180,6 +236,8 @@ def test_printed_shares_are_what_extraction_returns(
     length = int(found.group(1))
     max_seq = opts.get("--max-seq-len")
     cp_size = int(opts.get("--cp-size", "1"))
+    align = opts.get("--align")
+    padded = opts.get("--padded-lengths")
     for rank, block in enumerate(out.split("\n\n")[1:]):
         layout = Layout(
             [int(v) for v in opts["--total"].split(",")],
@@ -190,6 +248,8 @@ def test_printed_shares_are_what_extraction_returns(
             cp_rank=rank,
             cp_size=cp_size,
             local_length=length,
+            padded_lengths=[int(v) for v in padded.split(",")] if padded else None,
+            align=int(align) if align else None,
         )
         shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
         printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
@@ -233,6 +293,18 @@ def test_printed_shares_are_what_extraction_returns(
          "cpslice plan: error: unrecognized arguments: --bogus 1"),
         (["plan", "--total", "10", "--response", "4", "--local-length", "9"],
          "too short: the layout needs at least 10 positions"),
+        (["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "zigzag",
+          "--align", "6"],
+         "cpslice plan: error: align 6 is not a multiple of 2 * cp_size = 4"),
+        (["plan", "--total", "10,7", "--response", "4,3", "--padded-lengths", "12,6"],
+         "cpslice plan: error: sample 1: padded_length 6 < total_length 7"),
+        (["plan", "--total", "10", "--response", "4", "--padded-lengths", "12,x"],
+         "argument --padded-lengths: '12,x' is not a comma-separated list of ints"),
+        (["plan", "--total", "10", "--response", "4", "--padded-lengths", "12", "--align", "4"],
+         "padded_lengths and align=4 are both given"),
+        (["plan", "--total", "10", "--response", "4", "--format", "bshd", "--max-seq-len", "12",
+          "--align", "4"],
+         "align is given with qkv_format 'bshd'"),
         ([], "cpslice: error: the following arguments are required: COMMAND"),
         (["frob"], "cpslice: error: argument COMMAND: invalid choice: 'frob'"),
     ],

@@ -51,6 +51,10 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
         (["--cp-size", "8", "--tp-size", "8"], "--cp-size 8 x --tp-size 8 = 64 processes; "
                                                "verify spawns them all on this machine, at "
                                                "most 32"),
+        (["--align", "0"], "argument --align: '0' is not an int >= 1"),
+        (["--align", "6"], "--align 6 is not a multiple of 2 * --cp-size = 4"),
+        (["--align", "8", "--format", "bshd"], "--align 8 pads packed thd samples, but "
+                                               "--format is bshd"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(
@@ -75,9 +79,17 @@ def test_unknown_options_are_one_line_and_exit_2(
 
 def test_which_layouts_each_mode_checks() -> None:
     assert select_cases(2, "all", None) == (
-        Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"))
+        Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
+        Case("allgather", "thd", 8))
     assert select_cases(1, "all", None) == (
-        Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"))
+        Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
+        Case("allgather", "thd", 4))
+    assert select_cases(2, "all", "thd", 12) == (
+        Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
+        Case("allgather", "thd", 12))
+    assert select_cases(2, "allgather", None, 3) == (
+        Case("allgather", "thd"), Case("allgather", "thd", 3))
+    assert Case("allgather", "thd", 8).name == "allgather thd align 8"
     assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"),)
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
@@ -94,17 +106,22 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
         "entropy", "err", "grad", "err", "result",
     ]
-    rows = [line.split() for line in lines[head + 1 : head + 4]]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"], ["zigzag", "bshd"], ["allgather", "thd"]]
+    rows = [line.split() for line in lines[head + 1 : head + 5]]
+    # the fourth layout: allgather with every sample padded to a multiple of 4 * cp
+    rows[3] = rows[3][:2] + rows[3][4:]
+    assert [r[:2] for r in rows] == [["zigzag", "thd"], ["zigzag", "bshd"], ["allgather", "thd"],
+                                     ["allgather", "thd"]]
+    assert lines[head + 4].startswith("allgather thd align 8 ")
     for r in rows:
         assert r[2:5] == ["2", "x", "1"] and r[-1] == "pass", r
         assert int(r[6]) >= 1  # the sparse batch left a CP rank without a response
         assert all(float(e) <= _verify.TOLERANCE for e in r[7:10]), r
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "3 layouts: all pass"
+    assert lines[-1] == "4 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
     assert [line.split()[:3] for line in err.splitlines() if "pass" in line] == [
-        ["zigzag", "thd", "pass"], ["zigzag", "bshd", "pass"], ["allgather", "thd", "pass"]]
+        ["zigzag", "thd", "pass"], ["zigzag", "bshd", "pass"], ["allgather", "thd", "pass"],
+        ["allgather", "thd", "align"]]
 
 
 def _patched_copy(tmp_path: Path, old: str, new: str) -> Path:

@@ -19,6 +19,7 @@ from cpslice import (
     pack,
     redistribute,
     response_log_probs,
+    shard_responses,
     sum_of_sample_means,
     sum_of_tokens,
 )
@@ -121,22 +122,30 @@ def _symmetry(rank: int, world: int) -> list[list[str]]:
     sequences = []
     # allgather cp4, T=6: ranks 1 and 2 hold no response at all; zigzag cp4: the
     # short samples leave several ranks empty; one sample, one rank holds it all
-    cases: list[tuple[list[int], list[int], CpMode]] = [
-        ([3, 20], [1, 2], "allgather"),
-        ([2, 3, 1], [1, 0, 0], "zigzag"),
-        ([10], [4], "zigzag"),
-        ([24], [1], "allgather"),
+    # padded samples (align): zigzag chunks and allgather pieces that are all padding
+    cases: list[tuple[list[int], list[int], CpMode, int | None]] = [
+        ([3, 20], [1, 2], "allgather", None),
+        ([2, 3, 1], [1, 0, 0], "zigzag", None),
+        ([10], [4], "zigzag", None),
+        ([24], [1], "allgather", None),
+        ([2, 3, 1], [1, 2, 0], "zigzag", 16),
+        ([3, 20], [1, 2], "allgather", 16),
     ]
-    for total, response, mode in cases:
+    for total, response, mode, align in cases:
         log.clear()
-        layout = Layout(total, response, cp_mode=mode, cp_rank=rank, cp_size=world)
+        layout = Layout(total, response, cp_mode=mode, cp_rank=rank, cp_size=world, align=align)
         length = pack([torch.zeros(t) for t in total], layout).shape[0]
         layout = layout.with_local_length(length)
         zig = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world)
-        values = torch.randn(length, requires_grad=True)
+        # row holding position p of sample i: 1000 * i + p (padding: -1)
+        code = [torch.arange(t, dtype=torch.float32) + 1000 * i for i, t in enumerate(total)]
+        values = pack(code, layout, fill=-1).requires_grad_()
         shares, ent = extract_responses(values, layout, values * 2)
         lp2, ent2 = redistribute((shares, ent), layout, zig)
         whole = gather_responses(lp2, zig)
+        spans = [c[t - r - 1 : t - 1] for c, t, r in zip(code, total, response)]
+        assert [w.tolist() for w in whole] == [x.tolist() for x in spans], (mode, align)
+        assert [x.tolist() for x in lp2] == [x.tolist() for x in shard_responses(spans, zig)]
         masks = [torch.ones(r, dtype=torch.bool) for r in response]
         loss = sum_of_sample_means(lp2, masks, zig) + sum_of_tokens(ent2, masks, zig)
         loss = loss + sum((w.sum() for w in whole), torch.zeros(()))

@@ -1,4 +1,4 @@
-"""extract_responses and shard_responses against the naive oracle of LAYOUTS.md."""
+"""extract_responses and shard_responses against the naive oracle of docs/layouts.md."""
 
 import torch
 from hypothesis import example, given, settings
@@ -17,9 +17,11 @@ def _as_lists(shares: list[torch.Tensor]) -> list[list[float]]:
     return [s[:, 0].tolist() if s.dim() > 1 else s.tolist() for s in shares]
 
 
-# the edges, always run: LAYOUTS.md's example (rank 0 holds none of the response),
+# the edges, always run: docs/layouts.md's example (rank 0 holds none of the response),
 # single-token samples only, samples shorter than 2 * cp_size with ranks that hold
-# nothing, an allgather response crossing ranks, bshd rows under zigzag
+# nothing, an allgather response crossing ranks, bshd rows under zigzag; padded
+# samples: the verl align=8 example, zigzag widths several chunks longer than needed
+# (ranks holding only padding of a sample), an allgather stretched last sample, cp none
 EDGES = [
     Config((10,), (4,), "thd", None, "zigzag", 2, None, 0),
     Config((1, 1, 1), (0, 0, 0), "thd", None, "zigzag", 8, None, 0),
@@ -28,6 +30,10 @@ EDGES = [
     Config((3, 20), (1, 15), "thd", None, "allgather", 8, None, 2),
     Config((7, 2), (3, 1), "bshd", 9, "zigzag", 3, None, 0),
     Config((), (), "thd", None, "allgather", 5, None, 0),
+    Config((10, 7), (4, 3), "thd", None, "zigzag", 2, None, 0, None, 8),
+    Config((2, 9, 1), (1, 5, 0), "thd", None, "zigzag", 4, None, 1, (24, 16, 8)),
+    Config((3, 5, 4), (1, 2, 3), "thd", None, "allgather", 4, None, 0, (3, 5, 30)),
+    Config((5, 3), (2, 1), "thd", None, "none", 1, None, 2, None, 4),
 ]
 
 
@@ -40,6 +46,10 @@ EDGES = [
 @example(EDGES[4], ()).via("edge")
 @example(EDGES[5], ()).via("edge")
 @example(EDGES[6], ()).via("edge")
+@example(EDGES[7], ()).via("edge")
+@example(EDGES[8], (3,)).via("edge")
+@example(EDGES[9], ()).via("edge")
+@example(EDGES[10], ()).via("edge")
 def test_every_rank_matches_the_oracle(cfg: Config, rest: tuple[int, ...]) -> None:
     for rank in range(cfg.cp):
         layout = cfg.layout(rank)
@@ -57,6 +67,8 @@ def test_every_rank_matches_the_oracle(cfg: Config, rest: tuple[int, ...]) -> No
 @example(EDGES[0]).via("edge")
 @example(EDGES[2]).via("edge")
 @example(EDGES[4]).via("edge")
+@example(EDGES[8]).via("edge")
+@example(EDGES[9]).via("edge")
 def test_union_over_ranks_is_the_no_cp_result(cfg: Config) -> None:
     whole: list[list[float | None]] = [[None] * r for r in cfg.response]
     for rank in range(cfg.cp):

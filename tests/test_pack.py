@@ -1,4 +1,4 @@
-"""pack, shifted_targets and response_rows against the naive oracle of LAYOUTS.md."""
+"""pack, shifted_targets and response_rows against the naive oracle of docs/layouts.md."""
 
 import pytest
 import torch

@@ -29,6 +29,12 @@ def _worker(rank: int, world: int, shapes: list[tuple[int, int]]) -> tuple[str, 
             assert got[0][1] == parallel_state.get_context_parallel_rank()
             bshd = Layout.from_parallel_state([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12)
             assert bshd.qkv_format == "bshd" and bshd.max_seq_len == 12
+            # verl's packing: every sample padded to a multiple of tp * cp * 2
+            verl = Layout.from_parallel_state([10, 7], [4, 3], align=tp * cp * 2)
+            assert verl.align == tp * cp * 2 and verl.cp_rank == got[0][1]
+            given = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=True,
+                                               padded_lengths=[11, 9])
+            assert given.padded_lengths == (11, 9) and given.cp_mode == "allgather"
             dist.barrier()
             out.append(got)
         finally:

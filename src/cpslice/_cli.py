@@ -129,6 +129,16 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="length of each rank's local tensor (default: the least that fits)",
     )
     parser.add_argument(
+        "--align", type=int, default=None, metavar="N",
+        help="thd: pad every sample on the right to a multiple of N (verl, Megatron-Bridge: "
+        "tp * cp * 2 under CP); under zigzag a multiple of 2 * cp-size",
+    )
+    parser.add_argument(
+        "--padded-lengths", type=_lengths, default=None, metavar="W0,W1,...",
+        help="thd: the positions W_i >= L_i each sample occupies, its padding included "
+        "(the differences of cu_seqlens_padded)",
+    )
+    parser.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto",
         help="colour the pictures: auto (a terminal, and NO_COLOR unset), always, never",
     )
@@ -325,6 +335,8 @@ def _plan(args: argparse.Namespace) -> int:
     max_seq_len = cast("int | None", args.max_seq_len)
     cp_mode = cast(CpMode, args.mode)
     given = cast("int | None", args.local_length)
+    align = cast("int | None", args.align)
+    padded = cast("tuple[int, ...] | None", args.padded_lengths)
     colour = _use_colour(cast(Colour, args.color))
     if cp_size > MAX_PLAN_CP_SIZE:
         raise LayoutError(
@@ -342,6 +354,8 @@ def _plan(args: argparse.Namespace) -> int:
             cp_rank=rank,
             cp_size=cp_size,
             local_length=local_length,
+            padded_lengths=padded,
+            align=align,
         )
 
     try:
@@ -353,6 +367,10 @@ def _plan(args: argparse.Namespace) -> int:
     how = "the least that fits" if given is None else "given"
     strategy = extraction_strategy(first)
     seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""
+    if align is not None:
+        seq += f", align {align}"
+    elif padded is not None:
+        seq += ", padded lengths given"
     n = first.num_samples
     header = (
         f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {first.cp_mode}, "
@@ -360,13 +378,15 @@ def _plan(args: argparse.Namespace) -> int:
         f"local length T = {length} ({how})"
     )
     lines = [header]
-    for i, (t, r, p, span) in enumerate(
-        zip(total, response, first.prompt_lengths, _spans(total, response))
+    for i, (t, r, p, span, w) in enumerate(
+        zip(total, response, first.prompt_lengths, _spans(total, response),
+            first.padded_lengths)
     ):
         tokens = _range(p, t) if r else "none"
+        width = f", padded to W {w}" if align is not None or padded is not None else ""
         lines.append(
-            f"sample {i}: L {t} = prompt {p} + response {r}; prompt tokens {_range(0, p)}, "
-            f"response tokens {tokens}, response span {span}"
+            f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
+            f"{_range(0, p)}, response tokens {tokens}, response span {span}"
         )
     lines += _legend(colour)
     if length > _FULL_PICTURE_MAX:
@@ -435,6 +455,12 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         help="qkv format to check (default: every format the mode has; allgather is thd only)",
     )
     parser.add_argument(
+        "--align", type=_count(1), default=None, metavar="N",
+        help="also check every thd layout with each sample padded to a multiple of N "
+        "(verl, Megatron-Bridge: tp * cp * 2); under zigzag a multiple of 2 * --cp-size "
+        "(default: one extra layout, allgather thd with align 4 * --cp-size)",
+    )
+    parser.add_argument(
         "--samples", type=_count(1), default=16, metavar="K",
         help="random samples per layout, edge cases first (default 16)",
     )
@@ -461,7 +487,10 @@ def _verify(args: argparse.Namespace) -> int:
     tp_size = cast(int, args.tp_size)
     try:
         verify.check_sizes(cp_size, tp_size)
-        cases = verify.select_cases(cp_size, cast(str, args.mode), cast("str | None", args.format))
+        cases = verify.select_cases(
+            cp_size, cast(str, args.mode), cast("str | None", args.format),
+            cast("int | None", args.align),
+        )
     except verify.VerifyArgumentError as err:
         _one_line("cpslice verify", str(err))
         return EXIT_USAGE

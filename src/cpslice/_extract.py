@@ -21,7 +21,7 @@ from ._types import AnyShare, Share, Strategy, Values
 def extraction_strategy(layout: Layout) -> Strategy:
     """Which strategy ``extract_responses`` runs for ``layout``, without running it.
 
-    The decision table (LAYOUTS.md gives the arithmetic of each):
+    The decision table (docs/layouts.md gives the arithmetic of each):
 
     ============  ==========  =============  ==========================================
     cp_mode       qkv_format  strategy       a sample's rows on this rank
@@ -37,7 +37,10 @@ def extraction_strategy(layout: Layout) -> Strategy:
 
     Every strategy then runs the same engine: intersect its runs with the response
     span ``[P_i - 1, L_i - 1)``, gather the rows once and split once, so the
-    strategies differ only in where a sample's positions sit.
+    strategies differ only in where a sample's positions sit. Samples that carry
+    their own padding (thd ``padded_lengths`` / ``align``) take the same strategy:
+    the packed offsets, the zigzag chunks and the stream read the padded extents
+    ``layout.padded_lengths`` instead of the defaults.
     """
     return strategy(layout)
 

@@ -1,15 +1,39 @@
 """The Layout: which samples a micro-batch holds and how one rank lays them out.
 
 A Layout is a validated, immutable record. It holds no offset arithmetic of its
-own: every offset is read from it by ``_plan`` (LAYOUTS.md, one place).
+own: every offset is read from it by ``_plan`` (docs/layouts.md, one place).
 """
+
+from collections.abc import Sequence
+
+import torch
 
 from ._checks import integer, kind, lengths
 from ._errors import LayoutError
-from ._types import CpMode, FormatArg, IntArg, Lengths, ModeArg, QkvFormat
+from ._types import Boundaries, CpMode, FormatArg, IntArg, Lengths, ModeArg, QkvFormat
+from ._widths import resolve_padded_lengths
 
 _FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
 _MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
+
+
+def _boundaries(values: object) -> tuple[int, ...]:
+    """``cu_seqlens_padded`` as host ints: a list/tuple of ints, or a 1-D integer tensor
+    on any device (read with one host copy)."""
+    name = "cu_seqlens_padded"
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {values.dtype}")
+        if values.dim() != 1:
+            raise LayoutError(
+                f"{name} must be 1-D [n + 1] (the padded sample boundaries), got shape "
+                f"{tuple(values.shape)}"
+            )
+        host: list[int] = values.tolist()  # the one host copy
+        return tuple(host)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a list of ints or an integer tensor, got {kind(values)}")
+    return tuple(integer(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
 class Layout:
@@ -32,15 +56,34 @@ class Layout:
             another length is an error, and so is a ``local_length`` shorter than
             the layout needs (reported by the first function that reads the layout:
             a Layout is a record and computes no offsets itself).
+        padded_lengths: thd only, keyword-only: ``W_i >= L_i`` positions per sample,
+            its ``L_i`` tokens then ``W_i - L_i`` padding on the right (verl,
+            Megatron-Bridge, NeMo: ``PackedSeqParams.cu_seqlens_q_padded``; see
+            ``from_cu_seqlens``). No CP: sample ``i`` starts at ``W_0 + ... + W_{i-1}``;
+            zigzag: ``W_i`` must be a multiple of ``2 * cp_size`` and is cut into
+            ``2 * cp_size`` chunks; allgather: the stream of padded samples is cut into
+            ``cp_size`` pieces of ``T``. None: each sample's default extent.
+        align: thd only, keyword-only: shorthand for ``W_i = ceil(L_i / align) * align``
+            (``align >= 1``; under zigzag a multiple of ``2 * cp_size``). Give
+            ``padded_lengths`` or ``align``, not both.
+
+    The resolved ``W_i`` of every layout is ``padded_lengths`` (the attribute): the
+    given ones; without them ``L_i`` (cp none and allgather, thd), the least multiple
+    of ``2 * cp_size`` that is ``>= L_i`` (zigzag, thd), or the padded row width
+    (bshd). Padding positions hold no token: never extracted, filled by ``pack``
+    and ``shifted_targets``. Two layouts are equal when they place every token of
+    every sample at the same local row: the same lengths, format, mode, rank, size,
+    local length and resolved ``padded_lengths`` (``align=8`` equals the
+    ``padded_lengths`` it stands for). docs/layouts.md gives every rule.
 
     Integers may be ints, numpy integers or anything with ``__index__``; lengths
     any sequence of them (a list, a tuple, a ``range``).
 
     Raises:
-        TypeError: a length, ``max_seq_len``, rank, size or ``local_length`` that is
-            not an integer (a bool or a float included); lengths that are not a
-            sequence; ``qkv_format`` or ``cp_mode`` not a str.
-        LayoutError: on any value that breaks a rule of LAYOUTS.md; the message
+        TypeError: a length, ``max_seq_len``, rank, size, ``local_length`` or ``align``
+            that is not an integer (a bool or a float included); lengths that are not
+            a sequence; ``qkv_format`` or ``cp_mode`` not a str.
+        LayoutError: on any value that breaks a rule of docs/layouts.md; the message
             names the sample, the values and the rule.
     """
 
@@ -53,6 +96,9 @@ class Layout:
         "cp_rank",
         "cp_size",
         "local_length",
+        "padded_lengths",
+        "align",
+        "_given_padding",
         "_key",
         "_hash",
     )
@@ -65,6 +111,11 @@ class Layout:
     cp_rank: int
     cp_size: int
     local_length: int | None
+    padded_lengths: tuple[int, ...]
+    """``W_i``, the positions sample ``i`` occupies, its padding included (resolved
+    for every layout; for bshd, the padded row width)."""
+    align: int | None
+    _given_padding: tuple[int, ...] | None
     _key: tuple[object, ...]
     _hash: int
 
@@ -79,6 +130,8 @@ class Layout:
         cp_rank: IntArg = 0,
         cp_size: IntArg = 1,
         local_length: IntArg | None = None,
+        padded_lengths: Lengths | None = None,
+        align: IntArg | None = None,
     ) -> None:
         total = lengths("total_lengths", total_lengths)
         response = lengths("response_lengths", response_lengths)
@@ -97,9 +150,9 @@ class Layout:
                     f"sample {i}: response_length {r} > total_length - 1 = {t - 1} "
                     "(a response needs at least one prompt token before it)"
                 )
-        for name, given in (("qkv_format", qkv_format), ("cp_mode", cp_mode)):
-            if not isinstance(given, str):
-                raise TypeError(f"{name} must be a str, got {kind(given)} {given!r}")
+        for name, given_str in (("qkv_format", qkv_format), ("cp_mode", cp_mode)):
+            if not isinstance(given_str, str):
+                raise TypeError(f"{name} must be a str, got {kind(given_str)} {given_str!r}")
         if qkv_format not in _FORMATS:
             raise LayoutError(f"qkv_format {qkv_format!r} is not one of {_FORMATS}")
         if cp_mode not in _MODES:
@@ -148,6 +201,8 @@ class Layout:
             local = integer("local_length", local_length)
             if local < 0:
                 raise LayoutError(f"local_length {local} < 0")
+        given, align_ = _padding(total, fmt, mode, size, padded_lengths, align)
+        padded = resolve_padded_lengths(total, fmt, seq, mode, size, given, align_)
         setattr_ = object.__setattr__
         setattr_(self, "total_lengths", total)
         setattr_(self, "response_lengths", response)
@@ -157,7 +212,10 @@ class Layout:
         setattr_(self, "cp_rank", rank)
         setattr_(self, "cp_size", size)
         setattr_(self, "local_length", local)
-        key = (total, response, fmt, seq, mode, rank, size, local)
+        setattr_(self, "padded_lengths", padded)
+        setattr_(self, "align", align_)
+        setattr_(self, "_given_padding", given)
+        key = (total, response, fmt, seq, mode, rank, size, local, padded)
         setattr_(self, "_key", key)
         setattr_(self, "_hash", hash(key))
 
@@ -171,11 +229,15 @@ class Layout:
         max_seq_len: IntArg | None = None,
         allgather_cp: bool = False,
         local_length: IntArg | None = None,
+        padded_lengths: Lengths | None = None,
+        align: IntArg | None = None,
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
         The mode is ``"allgather"`` when ``allgather_cp``, else ``"zigzag"`` when the
         CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
+        ``padded_lengths`` and ``align`` are ``Layout``'s (e.g. verl's
+        ``align=tp * cp * 2`` under CP, ``tp`` without).
 
         Raises:
             ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
@@ -195,6 +257,76 @@ class Layout:
             cp_rank=rank,
             cp_size=size,
             local_length=local_length,
+            padded_lengths=padded_lengths,
+            align=align,
+        )
+
+    @classmethod
+    def from_cu_seqlens(
+        cls,
+        cu_seqlens_padded: Boundaries,
+        total_lengths: Lengths,
+        response_lengths: Lengths,
+        *,
+        cp_mode: ModeArg = "none",
+        cp_rank: IntArg = 0,
+        cp_size: IntArg = 1,
+        local_length: IntArg | None = None,
+    ) -> "Layout":
+        """The thd Layout of samples padded to the boundaries a framework already holds.
+
+        Args:
+            cu_seqlens_padded: ``[n + 1]`` ints, ``0 = b_0 <= b_1 <= ... <= b_n``: the
+                global padded boundaries before any CP split, exactly what megatron-core's
+                ``PackedSeqParams.cu_seqlens_q_padded`` holds. A list/tuple of ints or an
+                integer tensor on any device (read with one host copy). Sample ``i``
+                occupies ``W_i = b_{i+1} - b_i`` positions.
+            total_lengths, response_lengths, cp_mode, cp_rank, cp_size, local_length:
+                as ``Layout``.
+
+        Returns:
+            ``Layout(total_lengths, response_lengths, padded_lengths=W, ...)``.
+
+        Raises:
+            TypeError: ``cu_seqlens_padded`` is neither a list of ints nor an integer tensor.
+            LayoutError: it is not 1-D, has not ``n + 1`` entries, does not start at 0,
+                decreases, or gives a sample fewer positions than its tokens; anything
+                ``Layout`` refuses.
+        """
+        total = lengths("total_lengths", total_lengths)
+        bounds = _boundaries(cu_seqlens_padded)
+        n = len(total)
+        if len(bounds) != n + 1:
+            raise LayoutError(
+                f"cu_seqlens_padded has {len(bounds)} entries but there are {n} samples "
+                f"(it holds the n + 1 = {n + 1} padded boundaries, starting at 0)"
+            )
+        if bounds[0] != 0:
+            raise LayoutError(
+                f"cu_seqlens_padded starts at {bounds[0]}, not 0 (the global boundaries of "
+                "the whole micro-batch, before any CP split)"
+            )
+        widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        for i, (w, t) in enumerate(zip(widths, total)):
+            if w < 0:
+                raise LayoutError(
+                    f"sample {i}: cu_seqlens_padded decreases, {bounds[i]} then {bounds[i + 1]} "
+                    "(boundaries are non-decreasing)"
+                )
+            if w < t:
+                raise LayoutError(
+                    f"sample {i}: cu_seqlens_padded[{i + 1}] - cu_seqlens_padded[{i}] = "
+                    f"{bounds[i + 1]} - {bounds[i]} = {w} < total_length {t} (a padded "
+                    "sample holds its tokens, then padding)"
+                )
+        return cls(
+            total,
+            response_lengths,
+            cp_mode=cp_mode,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            local_length=local_length,
+            padded_lengths=widths,
         )
 
     @property
@@ -225,6 +357,8 @@ class Layout:
             cp_rank=cp_rank,
             cp_size=self.cp_size,
             local_length=local_length,
+            padded_lengths=self._given_padding,
+            align=self.align,
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -239,9 +373,66 @@ class Layout:
     def __repr__(self) -> str:
         extra = f", max_seq_len={self.max_seq_len}" if self.max_seq_len is not None else ""
         local = f", local_length={self.local_length}" if self.local_length is not None else ""
+        if self._given_padding is not None:
+            local += f", padded_lengths={list(self._given_padding)}"
+        if self.align is not None:
+            local += f", align={self.align}"
         return (
             f"Layout(total_lengths={list(self.total_lengths)}, "
             f"response_lengths={list(self.response_lengths)}, qkv_format={self.qkv_format!r}"
             f"{extra}, cp_mode={self.cp_mode!r}, cp_rank={self.cp_rank}, "
             f"cp_size={self.cp_size}{local})"
         )
+
+
+def _padding(
+    total: tuple[int, ...],
+    fmt: QkvFormat,
+    mode: CpMode,
+    size: int,
+    padded_lengths: object,
+    align: object,
+) -> tuple[tuple[int, ...] | None, int | None]:
+    """The validated ``padded_lengths`` and ``align`` arguments (at most one of them)."""
+    if padded_lengths is None and align is None:
+        return None, None
+    what = "padded_lengths" if padded_lengths is not None else "align"
+    if fmt == "bshd":
+        raise LayoutError(
+            f"{what} is given with qkv_format 'bshd', whose rows are already padded to "
+            "max_seq_len; pass qkv_format='thd' for packed padded samples, or drop it"
+        )
+    if padded_lengths is not None and align is not None:
+        raise LayoutError(
+            f"padded_lengths and align={align!r} are both given; pass one: align=a stands "
+            "for padded_lengths W_i = ceil(L_i / a) * a"
+        )
+    two_c = 2 * size
+    zigzag = (
+        f" (zigzag cuts each padded sample into 2 * cp_size = {two_c} equal chunks)"
+    )
+    if align is not None:
+        a = integer("align", align)
+        if a < 1:
+            raise LayoutError(f"align {a} < 1 (samples are padded to a multiple of align)")
+        if mode == "zigzag" and a % two_c:
+            raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
+        return None, a
+    given = lengths("padded_lengths", padded_lengths)
+    if len(given) != len(total):
+        raise LayoutError(
+            f"padded_lengths has {len(given)} samples but total_lengths has {len(total)} "
+            "(one entry per sample in each)"
+        )
+    for i, (w, t) in enumerate(zip(given, total)):
+        if w < t:
+            raise LayoutError(
+                f"sample {i}: padded_length {w} < total_length {t} (a padded sample holds "
+                "its tokens, then padding)"
+            )
+        if mode == "zigzag" and w % two_c:
+            raise LayoutError(
+                f"sample {i}: padded_length {w} is not a multiple of 2 * cp_size = "
+                f"{two_c}{zigzag}"
+            )
+    return given, None

@@ -43,7 +43,7 @@ def _lay_out(
 def pack(
     per_sample: Sequence[AnyShare], layout: Layout, *, fill: RealArg = 0
 ) -> AnyValues:
-    """Lay each sample's whole tensor into this rank's local tensor, as LAYOUTS.md says.
+    """Lay each sample's whole tensor into this rank's local tensor, as docs/layouts.md says.
 
     ``per_sample[i]`` is ``[L_i, *rest]`` (tokens, loss masks, position ids; any dtype,
     the same for every sample). The result is ``[T, *rest]`` with ``T`` the layout's

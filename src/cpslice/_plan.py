@@ -1,4 +1,4 @@
-"""The whole offset arithmetic of LAYOUTS.md, in one place.
+"""The whole offset arithmetic of docs/layouts.md, in one place.
 
 Every operation of cpslice (extraction, sharding, packing, shifted targets,
 response rows, redistribution) is a reading of the *runs* a layout puts on one
@@ -6,9 +6,12 @@ rank: a run says that local rows ``[local, local + length)`` hold within-sample
 positions ``[start, start + length)`` of one sample. Each sample has the same
 number ``k`` of runs (1, or 2 for zigzag's two chunks), in ascending position
 order, and runs are grouped sample after sample. Padding positions belong to no
-run. A *selection* intersects the runs with one position range per sample and
-expands the result into row indices with vectorized integer arithmetic: no
-Python loop over samples, no per-sample ``torch.arange``.
+run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
+padding included: ``Layout.padded_lengths``), so the padded samples of verl or
+Megatron-Bridge are one more input of the same runs, not another code path.
+A *selection* intersects the runs with one position range per sample and expands
+the result into row indices with vectorized integer arithmetic: no Python loop
+over samples, no per-sample ``torch.arange``.
 """
 
 from typing import Literal, NamedTuple
@@ -25,16 +28,12 @@ _I64 = torch.int64
 
 
 def strategy(layout: Layout) -> Strategy:
-    """Which reading of LAYOUTS.md a layout selects; see ``extraction_strategy``."""
+    """Which reading of docs/layouts.md a layout selects; see ``extraction_strategy``."""
     if layout.cp_mode == "allgather":
         return "allgather"
     if layout.cp_mode == "zigzag":
         return "zigzag"
     return "none-thd" if layout.qkv_format == "thd" else "none-bshd"
-
-
-def _ceil_div(a: Tensor, b: int) -> Tensor:
-    return torch.div(a + (b - 1), b, rounding_mode="floor")
 
 
 def _excl_cumsum(x: Tensor) -> Tensor:
@@ -61,29 +60,18 @@ def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
     return base + _excl_cumsum(response) if concatenated else base
 
 
-def _zigzag_chunk(layout: Layout, total: Tensor) -> Tensor:
-    """``C_i``: each sample is padded to ``W_i = 2c * C_i`` positions."""
-    two_c = 2 * layout.cp_size
-    if layout.qkv_format == "bshd":
-        assert layout.max_seq_len is not None
-        width = -(-layout.max_seq_len // two_c)
-        return torch.full_like(total, width)
-    return _ceil_div(total, two_c)
+def _extent(layout: Layout) -> Tensor:
+    """``W_i`` as an int64 tensor."""
+    return torch.tensor(layout.padded_lengths, dtype=_I64)
 
 
 @cached(maxsize=64)
 def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
-    total, _ = _lengths(layout)
-    s = strategy(layout)
-    if s == "none-thd":
-        return int(total.sum())
-    if s == "none-bshd":
-        assert layout.max_seq_len is not None
-        return layout.num_samples * layout.max_seq_len
-    if s == "zigzag":
-        return int(2 * _zigzag_chunk(layout, total).sum())
-    return -(-int(total.sum()) // layout.cp_size)
+    stream = sum(layout.padded_lengths)
+    if layout.cp_mode == "zigzag":
+        return stream // layout.cp_size  # 2 of the 2c chunks of every sample
+    return -(-stream // layout.cp_size)
 
 
 def check_local_length(layout: Layout, length: int, what: str = "local_length") -> None:
@@ -97,11 +85,14 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
     need = needed_length(layout)
     if length >= need:
         return
-    total = sum(layout.total_lengths)
+    total = sum(layout.padded_lengths)
     if layout.cp_mode == "allgather":
+        what_sum = "total_lengths" if layout.padded_lengths == layout.total_lengths else (
+            "padded_lengths"
+        )
         rule = (
             f"cp_size * T = {layout.cp_size} * {length} = {layout.cp_size * length} < "
-            f"sum(total_lengths) = {total} (the {layout.cp_size} pieces must cover the "
+            f"sum({what_sum}) = {total} (the {layout.cp_size} pieces must cover the "
             "packed stream)"
         )
     else:
@@ -148,8 +139,9 @@ class Runs(NamedTuple):
     """``k`` runs per sample: rows ``[local, local+length)`` hold positions ``[start, start+length)``.
 
     ``width >= length`` is the rows the run occupies, its own padding included (a
-    zigzag chunk, a bshd row); for allgather, where only the stream's tail is
-    padding, ``width == length``. A run of ``length`` 0 may carry any ``start``.
+    zigzag chunk, a bshd row, a padded sample; for allgather, the part of the padded
+    sample on this rank's piece, which may be padding only). A run of ``length`` 0
+    may carry any ``start``; its padding rows are ``[start, start + width)``.
     """
 
     k: int
@@ -162,31 +154,26 @@ class Runs(NamedTuple):
 def runs(layout: Layout, length: int) -> Runs:
     """The runs of the layout on its rank, whose local tensor has ``length`` rows."""
     total, _ = _lengths(layout)
-    n = layout.num_samples
-    s = strategy(layout)
-    zero = torch.zeros_like(total)
-    if s == "none-thd":
-        return Runs(1, _excl_cumsum(total), zero, total, total)
-    if s == "none-bshd":
-        assert layout.max_seq_len is not None
-        row = torch.full_like(total, layout.max_seq_len)
-        return Runs(1, torch.arange(n, dtype=_I64) * layout.max_seq_len, zero, total, row)
+    extent = _extent(layout)  # W_i: every rule reads it where a sample's extent goes
+    if layout.cp_mode == "none":  # thd and bshd alike: rows of W_i, back to back
+        return Runs(1, _excl_cumsum(extent), torch.zeros_like(total), total, extent)
     c, r = layout.cp_size, layout.cp_rank
-    if s == "zigzag":
-        chunk = _zigzag_chunk(layout, total)
+    if layout.cp_mode == "zigzag":
+        chunk = torch.div(extent, 2 * c, rounding_mode="floor")
         block = _excl_cumsum(2 * chunk)
         local = torch.stack([block, block + chunk], 1)
         start = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1)
         size = torch.minimum(chunk.unsqueeze(1), (total.unsqueeze(1) - start).clamp_min(0))
         width = torch.repeat_interleave(chunk, 2)
         return Runs(2, local.reshape(-1), start.reshape(-1), size.reshape(-1), width)
-    # allgather: the packed stream, cut into pieces of `length`.
-    offset = _excl_cumsum(total)
+    # allgather: the stream of padded samples, cut into pieces of `length`.
+    offset = _excl_cumsum(extent)
     lo = offset.clamp_min(r * length)
     hi = (offset + total).clamp_max((r + 1) * length)
+    end = (offset + extent).clamp_max((r + 1) * length)
     size = (hi - lo).clamp_min(0)
     local = (lo - r * length).clamp(0, length)
-    return Runs(1, local, lo - offset, size, size)
+    return Runs(1, local, lo - offset, size, (end - lo).clamp_min(0))
 
 
 class Selection(NamedTuple):

@@ -69,7 +69,7 @@ def _route(src: Layout, dst: Layout, size: int) -> _Route:
         place[ids] = torch.arange(ids.numel(), dtype=_I64)
         if q == me:
             src_total = int(ids.numel())
-    if total and bool((owner < 0).any()):  # pragma: no cover - LAYOUTS.md's shares partition
+    if total and bool((owner < 0).any()):  # pragma: no cover - docs/layouts.md's shares partition
         raise AssertionError("the source layout's shares do not cover every response element")
     dst_ids = [_element_ids(layout) for layout in _ranks(dst, size)]
     send_index = [place[ids[owner[ids] == me]] for ids in dst_ids]

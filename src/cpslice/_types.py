@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     Lengths = Sequence[SupportsIndex]
     IntArg = SupportsIndex
     RealArg = SupportsFloat
+    # ``cu_seqlens_padded``: a list of ints or an integer tensor, on any device.
+    Boundaries = Sequence[SupportsIndex] | Tensor
     FormatArg = QkvFormat
     ModeArg = CpMode
 else:
@@ -43,5 +45,6 @@ else:
     Lengths = object
     IntArg = object
     RealArg = object
+    Boundaries = object
     FormatArg = object
     ModeArg = object

@@ -87,28 +87,37 @@ class VerifyFailure(RuntimeError):
 
 
 class Case(NamedTuple):
-    """One layout to check: its CP mode and its qkv format."""
+    """One layout to check: its CP mode, its qkv format, and (thd) the ``align`` its
+    samples are padded to, or None for the default packing."""
 
     mode: CpMode
     fmt: QkvFormat
+    align: int | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.mode} {self.fmt}"
+        return f"{self.mode} {self.fmt}" + (f" align {self.align}" if self.align else "")
 
 
-def select_cases(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
-    """The layouts ``--mode`` and ``--format`` ask for at ``cp_size``.
+def select_cases(
+    cp_size: int, mode: str, fmt: str | None, align: int | None = None
+) -> tuple[Case, ...]:
+    """The layouts ``--mode``, ``--format`` and ``--align`` ask for at ``cp_size``.
 
     ``mode`` is ``"zigzag"``, ``"allgather"``, ``"none"`` or ``"all"``; ``fmt`` is
     ``"thd"``, ``"bshd"`` or None for every format the mode has. ``"all"`` means
     zigzag (thd, bshd) and allgather (thd) when ``cp_size > 1``, and none (thd, bshd)
     and allgather (thd) when ``cp_size == 1``: megatron-core's ``parallel_state``
-    yields zigzag only with context parallelism, and none only without it.
+    yields zigzag only with context parallelism, and none only without it. With
+    ``align``, every thd layout is checked a second time with its samples padded to
+    a multiple of ``align``; without it, ``"all"`` with thd adds one such layout:
+    allgather, ``align = 4 * cp_size`` (verl's ``tp * cp * 2`` at tp 2), whose padding
+    crosses pieces and is redistributed to zigzag.
 
     Raises:
         VerifyArgumentError: ``none`` with ``cp_size > 1``, ``zigzag`` with
-            ``cp_size == 1``, ``allgather`` with bshd; the message says what to pass.
+            ``cp_size == 1``, ``allgather`` with bshd, ``align`` with bshd only or, under
+            zigzag, not a multiple of ``2 * cp_size``; the message says what to pass.
     """
     if mode == "none" and cp_size > 1:
         raise VerifyArgumentError(
@@ -140,7 +149,24 @@ def select_cases(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
     for m in modes:
         formats: tuple[QkvFormat, ...] = ("thd",) if m == "allgather" else ("thd", "bshd")
         cases += [Case(m, f) for f in formats if fmt is None or f == fmt]
-    return tuple(cases)
+    if align is None:
+        if mode == "all" and fmt in (None, "thd"):
+            cases.append(Case("allgather", "thd", 4 * cp_size))
+        return tuple(cases)
+    if fmt == "bshd":
+        raise VerifyArgumentError(
+            f"--align {align} pads packed thd samples, but --format is bshd, whose rows are "
+            "already padded; pass --format thd, or drop --align"
+        )
+    if align < 1:
+        raise VerifyArgumentError(f"--align {align} < 1")
+    if "zigzag" in modes and align % (2 * cp_size):
+        raise VerifyArgumentError(
+            f"--align {align} is not a multiple of 2 * --cp-size = {2 * cp_size} (zigzag cuts "
+            "each padded sample into 2 * cp equal chunks); pass a multiple, e.g. "
+            f"{4 * cp_size} (verl: tp * cp * 2)"
+        )
+    return tuple(cases) + tuple(Case(c.mode, c.fmt, align) for c in cases if c.fmt == "thd")
 
 
 def check_sizes(cp_size: int, tp_size: int) -> None:
@@ -333,15 +359,17 @@ def check_batch(
     seq = max(batch.total) + 1 if case.fmt == "bshd" else None
     layout = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
-        allgather_cp=case.mode == "allgather",
+        allgather_cp=case.mode == "allgather", align=case.align,
     )
     if layout.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {layout.cp_mode!r}, not {case.mode!r}")
     # one padding row more than the rules need (from the oracle, not from _plan)
-    length = oracle.least_length(batch.total, case.mode, case.fmt, seq, layout.cp_size) + 1
+    length = oracle.least_length(
+        batch.total, case.mode, case.fmt, seq, layout.cp_size, case.align
+    ) + 1
     layout = layout.with_local_length(length)
     view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
-                           layout.cp_rank, layout.cp_size, length)
+                           layout.cp_rank, layout.cp_size, length, case.align)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
     lp, ent = response_log_probs(
@@ -652,14 +680,15 @@ def _fmt(error: float) -> str:
 
 def table(results: Sequence[CaseResult], tolerance: float) -> str:
     """The result table, its tolerance, and the verdict."""
+    width = max([15, *(len(r.case.name) + 1 for r in results)])
     head = (
-        f"{'layout':<15}{'ranks (cp x tp)':>16}{'samples':>9}{'empty ranks':>13}"
+        f"{'layout':<{width}}{'ranks (cp x tp)':>16}{'samples':>9}{'empty ranks':>13}"
         f"{'log-prob err':>14}{'entropy err':>13}{'grad err':>10}  result"
     )
     lines = [head]
     for r in results:
         lines.append(
-            f"{r.case.name:<15}{f'{r.cp_size} x {r.tp_size}':>16}{r.samples:>9}"
+            f"{r.case.name:<{width}}{f'{r.cp_size} x {r.tp_size}':>16}{r.samples:>9}"
             f"{r.empty_ranks:>13}{_fmt(r.errors.log_prob):>14}{_fmt(r.errors.entropy):>13}"
             f"{_fmt(r.errors.grad):>10}  {'pass' if r.passed else 'FAIL'}"
         )

@@ -26,7 +26,8 @@ class RankView:
 
     ``mode`` is ``"none"``, ``"zigzag"`` or ``"allgather"``; ``fmt`` ``"thd"`` or
     ``"bshd"``; ``seq`` the bshd row length; ``length`` the local tensor's length
-    (for allgather, the piece length ``T``).
+    (for allgather, the piece length ``T``); ``align`` (thd) pads every sample with
+    padding positions after its tokens up to a multiple of ``align``.
     """
 
     total: tuple[int, ...]
@@ -37,15 +38,18 @@ class RankView:
     rank: int
     size: int
     length: int
+    align: int | None = None
 
 
 def least_length(
-    total: Sequence[int], mode: str, fmt: str, seq: int | None, size: int
+    total: Sequence[int], mode: str, fmt: str, seq: int | None, size: int,
+    align: int | None = None,
 ) -> int:
     """The fewest local rows that hold this rank's positions of every sample."""
     if mode == "allgather":
-        return -(-sum(total) // size)
-    return len(_places(total, mode, fmt, seq, 0, size, None))
+        stream = sum(_padded(n, align) if align else n for n in total)
+        return -(-stream // size)
+    return len(_places(total, mode, fmt, seq, 0, size, None, align))
 
 
 def _padded(width: int, multiple: int) -> int:
@@ -56,22 +60,29 @@ def _padded(width: int, multiple: int) -> int:
 
 def _places(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, rank: int, size: int,
-    length: int | None,
+    length: int | None, align: int | None = None,
 ) -> list[Place]:
     rows: list[Place] = []
+
+    def extent(n: int) -> int:  # the sample's positions, its own padding included
+        if fmt == "bshd":
+            return int(seq or 0)
+        return _padded(n, align) if align else n
+
     if mode == "none":
         for i, n in enumerate(total):
-            width = n if fmt == "thd" else int(seq or 0)
-            rows += [(i, p) if p < n else None for p in range(width)]
+            rows += [(i, p) if p < n else None for p in range(extent(n))]
     elif mode == "zigzag":
         for i, n in enumerate(total):
-            width = _padded(n if fmt == "thd" else int(seq or 0), 2 * size)
+            width = _padded(extent(n), 2 * size)
             chunk = width // (2 * size)
             for k in (rank, 2 * size - 1 - rank):  # chunk r, then chunk 2c-1-r
                 rows += [(i, p) if p < n else None for p in range(k * chunk, (k + 1) * chunk)]
     elif mode == "allgather":
         assert length is not None, "allgather needs the piece length"
-        stream: list[Place] = [(i, p) for i, n in enumerate(total) for p in range(n)]
+        stream: list[Place] = [
+            (i, p) if p < n else None for i, n in enumerate(total) for p in range(extent(n))
+        ]
         stream += [None] * (size * length - len(stream))
         rows = stream[rank * length : (rank + 1) * length]
     else:
@@ -81,7 +92,9 @@ def _places(
 
 def places(view: RankView) -> list[Place]:
     """What each of the rank's ``view.length`` local rows holds (padding: None)."""
-    rows = _places(view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length)
+    rows = _places(
+        view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length, view.align
+    )
     if len(rows) > view.length:
         raise ValueError(f"local length {view.length} < {len(rows)} rows this rank holds")
     return rows + [None] * (view.length - len(rows))
