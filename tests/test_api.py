@@ -10,6 +10,7 @@ PUBLIC = {
     "pack", "shifted_targets", "response_rows",
     "log_probs_and_entropy", "response_log_probs",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
+    "sample_means",
 }
 
 
