@@ -218,9 +218,11 @@ def test_index_tensors_are_built_once_per_layout_and_device() -> None:
     ("call", "error", "match"),
     [
         # a share that is not a tensor: TypeError naming the argument and the sample
-        (lambda L: sum_of_sample_means([[1.0, 2.0]], [torch.ones(2)], L), TypeError,
+        (lambda L: sum_of_sample_means([[1.0, 2.0]], [torch.ones(2)], L),  # type: ignore[list-item]
+         TypeError,
          r"sample 0: values\[0\] is a list, not a tensor"),
-        (lambda L: sample_means(torch.zeros(2), [torch.ones(2)], L), TypeError,
+        (lambda L: sample_means(torch.zeros(2), [torch.ones(2)], L),  # type: ignore[arg-type]
+         TypeError,
          r"values must be a list of per-sample shares, got Tensor"),
         (lambda L: sum_of_tokens([torch.zeros(2, dtype=torch.int64)], [torch.ones(2)], L),
          TypeError, r"sample 0: values\[0\] has dtype torch.int64; values must be floating"),
@@ -243,9 +245,9 @@ def test_index_tensors_are_built_once_per_layout_and_device() -> None:
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
                                 denominators=[float("nan")]),
          LayoutError, r"sample 0: denominators\[0\] is nan"),
-        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=["2"]),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=["2"]),  # type: ignore[list-item]
          TypeError, r"sample 0: denominators\[0\] is '2', not a float"),
-        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=3.0),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=3.0),  # type: ignore[arg-type]
          TypeError, r"denominators must be a \[n\] tensor or a list of floats, got float"),
     ],
 )
