@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import Layout, extract_responses, pack, sample_means
+from cpslice import Layout, LayoutError, extract_responses, pack, sample_means, shard_responses
 from cpslice._types import CpMode
 from cpslice._verify import edge_lengths, sparse_lengths
 
@@ -210,6 +210,13 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
                     held=sum(s.numel() for s in shares),
                     forward=forward, backward=calls[len(forward):],
                 )
+        # a layout for another group size: refused on every rank, before any collective
+        wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
+        try:
+            sample_means(shard_responses([torch.zeros(2)], wrong), [torch.ones(2)], wrong,
+                         group=group)
+        except LayoutError as e:
+            out[cp, "wrong group", rank] = str(e)
         # the README's examples, zigzag
         batch = _rl_batch(cp)
         layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
@@ -298,3 +305,11 @@ def test_readme_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
         negative = [bool((a * m).sum() < 0) for a, m in zip(batch["adv"], batch["masks"])]
         assert any(negative[i] and i % 2 == 0 for i in range(len(negative)))  # dropped
         assert any(negative[i] and i % 2 for i in range(len(negative)))  # kept
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+def test_a_layout_for_another_group_is_refused_on_every_rank(ranks: dict[Any, Any], cp: int) -> None:
+    for r in range(WORLD):
+        message = ranks.get((cp, "wrong group", r), "no error")
+        assert re.search(rf"the layout is rank {r % cp % (6 - cp)} of cp_size {6 - cp} but this process "
+                         rf"is rank {r % cp} of a group of {cp}; pass the CP group", message), message

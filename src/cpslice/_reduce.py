@@ -301,6 +301,7 @@ def sample_means(
         group: the CP process group (``None``: the default group); unused without CP.
         denominators: ``[n]`` tensor or list of floats, the same on every rank, in
             place of the whole masks' sums (e.g. a token count per rollout group).
+            A tensor is checked for negative values on the host (one sync).
 
     Returns:
         ``[n]``, the values' dtype (accumulated in float32, float64 for float64
@@ -313,10 +314,10 @@ def sample_means(
         result (a rank that holds nothing included) and every rank runs backward.
 
     Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` of ``[n]``
-    floats forward and, when the result is in a graph, one backward, whatever ``n``
-    and whatever each rank holds; every rank must call it (under ``torch.no_grad()``
-    only the forward one). Without CP (``cp_mode="none"`` or ``cp_size`` 1), none,
-    and no process group is needed.
+    floats forward and, when the result is in a graph, one backward, whatever each
+    rank holds (none for a layout of no samples, on every rank alike); every rank
+    must call it (under ``torch.no_grad()``: only the forward one). Without CP
+    (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed.
 
     Raises:
         RuntimeError: CP without torch.distributed initialized.
