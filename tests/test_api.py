@@ -10,7 +10,7 @@ PUBLIC = {
     "pack", "shifted_targets", "response_rows",
     "log_probs_and_entropy", "response_log_probs",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
-    "clear_caches",
+    "clear_caches", "sample_means",
 }
 
 

@@ -288,6 +288,8 @@ FAKE = {
                      "def report(rows, say=print):\n    say('logprob'); say(f'rows {rows}')\n",
     "bench_redistribute": "def run(quick):\n    raise RuntimeError('no gloo today')\n"
                           "def report(rows):\n    return ''\n",
+    "bench_sample_means": "def run(quick):\n    return 7\n"
+                          "def report(rows):\n    return f'means {rows}'\n",
 }
 
 
@@ -308,7 +310,8 @@ def test_bench_sections_and_a_failing_benchmark(
     assert "== extraction: " in out and "extract rows [True]\n(" in out
     assert "== log-probs + entropy: " in out and "logprob\nrows [1, 2]\n(" in out
     assert "== redistribute " in out and "failed; its traceback is on stderr" in out
-    assert out.splitlines()[-1] == "1 of 3 benchmarks failed"
+    assert "== sample_means " in out and "means 7\n(" in out
+    assert out.splitlines()[-1] == "1 of 4 benchmarks failed"
     assert "cpslice bench: bench_redistribute failed:" in err
     assert "RuntimeError: no gloo today" in err
 

@@ -1,12 +1,23 @@
 """The reducers need no communication, so their CP property is checked in one process:
 the parts of every rank add up to the no-CP value, for values and gradients."""
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cpslice import Layout, LayoutError, extract_responses, sum_of_sample_means, sum_of_tokens
-from tests.checked import CHECKED, refused
+from cpslice import (
+    Layout,
+    LayoutError,
+    extract_responses,
+    sample_means,
+    shard_responses,
+    sum_of_sample_means,
+    sum_of_tokens,
+)
+from tests.checked import refused
 
 from .oracle import Config, local_length, local_values
 from .strategies import configs
@@ -73,10 +84,184 @@ def test_a_2d_share_is_refused_as_values() -> None:
         sum_of_tokens([torch.zeros(2, 1)], [torch.ones(2)], layout)
     with refused(LayoutError, r"sample 0: loss_masks\[0\] has shape \(2, 1\); it must be 1-D"):
         sum_of_tokens([torch.zeros(2)], [torch.ones(2, 1)], layout)
-    if CHECKED:
-        # the checker names the argument that is wrong, not the one after it
-        from jaxtyping import TypeCheckError
+    # checked or not, the argument that is wrong is the one named, not the one after it
+    with pytest.raises((LayoutError, TypeError)) as info:
+        sample_means([torch.zeros(2, 1)], [torch.ones(2)], layout)
+    assert "values" in str(info.value) and "loss_masks" not in str(info.value), str(info.value)
 
-        with pytest.raises(TypeCheckError) as info:
-            sum_of_sample_means([torch.zeros(2, 1)], [torch.ones(2)], layout)
-        assert "typechecking parameter 'values'" in str(info.value), str(info.value)[:2000]
+
+# ---------------------------------------------------------------- mask dtypes, denominators
+
+
+def _masks(kind: int, response: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
+    if kind == 0:
+        return [torch.rand(r, generator=gen) > 0.4 for r in response]
+    if kind == 1:  # int weights 0, 1, 2
+        return [torch.randint(0, 3, (r,), generator=gen) for r in response]
+    # fractional float weights (0.0 among them)
+    return [torch.rand(r, generator=gen).round(decimals=1) for r in response]
+
+
+@settings(max_examples=30, deadline=None)
+@given(configs(), st.integers(0, 2), st.sampled_from(["whole", "list", "tensor"]))
+def test_parts_and_gradients_sum_to_the_no_cp_ones_for_every_mask_and_denominator(
+    cfg: Config, kind: int, denominators: str
+) -> None:
+    gen = torch.Generator().manual_seed(sum(cfg.total) + kind)
+    masks = _masks(kind, cfg.response, gen)
+    weights = [torch.randn(r, generator=gen, dtype=torch.float64) for r in cfg.response]
+    whole = [float(m.double().sum()) for m in masks]
+    d: list[float] = [float(r % 3) for r in cfg.response] if denominators != "whole" else whole
+    given_d: list[float] | torch.Tensor | None = {
+        "whole": None, "list": d, "tensor": torch.tensor(d, dtype=torch.float64)}[denominators]
+    # float64 no-CP: sum_i sum_k w m / d_i, and its gradient m / d_i (0 where d_i is 0)
+    ref = sum((float((w * m.double()).sum()) / di for w, m, di in zip(weights, masks, d) if di),
+              0.0)
+    ref_grad = [m.double() / di if di else torch.zeros(len(m), dtype=torch.float64)
+                for m, di in zip(masks, d)]
+    total = 0.0
+    grad = [torch.zeros(r, dtype=torch.float64) for r in cfg.response]
+    for rank in range(cfg.cp):
+        layout = cfg.layout(rank).with_local_length(local_length(cfg))
+        ids = local_values(cfg, rank)
+        lookup = {(i * 1000 + (t - r - 1) + k): (i, k)
+                  for i, (t, r) in enumerate(zip(cfg.total, cfg.response)) for k in range(r)}
+        where = [lookup.get(int(v)) for v in ids.tolist()]
+        values = torch.tensor([float(weights[w[0]][w[1]]) if w else 0.0 for w in where],
+                              dtype=torch.float64, requires_grad=True)
+        shares, _ = extract_responses(values, layout)
+        part = sum_of_sample_means(shares, masks, layout, denominators=given_d)
+        total += float(part.detach())
+        if part.requires_grad:
+            (g,) = torch.autograd.grad(part, values)
+            for row, w in enumerate(where):
+                if w is not None:
+                    grad[w[0]][w[1]] += g[row]
+    assert abs(total - ref) <= 1e-12 * max(1.0, abs(ref))
+    for got, want in zip(grad, ref_grad):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    if cfg.cp == 1:  # no CP: sample_means needs no process group, and no collective
+        means = sample_means(shares, masks, cfg.layout(0).with_local_length(local_length(cfg)),
+                             denominators=given_d)
+        want = torch.tensor([float((w * m.double()).sum()) / di if di else 0.0
+                             for w, m, di in zip(weights, masks, d)], dtype=torch.float64)
+        assert torch.allclose(means.double(), want, rtol=1e-12, atol=1e-12)
+        assert means.dtype == torch.float64 or not cfg.total  # no samples: no dtype to keep
+
+
+def test_fractional_masks_divide_by_their_actual_sum() -> None:
+    # a mask summing to 0.5 divides by 0.5 (clamp_min(sum, 1) would divide by 1)
+    layout = Layout([3, 4], [2, 3])
+    values = [torch.tensor([2.0, 4.0]), torch.tensor([1.0, 3.0, 5.0])]
+    masks = [torch.tensor([0.25, 0.25]), torch.tensor([0.0, 0.5, 0.0])]
+    assert sum_of_sample_means(values, masks, layout).item() == 3.0 + 3.0
+    assert sample_means(values, masks, layout).tolist() == [3.0, 3.0]
+    assert sum_of_tokens(values, masks, layout).item() == 1.5 + 1.5
+    ints = [torch.tensor([1, 2]), torch.tensor([0, 3, 1])]  # int weights
+    doubles = [v.double() for v in values]
+    assert sample_means(doubles, ints, layout).tolist() == [10 / 3, 14 / 4]
+
+
+def test_denominators_replace_the_mask_sums_and_zero_gives_zero() -> None:
+    layout = Layout([3, 4, 2], [2, 3, 1])
+    values = [torch.tensor([2.0, 4.0], requires_grad=True), torch.tensor([1.0, 3.0, 5.0]),
+              torch.tensor([7.0])]
+    masks = [torch.ones(2, dtype=torch.bool), torch.tensor([True, False, True]),
+             torch.zeros(1, dtype=torch.bool)]
+    for d in ([4.0, 0, 2.0], torch.tensor([4.0, 0.0, 2.0])):
+        assert sample_means(values, masks, layout, denominators=d).tolist() == [1.5, 0.0, 0.0]
+        part = sum_of_sample_means(values, masks, layout, denominators=d)
+        assert part.item() == 1.5
+        (g,) = torch.autograd.grad(part, values[0])
+        assert g.tolist() == [0.25, 0.25]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_values_accumulate_in_float32(dtype: torch.dtype) -> None:
+    # 1000 tokens near 1.4: a sum in bfloat16 stalls at 1024, a mean at 4.0 was seen
+    gen = torch.Generator().manual_seed(0)
+    layout = Layout([1001, 5], [1000, 4])
+    values = [(1.4 + 0.05 * torch.randn(r, generator=gen)).to(dtype) for r in (1000, 4)]
+    masks = [torch.rand(r, generator=gen) > 0.1 for r in (1000, 4)]
+    exact = [v.double()[m].sum() for v, m in zip(values, masks)]
+    means = [float(s) / float(m.sum()) for s, m in zip(exact, masks)]
+    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    tokens = sum_of_tokens(values, masks, layout)
+    assert tokens.dtype == dtype
+    assert abs(float(tokens) - float(sum(exact))) <= ulp * float(sum(exact))
+    total = sum_of_sample_means(values, masks, layout)
+    assert abs(float(total) - sum(means)) <= ulp * sum(means)
+    got = sample_means(values, masks, layout)
+    assert got.dtype == dtype
+    assert torch.allclose(got.double(), torch.tensor(means, dtype=torch.float64), rtol=ulp, atol=0)
+
+
+def test_sample_means_without_cp_needs_no_process_group_and_with_cp_says_so() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    values, masks = [torch.tensor([1.0, 3.0])], [torch.ones(2)]
+    for layout in (Layout([3], [2]), Layout([3], [2], cp_mode="zigzag", cp_size=1)):
+        assert sample_means(values, masks, layout).tolist() == [2.0]
+    cp = Layout([8], [2], cp_mode="zigzag", cp_size=2, cp_rank=1)
+    with pytest.raises(RuntimeError, match=r"cp_size 2 needs torch.distributed"):
+        sample_means(shard_responses(values, cp), masks, cp)
+
+
+def test_index_tensors_are_built_once_per_layout_and_device() -> None:
+    from cpslice._cache import cache_info
+    from cpslice._reduce import _index
+
+    layout = Layout([5, 4, 3], [3, 2, 1], cp_mode="zigzag", cp_size=2, cp_rank=1)
+    shares, _ = extract_responses(torch.randn(8), layout)
+    masks = [torch.ones(r) for r in layout.response_lengths]
+    sum_of_tokens(shares, masks, layout)
+    before = cache_info(_index)
+    sum_of_sample_means(shares, masks, layout)
+    sum_of_tokens(shares, masks, layout)
+    after = cache_info(_index)
+    assert after.misses == before.misses and after.hits == before.hits + 2
+
+
+# ---------------------------------------------------------------- errors (checked in both modes)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        # a share that is not a tensor: TypeError naming the argument and the sample
+        (lambda L: sum_of_sample_means([[1.0, 2.0]], [torch.ones(2)], L),  # type: ignore[list-item]
+         TypeError,
+         r"sample 0: values\[0\] must be a tensor .*, got a list"),
+        (lambda L: sample_means(torch.zeros(2), [torch.ones(2)], L),  # type: ignore[arg-type]
+         TypeError,
+         r"values must be a list of per-sample tensors, got a Tensor"),
+        (lambda L: sum_of_tokens([torch.zeros(2, dtype=torch.int64)], [torch.ones(2)], L),
+         TypeError, r"sample 0: values\[0\] has dtype torch.int64; it must be floating point"),
+        # a share of the right length but not 1-D: the 1-D check alone catches it
+        (lambda L: sum_of_sample_means([torch.zeros(2, 1)], [torch.ones(2)], L), LayoutError,
+         r"sample 0: values\[0\] has shape \(2, 1\); it must be 1-D \[this rank's share\] = \[2\]"),
+        (lambda L: sum_of_tokens([torch.zeros(2)], [torch.ones(2, 1)], L), LayoutError,
+         r"sample 0: loss_masks\[0\] has shape \(2, 1\); it must be 1-D \[response_length\]"),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=[1.0, 2.0]),
+         LayoutError, r"denominators holds 2 values but the layout has 1 samples"),
+        (lambda L: sum_of_sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                       denominators=torch.ones(2)),
+         LayoutError, r"denominators has shape \(2,\) but the layout has 1 samples"),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=[-2.0]),
+         LayoutError, r"sample 0: denominators\[0\] is -2.0; a denominator is .* >= 0"),
+        (lambda L: sum_of_sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                       denominators=torch.tensor([-0.5])),
+         LayoutError, r"sample 0: denominators\[0\] is -0.5"),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                denominators=[float("nan")]),
+         LayoutError, r"sample 0: denominators\[0\] is nan"),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=["2"]),  # type: ignore[list-item]
+         TypeError, r"sample 0: denominators\[0\] must be a real number, got a str '2'"),
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=3.0),  # type: ignore[arg-type]
+         TypeError, r"denominators must be a \[n\] tensor or a list of floats, got float"),
+    ],
+)
+def test_error_reducer_arguments(call: Any, error: type[Exception], match: str) -> None:
+    with refused(error, match):
+        call(Layout([3], [2]))

@@ -33,6 +33,10 @@ def test_redistribute_and_reducer_types() -> None:
     masks = [torch.ones(2), torch.ones(1)]
     assert_type(cpslice.sum_of_sample_means(shares, masks, layout), Tensor)
     assert_type(cpslice.sum_of_tokens(shares, masks, layout), Tensor)
+    assert_type(cpslice.sample_means(shares, masks, layout, denominators=[2.0, 1.0]), Tensor)
+    assert_type(
+        cpslice.sum_of_sample_means(shares, masks, layout, denominators=torch.ones(2)), Tensor
+    )
     if torch.distributed.is_initialized():  # static checks only; run time has no group
         assert_type(cpslice.redistribute(shares, layout, layout), list[Tensor])
         assert_type(

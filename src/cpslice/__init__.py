@@ -29,6 +29,7 @@ from ._pack import response_rows as response_rows
 from ._pack import shifted_targets as shifted_targets
 from ._redistribute import gather_responses as gather_responses
 from ._redistribute import redistribute as redistribute
+from ._reduce import sample_means as sample_means
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
 from ._response import response_log_probs as response_log_probs
@@ -51,6 +52,7 @@ __all__ = [
     "redistribute",
     "response_log_probs",
     "response_rows",
+    "sample_means",
     "shard_responses",
     "shifted_targets",
     "sum_of_sample_means",

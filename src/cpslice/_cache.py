@@ -55,3 +55,11 @@ def clear_caches() -> None:
 def cache_sizes() -> dict[str, int]:
     """How many entries each registered cache holds now (for tests and debugging)."""
     return {f"{c.__module__}.{c.__qualname__}": c.cache_info().currsize for c in _CACHES}
+
+
+def cache_info(fn: Callable[..., Any]) -> Any:
+    """``functools``' cache info of a function decorated with ``cached`` (through any
+    wrapper: the compiler boundary, debug mode's checker)."""
+    while not hasattr(fn, "cache_info"):
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
+    return fn.cache_info()

@@ -518,6 +518,7 @@ _BENCHMARKS = (
     ("bench_extract", "extraction: cpslice against the per-sample loop and the bare-gather floor"),
     ("bench_logprob", "log-probs + entropy: peak memory and time against naive and save-softmax"),
     ("bench_redistribute", "redistribute against the zero-padded all_reduce, cp 4 on gloo"),
+    ("bench_sample_means", "sample_means against per-sample all-gathers and gather_responses"),
 )
 
 

@@ -1,78 +1,316 @@
-"""Loss reducers under CP, with no communication: each rank's partial result sums
-over the CP group to exactly the no-CP result."""
+"""Loss reducers under CP. ``sum_of_sample_means`` and ``sum_of_tokens`` need no
+communication: each rank's partial result sums over the CP group to exactly the
+no-CP result. ``sample_means`` gives every rank each sample's complete mean, with
+one ``all_reduce`` of ``[n]`` floats forward and one backward.
 
-from collections.abc import Sequence
+Every reducer accumulates in float32 (float64 for float64 values), whatever the
+values' dtype, and returns the values' dtype: a bfloat16 sum of a thousand tokens
+would otherwise stall where the spacing of bfloat16 numbers exceeds each addend.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
+import torch.distributed as dist
+from jaxtyping import Float
 from torch import Tensor
 
+from . import _checks as checks
 from ._cache import cached
-from ._checks import per_sample
-from ._extract import shard_responses
+from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, selection
-from ._types import Mask, Share1D
+from ._plan import resolve_length, response_base, selection
+from ._types import AnyShare, Share
+
+_I64 = torch.int64
+
+if TYPE_CHECKING:
+    Shares = Sequence[Share]
+    Masks = Sequence[AnyShare]
+    Denominators = Tensor | Sequence[float] | None
+else:
+    # Checked by the reducers themselves, whose TypeError/LayoutError names the
+    # argument and the sample; a checker error raised first would say less.
+    Shares = Masks = Denominators = object
+
+PerSample = Float[Tensor, " n"]
+Scalar = Float[Tensor, ""]
 
 
-def _masked(
-    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
-) -> tuple[Tensor, Tensor]:
-    """Per sample: the sum of value * mask over this rank's share, and the whole mask sum."""
-    counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
-    per_sample("values", values, counts, "this rank's share", one_dim=True, floating=True)
-    per_sample("loss_masks", loss_masks, layout.response_lengths, "response_length", one_dim=True)
-    mask_shares = shard_responses(loss_masks, layout)
-    n = layout.num_samples
-    flat = torch.cat(list(values)) if n else torch.zeros(0)
-    device, dtype = flat.device, flat.dtype
-    mask = torch.cat(mask_shares).to(device=device, dtype=dtype) if n else flat
-    # where, not a bare product: a masked -inf or NaN must not poison the sum
-    masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
-    whole = torch.cat(list(loss_masks)).to(device=device, dtype=dtype) if n else flat
-    return _per_sample(masked, counts), _per_sample(whole, list(layout.response_lengths))
+class _Index(NamedTuple):
+    """One layout's index tensors on one device (what every call would otherwise rebuild)."""
+
+    counts: list[int]  # per sample: elements of this rank's share
+    local: Tensor  # [m] each share element's index in all whole responses back to back
+    local_sample: Tensor  # [m] each share element's sample
+    whole_sample: Tensor  # [R] each whole-response element's sample
 
 
+# A few (layout, device) pairs: one step reduces the same layout several times.
 @cached(maxsize=8)
-def _sample_of(counts: tuple[int, ...], device: torch.device) -> Tensor:
-    """The sample of each element of ``counts``' consecutive runs, on ``device``, once."""
-    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
-    return index.to(device)
+def _index(layout: Layout, device: torch.device) -> _Index:
+    sel = selection(layout, resolve_length(layout, what="the layout"), "response")
+    samples = torch.arange(layout.num_samples, dtype=_I64)
+    local_sample = torch.repeat_interleave(samples, torch.tensor(sel.counts, dtype=_I64))
+    whole_sample = torch.repeat_interleave(
+        samples, torch.tensor(layout.response_lengths, dtype=_I64)
+    )
+    local = sel.sources(response_base(layout, concatenated=True))
+    return _Index(
+        list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device)
+    )
 
 
-def _per_sample(x: Tensor, counts: list[int]) -> Tensor:
-    """Sums of consecutive runs of ``counts[i]`` elements of ``x``: one per sample."""
-    sample = _sample_of(tuple(counts), x.device)
-    return torch.zeros(len(counts), dtype=x.dtype, device=x.device).index_add(0, sample, x)
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 values, float32 for every other floating dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_shares(values: object, layout: Layout) -> list[Tensor]:
+    counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
+    shares = checks.per_sample(
+        "values", values, counts, "this rank's share", one_dim=True, floating=True
+    )
+    for i, v in enumerate(shares):
+        if v.dtype != shares[0].dtype:
+            raise LayoutError(
+                f"sample {i}: values[{i}] is {v.dtype} but values[0] is {shares[0].dtype} "
+                "(the shares of one call have one dtype)"
+            )
+    return shares
+
+
+def _check_masks(loss_masks: object, layout: Layout) -> list[Tensor]:
+    return checks.per_sample(
+        "loss_masks", loss_masks, layout.response_lengths, "response_length", one_dim=True
+    )
+
+
+def _denominators(
+    denominators: object, layout: Layout, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """``denominators`` as a ``[n]`` tensor, or a TypeError/LayoutError naming the sample."""
+    n = layout.num_samples
+    if isinstance(denominators, Tensor):
+        if denominators.dim() != 1 or denominators.shape[0] != n:
+            raise LayoutError(
+                f"denominators has shape {tuple(denominators.shape)} but the layout has {n} "
+                "samples (one denominator per sample: [n])"
+            )
+        if denominators.dtype == torch.bool or denominators.is_complex():
+            raise TypeError(f"denominators has dtype {denominators.dtype}; pass real numbers")
+        if denominators.device.type == "cpu":  # checked where it costs no device sync
+            bad = (denominators < 0) | torch.isnan(denominators)
+            if n and bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                _refuse(i, float(denominators[i]))
+        return denominators.to(device=device, dtype=dtype)
+    if isinstance(denominators, (str, bytes)) or not isinstance(denominators, Sequence):
+        raise TypeError(
+            "denominators must be a [n] tensor or a list of floats, got "
+            f"{type(denominators).__name__}"
+        )
+    if len(denominators) != n:
+        raise LayoutError(
+            f"denominators holds {len(denominators)} values but the layout has {n} samples "
+            "(one denominator per sample)"
+        )
+    values = [checks.real(f"sample {i}: denominators[{i}]", x) for i, x in enumerate(denominators)]
+    for i, x in enumerate(values):
+        if math.isnan(x) or x < 0:
+            _refuse(i, x)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _refuse(i: int, value: float) -> None:
+    raise LayoutError(
+        f"sample {i}: denominators[{i}] is {value}; a denominator is a count or a weight "
+        "sum, >= 0 (0 makes the sample's mean 0)"
+    )
+
+
+class _Sums(NamedTuple):
+    local: Tensor  # [n] this rank's masked sums, accumulation dtype, in the graph
+    whole: Tensor  # [n] the whole masks' sums (the default denominators)
+    dtype: torch.dtype  # the values' dtype
+
+
+def _sums(values: object, loss_masks: object, layout: Layout) -> _Sums:
+    """Per sample: the sum of value * mask over this rank's share, and the whole mask sum."""
+    shares = _check_shares(values, layout)
+    masks = _check_masks(loss_masks, layout)
+    n = layout.num_samples
+    if not n:
+        empty = torch.zeros(0)
+        return _Sums(empty, empty, empty.dtype)
+    dtype = shares[0].dtype
+    acc = accumulation_dtype(dtype)
+    device = shares[0].device
+    index = _index(layout, device)
+    flat = torch.cat(shares).to(acc)
+    whole_mask = torch.cat(masks).to(device=device, dtype=acc)
+    mask = whole_mask.index_select(0, index.local)
+    # where, not a bare product: a masked -inf or NaN must not poison the sum (or its grad)
+    masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
+    local = torch.zeros(n, dtype=acc, device=device).index_add(0, index.local_sample, masked)
+    whole = torch.zeros(n, dtype=acc, device=device).index_add(
+        0, index.whole_sample, whole_mask
+    )
+    return _Sums(local, whole, dtype)
+
+
+def _divide(sums: Tensor, denominators: Tensor) -> Tensor:
+    """``sums / denominators``, 0 where a denominator is 0 (never NaN, never inf)."""
+    zero = denominators == 0
+    return torch.where(zero, torch.zeros_like(sums), sums / torch.where(zero, 1, denominators))
 
 
 def sum_of_sample_means(
-    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
-) -> Tensor:
+    values: Shares,
+    loss_masks: Masks,
+    layout: Layout,
+    *,
+    denominators: Denominators = None,
+) -> Scalar:
     """This rank's part of ``sum_i mean_i``, the masked mean of each sample's response.
 
     ``values[i]`` is this rank's share ``[r_i]`` (from ``extract_responses``);
-    ``loss_masks[i]`` is sample ``i``'s *whole* mask ``[R_i]`` (bool or float, the same
-    on every rank). Each sample's masked sum over the share is divided by the whole
-    mask's sum, so the parts sum over the CP group to exactly the no-CP result; a fully
-    masked sample contributes zero, without dividing by zero. No communication; the
-    result is a scalar connected to every share, so every rank's backward reaches the
-    same collectives. Divide by the number of samples for a sequence-mean loss.
+    ``loss_masks[i]`` is sample ``i``'s *whole* mask ``[R_i]`` (bool, int or float,
+    the same on every rank; a fractional mask weights its token). Each sample's
+    masked sum over the share is divided by the whole mask's sum, or by
+    ``denominators[i]`` when given (``[n]`` tensor or list of floats, the same on
+    every rank: e.g. a token count per rollout group), so the parts sum over the CP
+    group to exactly the no-CP result; a sample whose denominator is 0 contributes
+    zero, without dividing by zero, and masked positions never contribute, even
+    when they hold -inf or NaN. Accumulates in float32 (float64 for float64 values),
+    returns the values' dtype. No communication; the result is a scalar connected to
+    every share, so every rank's backward reaches the same collectives. Divide by
+    the number of samples for a sequence-mean loss.
 
     Raises:
-        LayoutError: a list or share length disagrees with the layout.
+        TypeError: values is not a list of floating-point tensors; a denominator is
+            not a number.
+        LayoutError: a list or share length disagrees with the layout; a share is
+            not 1-D; denominators has the wrong length or a negative (or NaN) value.
     """
-    per_sample, whole = _masked(values, loss_masks, layout)
-    return (per_sample / torch.where(whole == 0, torch.ones_like(whole), whole)).sum()
+    sums = _sums(values, loss_masks, layout)
+    if denominators is None:
+        d = sums.whole
+    else:
+        d = _denominators(denominators, layout, sums.local.device, sums.local.dtype)
+    return _divide(sums.local, d).sum().to(sums.dtype)
 
 
-def sum_of_tokens(
-    values: Sequence[Share1D], loss_masks: Sequence[Mask], layout: Layout
-) -> Tensor:
+def sum_of_tokens(values: Shares, loss_masks: Masks, layout: Layout) -> Scalar:
     """This rank's part of ``sum`` of ``value * mask`` over every response token.
 
     Arguments as ``sum_of_sample_means``. The parts sum over the CP group to the no-CP
     token sum; divide by the global mask sum (every rank can compute it from the whole
-    masks) for a token-mean loss. No communication.
+    masks) for a token-mean loss. Accumulates in float32 (float64 for float64
+    values), returns the values' dtype. No communication.
+
+    Raises:
+        TypeError, LayoutError: as ``sum_of_sample_means``.
     """
-    per_sample, _ = _masked(values, loss_masks, layout)
-    return per_sample.sum()
+    sums = _sums(values, loss_masks, layout)
+    return sums.local.sum().to(sums.dtype)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``all_reduce`` (sum) of a small tensor; backward all-reduces the gradient.
+
+    The backward sum is what makes the gradient that of the sum over ranks of every
+    rank's loss part: each rank's partial sums feed every rank's means.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        g = grad.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+# torch leaves Function.apply untyped; typed once here, at the boundary.
+_all_reduce_sum = cast(Callable[[Tensor, Any], Tensor], _AllReduceSum.apply)
+
+
+def _check_group(layout: Layout, group: dist.ProcessGroup | None) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"sample_means with cp_size {layout.cp_size} needs torch.distributed: call "
+            "init_process_group first"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if layout.cp_size != size or layout.cp_rank != rank:
+        raise LayoutError(
+            f"the layout is rank {layout.cp_rank} of cp_size {layout.cp_size} but this process "
+            f"is rank {rank} of a group of {size}; pass the CP group (megatron-core: "
+            "parallel_state.get_context_parallel_group()) as group="
+        )
+
+
+def sample_means(
+    values: Shares,
+    loss_masks: Masks,
+    layout: Layout,
+    *,
+    group: dist.ProcessGroup | None = None,
+    denominators: Denominators = None,
+) -> PerSample:
+    """Each sample's masked mean over its *whole* response, on every rank of the CP group.
+
+    For sequence-level losses: GSPO's ratio ``exp(mean(log_prob - old_log_prob))``,
+    off-policy sequence masking, sequence-level clipping.
+
+    Args:
+        values: this rank's shares ``[r_i]`` (from ``extract_responses``), floating point.
+        loss_masks: the *whole* masks ``[R_i]`` (bool, int or float; the same on every
+            rank); a fractional mask weights its token.
+        layout: this rank's layout.
+        group: the CP process group (``None``: the default group); unused without CP.
+        denominators: ``[n]`` tensor or list of floats, the same on every rank, in
+            place of the whole masks' sums (e.g. a token count per rollout group).
+            A CPU tensor is checked for negative values (a device tensor is not: that
+            would cost a sync).
+
+    Returns:
+        ``[n]``, the values' dtype (accumulated in float32, float64 for float64
+        values): sample ``i``'s masked sum over its whole response divided by its
+        whole mask's sum (or ``denominators[i]``); 0 where that is 0, never NaN.
+        Masked positions never contribute, even when they hold -inf or NaN.
+        Differentiable: each rank's loss part may use the means anywhere, and the
+        gradient is that of the **sum over the CP group** of the parts (as for
+        ``sum_of_sample_means``), so every rank's loss part must be built from the
+        result (a rank that holds nothing included) and every rank runs backward.
+
+    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` of ``[n]``
+    floats forward and, when the result is in a graph, one backward, whatever each
+    rank holds (none for a layout of no samples, on every rank alike); every rank
+    must call it (under ``torch.no_grad()``: only the forward one). Without CP
+    (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed.
+
+    Raises:
+        RuntimeError: CP without torch.distributed initialized.
+        TypeError, LayoutError: as ``sum_of_sample_means``; a group whose size or
+            rank disagrees with the layout.
+    """
+    sums = _sums(values, loss_masks, layout)
+    if denominators is None:
+        d = sums.whole
+    else:
+        d = _denominators(denominators, layout, sums.local.device, sums.local.dtype)
+    local = sums.local
+    if layout.cp_size > 1:
+        _check_group(layout, group)
+        if layout.num_samples:  # n is the same on every rank: all skip, or none
+            local = _all_reduce_sum(local, group)
+    return _divide(local, d).to(sums.dtype)

@@ -1,0 +1,315 @@
+"""sample_means on real gloo process groups against float64 no-CP references, and the
+README's GSPO and OPSM examples under zigzag CP.
+
+One spawned run of 4 ranks does all the distributed work (cp 4 on the world group,
+cp 2 on two subgroups of 2, zigzag and allgather); each rank builds its local tensor
+from the naive oracle's map of rows to positions, extracts its shares, and returns
+its means and gradients; the parent compares them with references computed here.
+"""
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpslice import Layout, LayoutError, extract_responses, pack, sample_means, shard_responses
+from cpslice._types import CpMode
+from cpslice._verify import edge_lengths, sparse_lengths
+
+from ._dist import run_distributed
+from .oracle import Config, least_length, local_map
+
+WORLD = 4
+GROUPS = (4, 2)  # cp sizes: the world group, and two subgroups {0, 1}, {2, 3}
+MODES: tuple[CpMode, ...] = ("zigzag", "allgather")
+CASES = ("mixed", "denominators", "sparse", "bfloat16", "float16")
+LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+README = Path(__file__).resolve().parents[1] / "README.md"
+VOCAB = 16
+
+
+# ---------------------------------------------------------------- the batches
+
+
+class Case:
+    """One batch: whole per-sample values, masks, advantages and denominators."""
+
+    def __init__(self, name: str, cp: int, mode: CpMode) -> None:
+        seed = 10 * cp + MODES.index(mode)
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype = LOW.get(name, torch.float64)
+        if name in LOW:  # long responses of values near 1.4: a low-precision sum stalls
+            total, response = [1500, 9, 1300], [1400, 5, 1200]
+        elif name == "sparse":  # ranks that hold no response at all
+            total, response = sparse_lengths(mode, cp)
+        else:
+            total, response = edge_lengths(9, cp, seed)
+        self.total, self.response = total, response
+        n = len(total)
+        self.values: list[Tensor] = []
+        self.masks: list[Tensor] = []
+        for i, r in enumerate(response):
+            if name in LOW:
+                v = (1.4 + 0.05 * torch.randn(r, generator=gen, dtype=torch.float64))
+                v = v.to(self.dtype).double()  # what the rank holds, exactly
+                m: Tensor = torch.rand(r, generator=gen) > 0.2
+            else:
+                v = torch.randn(r, generator=gen, dtype=torch.float64)
+                kind = i % 3  # masks of every dtype keep their meaning
+                if kind == 0:
+                    m = torch.rand(r, generator=gen) > 0.3
+                elif kind == 1:
+                    m = torch.randint(0, 3, (r,), generator=gen)  # int weights 0, 1, 2
+                else:
+                    m = torch.rand(r, generator=gen, dtype=torch.float64).round(decimals=1)
+                if i == 1:
+                    m = torch.zeros_like(m)  # a fully masked sample
+                # what is masked may hold anything
+                v = torch.where(m == 0, torch.tensor([float("-inf"), float("nan")]).repeat(r)[:r], v)
+            self.values.append(v)
+            self.masks.append(m)
+        self.advantages = [torch.randn(r, generator=gen, dtype=torch.float64) for r in response]
+        self.denominators: list[float] | Tensor | None = None
+        if name == "denominators":
+            d = [float(r) + 0.5 * i for i, r in enumerate(response)]
+            d[max(range(n), key=lambda i: response[i])] = 0.0  # mean 0, never NaN
+            self.denominators = d if mode == "zigzag" else torch.tensor(d)
+        self.n = n
+
+    def config(self, mode: CpMode, cp: int) -> Config:
+        cfg = Config(tuple(self.total), tuple(self.response), "thd", None, mode, cp, None, 0)
+        if mode == "allgather":
+            cfg = Config(cfg.total, cfg.response, "thd", None, mode, cp, least_length(cfg), 0)
+        return cfg
+
+    def reference(self) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """float64 no-CP: the means, the loss sum_i exp(mean_i) * sum(adv_i), its gradients."""
+        leaves = [v.clone().requires_grad_() for v in self.values]
+        means = []
+        for i, (v, m) in enumerate(zip(leaves, self.masks)):
+            on = m != 0
+            s = (v[on] * m[on].double()).sum()
+            d = float(m.double().sum()) if self.denominators is None else float(self.denominators[i])
+            means.append(s / d if d else s * 0)
+        mean = torch.stack(means) if means else torch.zeros(0, dtype=torch.float64)
+        loss = sum((mean[i].exp() * a.sum() for i, a in enumerate(self.advantages)),
+                   torch.zeros((), dtype=torch.float64))
+        grads: list[Tensor] = []
+        if loss.requires_grad:
+            grads = list(torch.autograd.grad(loss, leaves, allow_unused=True,
+                                             materialize_grads=True))
+        return mean.detach(), loss.detach(), grads
+
+
+def _local(cfg: Config, rank: int, per_sample: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The rank's local per-position tensor holding ``per_sample`` at the response span."""
+    rows = local_map(cfg, rank)
+    out = torch.zeros(len(rows), dtype=torch.float64)
+    for row, where in enumerate(rows):
+        if where is not None:
+            i, p = where
+            k = p - (cfg.total[i] - cfg.response[i] - 1)
+            if 0 <= k < cfg.response[i]:
+                out[row] = per_sample[i][k]
+    return out.to(dtype)
+
+
+def _to_samples(cfg: Config, rank: int, local: Tensor) -> list[Tensor]:
+    """The inverse of ``_local``: per sample, the rank's rows at their response index."""
+    out = [torch.zeros(r, dtype=torch.float64) for r in cfg.response]
+    for row, where in enumerate(local_map(cfg, rank)):
+        if where is not None:
+            i, p = where
+            k = p - (cfg.total[i] - cfg.response[i] - 1)
+            if 0 <= k < cfg.response[i]:
+                out[i][k] = local[row].double()
+    return out
+
+
+# ---------------------------------------------------------------- the ranks
+
+
+def _readme_functions() -> dict[str, Any]:
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+                 if "def gspo_loss" in b)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    exec(compile(block, "README.md (GSPO, OPSM)", "exec"), namespace)
+    return namespace
+
+
+def _rl_batch(cp: int) -> dict[str, Any]:
+    """Tokens, float64 logits and rollout tensors; old log-probs are the current ones
+    shifted by 0.1 or 1.0 per sample, so OPSM (delta 0.5) keeps some and drops some."""
+    gen = torch.Generator().manual_seed(100 + cp)
+    total, response = edge_lengths(8, cp, 100 + cp)
+    tokens = [torch.randint(0, VOCAB, (t,), generator=gen) for t in total]
+    logits = [torch.randn(t, VOCAB, generator=gen, dtype=torch.float64) for t in total]
+    old, adv, masks = [], [], []
+    for i, (t, r, tok, lg) in enumerate(zip(total, response, tokens, logits)):
+        lp = torch.log_softmax(lg[t - r - 1 : t - 1], -1).gather(1, tok[t - r :, None])[:, 0]
+        shift = 0.1 if i % 2 else 1.0
+        old.append(lp + shift + 0.05 * torch.randn(r, generator=gen, dtype=torch.float64))
+        adv.append(torch.full((r,), (-1.0) ** (i // 2) * (0.5 + i / 10), dtype=torch.float64))
+        masks.append(torch.rand(r, generator=gen) > 0.2)
+    return dict(total=total, response=response, tokens=tokens, logits=logits, old=old,
+                adv=adv, masks=masks)
+
+
+def _rl_loss(fn: Any, batch: dict[str, Any], layout: Layout, group: Any) -> tuple[float, list[Any]]:
+    leaves = [lg.clone().requires_grad_() for lg in batch["logits"]]
+    logits = pack(leaves, layout)
+    loss = fn(logits, batch["tokens"], layout, batch["old"], batch["adv"], batch["masks"],
+              group=group)
+    loss.backward()
+    grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+    return float(loss.detach()), [g.tolist() for g in grads]
+
+
+def _worker(rank: int, world: int) -> dict[Any, Any]:
+    torch.set_num_threads(1)
+    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:  # the real collective
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    readme = _readme_functions()
+    out: dict[Any, Any] = {}
+    for cp in GROUPS:
+        group = None if cp == WORLD else subgroups[rank // 2]
+        me = rank % cp
+        for mode in MODES:
+            for name in CASES:
+                case = Case(name, cp, mode)
+                cfg = case.config(mode, cp)
+                layout = cfg.layout(me)
+                local = _local(cfg, me, case.values, case.dtype).requires_grad_()
+                shares, _ = extract_responses(local, layout)
+                adv, _ = extract_responses(_local(cfg, me, case.advantages, torch.float64), layout)
+                calls.clear()
+                means = sample_means(shares, case.masks, layout, group=group,
+                                     denominators=case.denominators)
+                forward = list(calls)
+                part = sum((means[i].double().exp() * a.sum() for i, a in enumerate(adv)),
+                           means[:0].double().sum())
+                torch.autograd.backward(part)
+                assert local.grad is not None
+                # plain Python across the queue: a tensor would be shared through a file
+                # descriptor that dies with this process
+                out[cp, mode, name, rank] = dict(
+                    means=means.double().tolist(), dtype=str(means.dtype),
+                    part=float(part.detach()),
+                    grads=[g.tolist() for g in _to_samples(cfg, me, local.grad)],
+                    held=sum(s.numel() for s in shares),
+                    forward=forward, backward=calls[len(forward):],
+                )
+        # a layout for another group size: refused on every rank, before any collective
+        wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
+        try:
+            sample_means(shard_responses([torch.zeros(2)], wrong), [torch.ones(2)], wrong,
+                         group=group)
+        except LayoutError as e:
+            out[cp, "wrong group", rank] = str(e)
+        # the README's examples, zigzag
+        batch = _rl_batch(cp)
+        layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
+                        cp_size=cp)
+        for fn in ("gspo_loss", "opsm_loss"):
+            out[cp, "readme", fn, rank] = _rl_loss(readme[fn], batch, layout, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> dict[Any, Any]:
+    merged: dict[Any, Any] = {}
+    for result in run_distributed(_worker, WORLD, timeout=240):
+        merged.update(result)
+    return merged
+
+
+def _replicas(cp: int) -> list[list[int]]:
+    """The ranks of each CP group of size ``cp`` in the world of 4."""
+    return [list(range(WORLD))] if cp == WORLD else [[0, 1], [2, 3]]
+
+
+# ---------------------------------------------------------------- the checks
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["mixed", "denominators", "sparse"])
+def test_means_and_gradients_equal_the_float64_no_cp_ones(
+    ranks: dict[Any, Any], cp: int, mode: CpMode, name: str
+) -> None:
+    case = Case(name, cp, mode)
+    means, loss, grads = case.reference()
+    assert not torch.isnan(means).any()
+    for replica in _replicas(cp):
+        got = [ranks[cp, mode, name, r] for r in replica]
+        for r, result in zip(replica, got):
+            got_means = torch.tensor(result["means"], dtype=torch.float64)
+            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
+            # one all_reduce of [n] floats each way, whatever this rank holds
+            assert result["forward"] == [case.n] and result["backward"] == [case.n], r
+        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
+        for i, want in enumerate(grads):
+            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64)
+                                 for g in got]).sum(0)
+            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
+        if name == "sparse":
+            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(LOW))
+def test_low_precision_means_over_long_responses(
+    ranks: dict[Any, Any], cp: int, mode: CpMode, name: str
+) -> None:
+    case = Case(name, cp, mode)
+    means, _, _ = case.reference()
+    # float32 accumulation: the result is the float64 mean rounded once to the dtype
+    # (a sum accumulated in bfloat16 stalls near 1024 and is off by tens of percent)
+    ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[name]
+    for r in range(WORLD):
+        result = ranks[cp, mode, name, r]
+        assert result["dtype"] == str(LOW[name])
+        got = torch.tensor(result["means"], dtype=torch.float64)
+        assert torch.allclose(got, means, rtol=1.01 * ulp, atol=0), r
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("fn", ["gspo_loss", "opsm_loss"])
+def test_readme_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
+    ranks: dict[Any, Any], cp: int, fn: str
+) -> None:
+    batch = _rl_batch(cp)
+    readme = _readme_functions()
+    loss, grads = _rl_loss(readme[fn], batch, Layout(batch["total"], batch["response"]), None)
+    for replica in _replicas(cp):
+        parts = [ranks[cp, "readme", fn, r] for r in replica]
+        assert abs(sum(p[0] for p in parts) - loss) < 1e-10
+        for i, want in enumerate(grads):
+            total = torch.stack([torch.tensor(p[1][i], dtype=torch.float64)
+                                 for p in parts]).sum(0)
+            assert torch.allclose(total, torch.tensor(want, dtype=torch.float64),
+                                  rtol=1e-10, atol=1e-12), i
+    if fn == "opsm_loss":  # the batch exercises both outcomes of the mask
+        negative = [bool((a * m).sum() < 0) for a, m in zip(batch["adv"], batch["masks"])]
+        assert any(negative[i] and i % 2 == 0 for i in range(len(negative)))  # dropped
+        assert any(negative[i] and i % 2 for i in range(len(negative)))  # kept
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+def test_a_layout_for_another_group_is_refused_on_every_rank(ranks: dict[Any, Any], cp: int) -> None:
+    for r in range(WORLD):
+        message = ranks.get((cp, "wrong group", r), "no error")
+        assert re.search(rf"the layout is rank {r % cp % (6 - cp)} of cp_size {6 - cp} but this process "
+                         rf"is rank {r % cp} of a group of {cp}; pass the CP group", message), message
