@@ -31,6 +31,7 @@ from ._redistribute import redistribute as redistribute
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
 from ._response import response_log_probs as response_log_probs
+from ._support import Support as Support
 from ._types import Strategy as Strategy
 
 if _hook is not None:
@@ -41,6 +42,7 @@ __all__ = [
     "LayoutError",
     "ResponseRows",
     "Strategy",
+    "Support",
     "extract_responses",
     "extraction_strategy",
     "gather_responses",
