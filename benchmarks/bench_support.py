@@ -136,7 +136,7 @@ def _in_subprocess(method: str, t: int, v: int, repeat: int, threads: int) -> Re
 def run(quick: bool = False, threads: int = 0) -> list[Result]:
     """One Result per method, each measured in a fresh subprocess (``threads`` torch
     threads in each, 0: torch's default)."""
-    t, v, repeat = (1024, 8192, 3) if quick else (4096, 32768, 5)
+    t, v, repeat = (1024, 8192, 3) if quick else (4096, 32768, 3)
     return [_in_subprocess(m, t, v, repeat, threads) for m in METHODS]
 
 

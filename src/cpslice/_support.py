@@ -63,7 +63,8 @@ class Support:
     Row ``t``'s set is ``ids[offsets[t]:offsets[t + 1]]``, global token ids (a TP rank
     uses those its vocabulary shard owns). An empty set means the row is unrestricted.
     Pass the same ``Support`` on every rank of a TP group. A frozen record: build a new
-    one to change it.
+    one to change it (it holds ``ids`` and ``offsets`` by reference: do not modify them
+    in place afterwards).
 
     Args:
         ids: ``[K]`` int64 token ids, rows back to back; no id repeated within a row.
@@ -308,7 +309,9 @@ def check_support(support: object, rows: int, vocab_total: int) -> Support:
     if support.num_rows != rows:
         raise LayoutError(
             f"support has {support.num_rows} rows but logits has {rows}; the sets are per "
-            "row of the local tensor (offsets must be [T + 1])"
+            "row of the local tensor (offsets must be [T + 1]; Support.from_responses "
+            "gives the layout's local_length rows, else the least it needs: build the "
+            "Layout with local_length=T)"
         )
     ids = support.ids
     if ids.device.type == "cpu" and ids.numel():
