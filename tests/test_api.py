@@ -5,7 +5,7 @@ import inspect
 import cpslice
 
 PUBLIC = {
-    "Layout", "LayoutError", "ResponseRows", "Strategy",
+    "Layout", "LayoutError", "ResponseRows", "Strategy", "Support",
     "extract_responses", "extraction_strategy", "shard_responses",
     "pack", "shifted_targets", "response_rows",
     "log_probs_and_entropy", "response_log_probs",
@@ -29,3 +29,5 @@ def test_every_public_callable_has_a_docstring() -> None:
     for name in ("from_parallel_state", "from_cu_seqlens", "for_rank", "with_local_length", "num_samples",
                  "prompt_lengths"):
         assert inspect.getdoc(getattr(cpslice.Layout, name)), name
+    for name in ("from_responses", "num_rows"):
+        assert inspect.getdoc(getattr(cpslice.Support, name)), name

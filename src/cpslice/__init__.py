@@ -33,6 +33,7 @@ from ._reduce import sample_means as sample_means
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
 from ._response import response_log_probs as response_log_probs
+from ._support import Support as Support
 from ._types import Strategy as Strategy
 
 if _hook is not None:
@@ -43,6 +44,7 @@ __all__ = [
     "LayoutError",
     "ResponseRows",
     "Strategy",
+    "Support",
     "clear_caches",
     "extract_responses",
     "extraction_strategy",

@@ -26,9 +26,15 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks as checks
+from . import _support
 from ._cache import boundary
 from ._errors import LayoutError
+from ._support import Sparse, Support
 from ._types import Logits, PerRow, Targets
+
+# One call's restricted sets: the plan, the gathered logits, and the global restricted
+# max, log of the sum of exp and entropy (None without it) per row.
+_Restricted = tuple[Sparse, Tensor, Tensor, Tensor, Tensor | None]
 
 # Row chunks are sized so that the two work buffers of one chunk hold about this
 # many bytes together (at least one row). On the CPU a chunk small enough to stay
@@ -50,12 +56,16 @@ if TYPE_CHECKING:
     TensorArg = Tensor
     FloatArg = SupportsFloat
     ChunkArg = SupportsIndex | None
+    EntropyOver = Literal["full", "support"]
+    SupportArg = Support | None
 else:
     # Checked by _check below, whose TypeError/LayoutError names the value and the
     # rule; a beartype error raised first would say less.
     TensorArg = object
     FloatArg = object
     ChunkArg = object
+    EntropyOver = object
+    SupportArg = object
 
 _Gather = Callable[..., object]
 # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.13).
@@ -149,6 +159,11 @@ def _chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
 
 
+def _pieces(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
+    """The chunks of each run of rows ``[lo, hi)``."""
+    return [(s, min(s + chunk, hi)) for lo, hi in runs for s in range(lo, hi, chunk)]
+
+
 def _local_stats(
     logits: Logits,
     column: Targets,
@@ -156,22 +171,33 @@ def _local_stats(
     tau: float,
     with_entropy: bool,
     chunk: int,
+    runs: list[tuple[int, int]] | None = None,
 ) -> Tensor:
     """``[k, T]``: this shard's max, sum of exp relative to it, owned target logit (else
-    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3."""
+    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3.
+
+    Only the rows of ``runs`` (default: all) are read in full; the others get the
+    placeholders ``(0, 1, x_t, 0)``, the same on every shard."""
     cdt = _compute_dtype(logits.dtype)
     rows, vocab = logits.shape
+    runs = [(0, rows)] if runs is None else runs
     stats = torch.empty((4 if with_entropy else 3, rows), dtype=cdt, device=logits.device)
-    m = logits.amax(1).to(cdt)
-    stats[0] = m
+    if sum(hi - lo for lo, hi in runs) < rows:
+        stats[0], stats[1] = 0.0, 1.0
+        if with_entropy:
+            stats[3] = 0.0
+    for lo, hi in runs:
+        stats[0, lo:hi] = logits[lo:hi].amax(1)
+    m = stats[0]
     target = logits.gather(1, column[:, None]).squeeze(1).to(cdt)
     stats[2] = torch.where(owned, target, 0.0)
     # A shard whose row is all -inf contributes S_r = 0 (and A_r = 0), not NaN.
     shift = torch.where(m == -math.inf, 0.0, m)
-    n = min(chunk, rows)
+    pieces = _pieces(runs, chunk)
+    n = min(chunk, rows) if pieces else 0
     work = torch.empty((n, vocab), dtype=cdt, device=logits.device)
     expd = torch.empty((n, vocab), dtype=cdt, device=logits.device)
-    for s, e in _chunks(rows, chunk):
+    for s, e in pieces:
         d = torch.sub(logits[s:e], shift[s:e, None], out=work[: e - s])
         if tau != 1.0:
             d.div_(tau)
@@ -217,6 +243,8 @@ class _LogProbEntropy(torch.autograd.Function):
         tau: float,
         tp_group: dist.ProcessGroup | None,
         chunk: int,
+        support: Support | None = None,
+        entropy_over_support: bool = False,
     ) -> tuple[PerRow, PerRow | None]:
         rows, vocab = logits.shape
         if tp_group is None:
@@ -224,7 +252,17 @@ class _LogProbEntropy(torch.autograd.Function):
         else:
             rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         column, owned = _local_targets(targets, rank * vocab, vocab)
-        stats = _local_stats(logits, column, owned, tau, with_entropy, chunk)
+        sp = None if support is None else _support.plan(support, targets, rank * vocab, vocab)
+        runs = None
+        if sp is not None and not (with_entropy and not entropy_over_support):
+            # rows with a set need no full pass: their log-prob (and entropy) is sparse
+            runs = _support.dense_runs(~sp.host_has_set, chunk)
+        stats = _local_stats(logits, column, owned, tau, with_entropy, chunk, runs)
+        k_dense = stats.shape[0]
+        if sp is not None:
+            sp_with_h = with_entropy and entropy_over_support
+            sp_stats, sp_x = _support.sparse_stats(logits, sp, tau, sp_with_h, stats.dtype)
+            stats = torch.cat([stats, sp_stats])
         if tp_group is None:
             gathered = stats[None]
         else:
@@ -232,11 +270,23 @@ class _LogProbEntropy(torch.autograd.Function):
             flat = stats.new_empty((world * stats.shape[0], rows))
             _all_gather(flat, stats, group=tp_group)
             gathered = flat.view(world, *stats.shape)
-        big_m, log_s, log_p, entropy = _combine(gathered, tau, with_entropy)
+        big_m, log_s, log_p, entropy = _combine(gathered[:, :k_dense], tau, with_entropy)
+        restricted = None
+        if sp is not None:
+            # the restricted rows in _combine's order: max, sum, target logit, [A]
+            order = [k_dense, k_dense + 1, 2] + ([k_dense + 2] if sp_with_h else [])
+            m_u, s_u, lp_u, h_u = _combine(gathered[:, order], tau, sp_with_h)
+            log_p = torch.where(sp.has_set, lp_u, log_p)
+            if h_u is not None:
+                assert entropy is not None
+                entropy = torch.where(sp.has_set, h_u, entropy)
+            restricted = (sp, sp_x, m_u, s_u, h_u)
         valid = (targets >= 0) & (targets < world * vocab)
         log_p = torch.where(valid, log_p, math.nan)
 
         ctx.set_materialize_grads(False)
+        ctx.restricted = restricted
+        ctx.entropy_over_support = entropy_over_support
         ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk
         ctx.entropy_grad = entropy is not None and entropy_grad
         if entropy is not None and not entropy_grad:
@@ -252,19 +302,34 @@ class _LogProbEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(
         ctx: Any, g_logp: PerRow | None, g_entropy: PerRow | None
-    ) -> tuple[Logits | None, None, None, None, None, None, None]:
+    ) -> tuple[Logits | None, None, None, None, None, None, None, None, None]:
         saved: tuple[Tensor, ...] = ctx.saved_tensors
         logits, targets, big_m, log_s = saved[:4]
         tau: float = ctx.tau
         chunk: int = ctx.chunk
+        nones = (None,) * 8
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None, None
+            return (None, *nones)
         if not ctx.entropy_grad:
             g_entropy = None
         rows, vocab = logits.shape
         cdt = _compute_dtype(logits.dtype)
         column, owned = _local_targets(targets, ctx.offset, vocab)
         g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
+        restricted: _Restricted | None = ctx.restricted
+        runs = None
+        if restricted is not None:
+            # rows with a set: the log-prob's gradient is sparse, and so is the
+            # entropy's with entropy_over="support" (or no entropy gradient)
+            sp, sp_x, m_u, s_u, h_u = restricted
+            g_lp_u = torch.where(sp.has_set, g_lp, 0.0)
+            g_lp = g_lp - g_lp_u
+            g_h_u = None
+            if g_entropy is not None and h_u is not None:
+                g_h_u = torch.where(sp.has_set, g_entropy.to(cdt), 0.0)
+                g_entropy = g_entropy.to(cdt) - g_h_u
+            if g_entropy is None or ctx.entropy_over_support:
+                runs = _support.dense_runs(~sp.host_has_set, chunk)
         onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
         # grad = -p * (g_lp + g_H (log p + H)) / tau + onehot * g_lp / tau, i.e. with
         # the per-row a = -g_H / tau, b = -(g_lp + g_H H) / tau: p * (a log p + b).
@@ -274,12 +339,20 @@ class _LogProbEntropy(torch.autograd.Function):
         else:
             g_h = g_entropy.to(cdt)
             a = -g_h / tau
-            b = -(g_lp + g_h * saved[4]) / tau
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        n = min(chunk, rows)
+            h_term = g_h * saved[4]
+            if restricted is not None:  # H may be a placeholder where g_h is 0
+                h_term = torch.where(g_h != 0, h_term, 0.0)
+            b = -(g_lp + h_term) / tau
+        runs = [(0, rows)] if runs is None else runs
+        covered = sum(hi - lo for lo, hi in runs) == rows
+        grad = (torch.empty if covered else torch.zeros)(
+            logits.shape, dtype=logits.dtype, device=logits.device
+        )
+        pieces = _pieces(runs, chunk)
+        n = min(chunk, rows) if pieces else 0
         work = torch.empty((n, vocab), dtype=cdt, device=logits.device)
         expd = torch.empty((n, vocab), dtype=cdt, device=logits.device)
-        for s, e in _chunks(rows, chunk):
+        for s, e in pieces:
             d = torch.sub(logits[s:e], big_m[s:e, None], out=work[: e - s])
             if tau != 1.0:
                 d.div_(tau)
@@ -296,7 +369,9 @@ class _LogProbEntropy(torch.autograd.Function):
                 out.scatter_add_(1, column[s:e, None], onehot[s:e].to(out.dtype))
             if out is p:
                 grad[s:e].copy_(p)
-        return grad, None, None, None, None, None, None
+        if restricted is not None:
+            _support.sparse_grad(grad, sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+        return (grad, *nones)
 
 
 # torch leaves Function.apply untyped; typed once here, at the boundary.
@@ -313,6 +388,8 @@ def log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, None]: ...
 @overload
 def log_probs_and_entropy(
@@ -324,6 +401,8 @@ def log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def log_probs_and_entropy(
@@ -335,6 +414,8 @@ def log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow | None]: ...
 def log_probs_and_entropy(
     logits: TensorArg,
@@ -345,6 +426,8 @@ def log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow | None]:
     """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
     temperature)`` over the full (possibly tensor-parallel) vocabulary.
@@ -366,18 +449,31 @@ def log_probs_and_entropy(
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
             ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
             resident), 64 MiB elsewhere.
+        support: per-row token sets (top-p / top-k replay), the same on every rank of
+            ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under
+            the softmax restricted to ``S_t`` plus its target (a target outside the
+            set still gets a finite log-prob); its gradient is zero outside that set.
+            A row with an empty set is unrestricted. ``O(K)`` work on those rows: the
+            logits are gathered at the set's ids, never masked or copied.
+        entropy_over: ``"full"`` (default): the entropy over the whole vocabulary,
+            one full pass over every row. ``"support"``: rows with a set take the
+            entropy of their restricted distribution, with no full pass over them.
 
     Returns:
         ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
         which are computed in float64; every other dtype in float32), entropy None
         unless ``with_entropy``. Differentiable w.r.t. ``logits``. Memory: beyond the
         logits, only ``[T]`` statistics and the chunk work buffers in forward, and
-        in backward the one ``[T, V_local]`` gradient (dtype of logits).
+        in backward the one ``[T, V_local]`` gradient (dtype of logits); with a
+        support, ``O(K + T)`` more. Rows with a set skip the chunked full pass unless
+        the full entropy is asked for.
 
     Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor
-    in forward (``k`` = 4 with entropy, else 3), entered by every rank whatever its
-    inputs (T = 0 too); ``T`` and ``with_entropy`` must agree across the group.
-    Backward enters none. Without ``tp_group``, no communication.
+    in forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
+    ``entropy_over="support"``), entered by every rank whatever its inputs or sets
+    (T = 0 too); ``T``, ``with_entropy``, ``entropy_over`` and whether a support is
+    given must agree across the group. Backward enters none. Without ``tp_group``,
+    no communication.
 
     Raises:
         TypeError: logits not a floating-point tensor, targets not an int64 tensor,
@@ -385,8 +481,10 @@ def log_probs_and_entropy(
         LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
             different devices, temperature not finite and > 0, chunk_size < 1, a CPU
             target outside ``[0, tp_size * V_local)`` (checked only on the CPU, where
-            it costs no device sync; elsewhere that row's log-prob is NaN). Raised
-            before any collective.
+            it costs no device sync; elsewhere that row's log-prob is NaN), a support
+            over another number of rows or with a CPU id outside the vocabulary,
+            ``entropy_over`` not ``"full"`` or ``"support"``. Raised before any
+            collective. (``support`` not a ``Support``: TypeError.)
 
     A row whose logits are all -inf, or hold NaN or +inf, gives NaN; single -inf
     logits (masked tokens) are fine.
@@ -396,6 +494,16 @@ def log_probs_and_entropy(
     if tp_group is not None and dist.get_rank(tp_group) < 0:
         raise LayoutError("this process is not a member of tp_group")
     _check_range(targets_, world * logits_.shape[1])
+    if entropy_over not in ("full", "support"):
+        raise LayoutError(
+            f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "
+            "vocabulary) or 'support' (over each row's set plus its target)"
+        )
+    if support is not None:
+        support = _support.check_support(support, logits_.shape[0], world * logits_.shape[1])
     if chunk is None:
         chunk = default_chunk_rows(logits_.shape[1], logits_.dtype, logits_.device)
-    return _apply(logits_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk)
+    return _apply(
+        logits_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk, support,
+        entropy_over == "support",
+    )

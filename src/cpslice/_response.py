@@ -12,6 +12,7 @@ from ._layout import Layout
 from ._logprob import log_probs_and_entropy
 from ._pack import shifted_targets
 from ._plan import resolve_length
+from ._support import Support
 from ._types import AnyShare, IntArg, Logits, RealArg, Share
 
 
@@ -26,6 +27,8 @@ def response_log_probs(
     temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: IntArg | None = None,
+    support: Support | None = None,
+    entropy_over: Literal["full", "support"] = "full",
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs(
@@ -38,6 +41,8 @@ def response_log_probs(
     temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: IntArg | None = None,
+    support: Support | None = None,
+    entropy_over: Literal["full", "support"] = "full",
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs(
@@ -50,6 +55,8 @@ def response_log_probs(
     temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: IntArg | None = None,
+    support: Support | None = None,
+    entropy_over: Literal["full", "support"] = "full",
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs(
     logits: Logits,
@@ -61,6 +68,8 @@ def response_log_probs(
     temperature: RealArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: IntArg | None = None,
+    support: Support | None = None,
+    entropy_over: Literal["full", "support"] = "full",
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -69,6 +78,9 @@ def response_log_probs(
     vocabulary shard), ``tokens`` the whole per-sample token tensors ``[L_i]`` (prompt +
     response, the same on every rank). Returns one ``[r_i]`` float32 share per sample,
     and the entropy shares aligned with them (None unless ``with_entropy``).
+    ``support`` (e.g. ``Support.from_responses(ids, offsets, layout)``, over the ``T``
+    local rows) and ``entropy_over`` restrict the log-probs (and entropy) to the
+    rollout's top-p / top-k sets, as in ``log_probs_and_entropy``.
 
     Collectives: those of ``log_probs_and_entropy`` (one all-gather over ``tp_group``);
     no CP communication (see ``redistribute`` / ``gather_responses`` for that).
@@ -95,5 +107,7 @@ def response_log_probs(
         temperature=temperature,
         tp_group=tp_group,
         chunk_size=chunk_size,
+        support=support,
+        entropy_over=entropy_over,
     )
     return extract_responses(log_probs, local, entropy)

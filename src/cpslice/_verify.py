@@ -22,7 +22,9 @@ Every layout runs two batches: ``samples`` random samples that include the edges
 responses that cross chunk and rank boundaries), and a few short samples placed so
 that some context-parallel ranks hold no response at all (they must still enter every
 collective). Each rank's local tensor carries one padding row more than the layout
-needs, whose gradient must be zero.
+needs, whose gradient must be zero. Each batch then runs once more with every response
+token restricted to a random set of kept ids (``Support.from_responses``, entropy over
+the set; see ``_verify_support``), its errors folded into the same line.
 """
 
 import contextlib
@@ -54,6 +56,7 @@ from ._pack import pack
 from ._redistribute import redistribute
 from ._response import response_log_probs
 from ._types import CpMode, QkvFormat
+from ._verify_support import check_support_batch
 
 VOCAB_PER_RANK = 8
 """Vocabulary columns of each TP rank's shard; the vocabulary is ``8 * tp_size``."""
@@ -451,6 +454,8 @@ def _rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
             for batch in batches_for(c, config):
                 e, none_held = check_batch(c, batch, config, tp_rank, tp_group, cp_group)
                 errors = errors.worst(e)
+                # and again with per-token top-p / top-k sets (Support)
+                errors = errors.worst(check_support_batch(c, batch, config, tp_rank, tp_group))
                 empty.append(none_held)
             out.put(Report(rank, cp_rank, case, errors, tuple(empty), None))
     except Exception:  # noqa: BLE001 - sent to the parent, which reports it
