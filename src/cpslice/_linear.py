@@ -336,8 +336,8 @@ def linear_log_probs_and_entropy(
 
 @overload
 def response_log_probs_from_hidden(
-    hidden: Hidden,
-    weight: HeadWeight,
+    hidden: TensorArg,
+    weight: TensorArg,
     tokens: Sequence[AnyShare],
     layout: Layout,
     *,
@@ -349,8 +349,8 @@ def response_log_probs_from_hidden(
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs_from_hidden(
-    hidden: Hidden,
-    weight: HeadWeight,
+    hidden: TensorArg,
+    weight: TensorArg,
     tokens: Sequence[AnyShare],
     layout: Layout,
     *,
@@ -362,8 +362,8 @@ def response_log_probs_from_hidden(
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs_from_hidden(
-    hidden: Hidden,
-    weight: HeadWeight,
+    hidden: TensorArg,
+    weight: TensorArg,
     tokens: Sequence[AnyShare],
     layout: Layout,
     *,
@@ -374,8 +374,8 @@ def response_log_probs_from_hidden(
     chunk_size: int | None = None,
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
-    hidden: Hidden,
-    weight: HeadWeight,
+    hidden: TensorArg,
+    weight: TensorArg,
     tokens: Sequence[AnyShare],
     layout: Layout,
     *,
@@ -408,6 +408,7 @@ def response_log_probs_from_hidden(
     given: object = hidden
     if not isinstance(given, Tensor) or given.dim() != 2:
         raise LayoutError(f"hidden must be a [T, H] tensor, got {_describe(given)}")
+    assert isinstance(hidden, Tensor)
     length = resolve_length(layout, int(hidden.shape[0]), "hidden")
     local = layout.with_local_length(length)
     rows, counts = response_rows(local, hidden.device)
