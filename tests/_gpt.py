@@ -23,7 +23,8 @@ Everything here is test/example scaffolding, not part of cpslice.
 
 import contextlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import reduce
 from typing import Any
 
@@ -73,7 +74,7 @@ def _cpu_get_tensor(
     self: Any, tensor_shape: Sequence[int], dtype: torch.dtype, name: str, mem_alloc_context: Any = None
 ) -> Tensor:
     need = reduce(operator.mul, tensor_shape, 1)
-    buf = self.buffer.get((name, dtype))
+    buf: Tensor | None = self.buffer.get((name, dtype))
     if buf is None or buf.numel() < need:
         buf = self.buffer[(name, dtype)] = torch.empty(need, dtype=dtype)
     return buf[:need].view(*tensor_shape)
@@ -162,11 +163,66 @@ def packed_inputs(lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     return position[None], ~allowed[None, None]
 
 
-def hidden_and_weight(model: Any) -> Any:
-    """Make ``model(...)`` return the final hidden states ``[1, T, H]`` (after the final
-    norm) instead of logits: the output layer returns its input. Returns the LM-head
-    weight ``[V / tp, H]`` (the embedding's, with tied embeddings)."""
-    model.output_layer.forward = lambda x, weight=None, runtime_gather_output=None: (x, None)
-    if model.share_embeddings_and_output_weights:
-        return model.shared_embedding_or_output_weight()
-    return model.output_layer.weight
+@dataclass
+class Rollout:
+    """A GRPO-style batch: samples packed in one row, a reward per sample normalized
+    over the group into every response token's advantage, loss masks."""
+
+    total: list[int]
+    response: list[int]
+    tokens: list[Tensor]  # [L_i] int64
+    advantages: list[Tensor]  # [R_i]
+    masks: list[Tensor]  # [R_i] bool
+
+    def model_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(input_ids [1, T], position_ids [1, T], attention_mask [1, 1, T, T])``."""
+        position_ids, mask = packed_inputs(self.total)
+        return torch.cat(self.tokens)[None], position_ids, mask
+
+
+def rollout(seed: int = 0) -> Rollout:
+    """Six samples (an empty response and a one-token one among them), 63 tokens."""
+    total, response = [14, 9, 17, 6, 11, 6], [6, 4, 8, 0, 5, 1]
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, TINY["vocab_size"], (t,), generator=gen) for t in total]
+    rewards = torch.randn(len(total), generator=gen)
+    normalized = (rewards - rewards.mean()) / rewards.std()
+    advantages = [torch.full((r,), float(a)) for r, a in zip(response, normalized)]
+    masks = [torch.rand(r, generator=gen) > 0.2 for r in response]
+    return Rollout(total, response, tokens, advantages, masks)
+
+
+def ppo_loss(
+    log_probs: Sequence[Tensor], entropy: Sequence[Tensor], old: Sequence[Tensor],
+    ro: Rollout, layout: Any, clip: float = 0.2, entropy_coef: float = 0.01,
+) -> Tensor:
+    """Clipped-ratio policy loss with an entropy bonus, each a sum of per-sample means."""
+    from cpslice import sum_of_sample_means
+
+    pg = []
+    for lp, o, a in zip(log_probs, old, ro.advantages):
+        ratio = torch.exp(lp - o)
+        pg.append(-torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a))
+    return (sum_of_sample_means(pg, ro.masks, layout)
+            - entropy_coef * sum_of_sample_means(list(entropy), ro.masks, layout))
+
+
+def train(
+    model: Any, policy: Callable[[], tuple[list[Tensor], list[Tensor]]], ro: Rollout,
+    layout: Any, steps: int = 3, lr: float = 0.5,
+) -> list[float]:
+    """``steps`` SGD steps of ``ppo_loss`` on one batch, the old log-probs taken from the
+    model before the first step; the loss of every step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    old: list[Tensor] | None = None
+    losses = []
+    for _ in range(steps):
+        log_probs, entropy = policy()
+        if old is None:
+            old = [x.detach() for x in log_probs]
+        loss = ppo_loss(log_probs, entropy, old, ro, layout)
+        opt.zero_grad()
+        torch.autograd.backward(loss)
+        opt.step()
+        losses.append(float(loss))
+    return losses

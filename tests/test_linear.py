@@ -237,12 +237,12 @@ def test_gradient_through_one_output_or_one_input(which: str) -> None:
         grad_close(w.grad, ref_dw, 1e-5)
 
 
-class _Sizes(TorchDispatchMode):
+class _Sizes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the storage size (in elements) of every tensor an operator returns: a
     view or an expanded tensor counts what it really holds."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.sizes: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -326,12 +326,12 @@ def test_response_shares_and_gradients_match_the_reference(kind: str) -> None:
     wd = weight.double().requires_grad_(True)
     for t, r, tok, hs, a, b in zip(total, response, tokens, hiddens, w_lp, w_ent):
         x = hs.double().requires_grad_(True)
-        logp = torch.log_softmax((x @ wd.T) / temperature, -1)[t - r - 1 : t - 1]
-        lp = logp.gather(1, tok[t - r :, None])[:, 0]
-        ent = -(logp.exp() * logp).sum(-1)
-        (a * lp).sum().add((b * ent).sum()).backward()
-        ref_lp.append(lp.detach())
-        ref_ent.append(ent.detach())
+        span = torch.log_softmax((x @ wd.T) / temperature, -1)[t - r - 1 : t - 1]
+        lp_ref = span.gather(1, tok[t - r :, None])[:, 0]
+        ent_ref = -(span.exp() * span).sum(-1)
+        torch.autograd.backward((a * lp_ref).sum() + (b * ent_ref).sum())
+        ref_lp.append(lp_ref.detach())
+        ref_ent.append(ent_ref.detach())
         assert x.grad is not None
         ref_dh.append(x.grad)
     mode = "none" if cp == 1 else kind
@@ -356,7 +356,7 @@ def test_response_shares_and_gradients_match_the_reference(kind: str) -> None:
         loss = sum(((a.float() * x).sum() + (b.float() * y).sum()
                     for a, x, b, y in zip(shard_responses(w_lp, layout), lp,
                                           shard_responses(w_ent, layout), ent)), torch.zeros(()))
-        loss.backward()
+        torch.autograd.backward(loss)
         assert hidden.grad is not None and w.grad is not None
         grad_close(hidden.grad, pack(ref_dh, layout).double(), 1e-5)
         dw += w.grad.double()
@@ -368,7 +368,8 @@ def test_response_from_hidden_refuses_and_keeps_the_entropy_none() -> None:
     layout = Layout([5, 4], [2, 1])
     tokens = [torch.zeros(5, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)]
     lp, ent = response_log_probs_from_hidden(torch.randn(9, 3), torch.randn(7, 3), tokens, layout)
-    assert ent is None and [x.shape[0] for x in lp] == [2, 1]
+    assert ent is None
+    assert [x.shape[0] for x in lp] == [2, 1]
     with pytest.raises(LayoutError, match=r"hidden must be a \[T, H\] tensor, got shape \(9,\)"):
         response_log_probs_from_hidden(torch.randn(9), torch.randn(7, 3), tokens, layout)
     with pytest.raises(LayoutError, match="hidden"):
