@@ -20,7 +20,7 @@ typecheck: install
 	$(BIN)/mypy
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 test: install typecheck
 	$(BIN)/pytest

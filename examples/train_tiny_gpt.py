@@ -74,7 +74,7 @@ def peak_bytes(step: Callable[[], None]) -> int:
         return 0
     events.sort()
     start = events[0][1] - events[0][2]
-    return max(total for _, total, _ in events) - start
+    return int(max(total for _, total, _ in events) - start)
 
 
 def measure_memory(model: Any, weight: Any, ro: Any, layout: Any, group: Any) -> tuple[int, ...]:
@@ -110,36 +110,46 @@ def measure_memory(model: Any, weight: Any, ro: Any, layout: Any, group: Any) ->
     return results[0], results[1], hidden.shape[0] * weight.shape[0] * 4, grads
 
 
+def at_tp(tp: int, ro: Any, layout: Any, report: dict[str, Any]) -> None:
+    """Build the model with its weights split over ``tp`` ranks, train it, and (at TP 2)
+    measure the memory of one log-prob step."""
+    from megatron.core import parallel_state as ps
+    from tests._gpt import tiny_gpt, train
+
+    import cpslice
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    group = ps.get_tensor_model_parallel_group()
+    ids, pos, mask = ro.model_inputs()
+    model = tiny_gpt(seed=1)
+    weight = lm_head_weight(model)
+
+    def policy() -> Any:
+        hidden = model(ids, pos, mask)[0]  # [T, H]: one packed row
+        return cpslice.response_log_probs_from_hidden(
+            hidden, weight, ro.tokens, layout, with_entropy=True, tp_group=group)
+
+    report[f"losses_tp{tp}"] = train(model, policy, ro, layout, steps=STEPS, lr=LR)
+    if tp == 2:
+        report["memory"] = measure_memory(model, weight, ro, layout, group)
+    ps.destroy_model_parallel()
+
+
 def worker(rank: int, world: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's notes about Transformer Engine and Apex
-    from megatron.core import parallel_state as ps
+    from tests._gpt import rollout
 
     import cpslice
-    from tests._gpt import rollout, tiny_gpt, train
 
     ro = rollout(0)
     layout = cpslice.Layout(ro.total, ro.response)
-    ids, pos, mask = ro.model_inputs()
     report: dict[str, Any] = {}
     for tp in (2, 1):
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        group = ps.get_tensor_model_parallel_group()
-        model = tiny_gpt(seed=1)
-        weight = lm_head_weight(model)
-
-        def policy() -> Any:
-            hidden = model(ids, pos, mask)[0]  # [T, H]: one packed row
-            return cpslice.response_log_probs_from_hidden(
-                hidden, weight, ro.tokens, layout, with_entropy=True, tp_group=group)
-
-        report[f"losses_tp{tp}"] = train(model, policy, ro, layout, steps=STEPS, lr=LR)
-        if tp == 2:
-            report["memory"] = measure_memory(model, weight, ro, layout, group)
-        ps.destroy_model_parallel()
+        at_tp(tp, ro, layout, report)
     out.put((rank, report))
     dist.barrier()
     dist.destroy_process_group()
