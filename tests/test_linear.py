@@ -31,10 +31,16 @@ PROPS = settings(max_examples=15, deadline=None)
 def reference(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log p, H, d/d hidden, d/d weight) of ``g_lp . log p + g_h . H`` in float64."""
+    """(log p, H, d/d hidden, d/d weight) of ``g_lp . log p + g_h . H`` in float64.
+
+    For bfloat16/float16 inputs the logits are rounded to that dtype, as the head's own
+    matmul rounds them (the gradient passes the rounding unchanged, as it does there)."""
     h = hidden.detach().double().requires_grad_(True)
     w = weight.detach().double().requires_grad_(True)
-    lp = torch.log_softmax((h @ w.T) / temperature, -1)
+    logits = h @ w.T
+    if hidden.dtype in (torch.bfloat16, torch.float16):
+        logits = logits + (logits.to(hidden.dtype).double() - logits).detach()
+    lp = torch.log_softmax(logits / temperature, -1)
     logp = lp.gather(1, targets[:, None]).squeeze(1)
     entropy = -(lp.exp() * lp).sum(-1)
     torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
@@ -113,8 +119,8 @@ def test_float32_matches_float64_reference(case: tuple[Tensor, Tensor, Tensor, f
 def test_bfloat16_matches_float64_of_its_values(
     case: tuple[Tensor, Tensor, Tensor, float, int | None],
 ) -> None:
-    # The chunk logits are bf16 (as the materialized head's would be): values are off by
-    # about one bf16 rounding of a logit; the gradients come back in bfloat16.
+    # The chunk logits are bf16 (as the materialized head's are; the reference rounds
+    # them too); statistics in float32; the gradients come back in bfloat16.
     hidden, weight, targets, temperature, chunk = case
     check(hidden.bfloat16(), weight.bfloat16(), targets, temperature, chunk,
           value_rel=2.0**-7, grad_rel=3e-2)
@@ -374,3 +380,10 @@ def test_response_from_hidden_refuses_and_keeps_the_entropy_none() -> None:
         response_log_probs_from_hidden(torch.randn(9), torch.randn(7, 3), tokens, layout)
     with pytest.raises(LayoutError, match="hidden"):
         response_log_probs_from_hidden(torch.randn(8, 3), torch.randn(7, 3), tokens, layout)
+
+
+def test_default_linear_chunk_rows() -> None:
+    from cpslice._linear import default_linear_chunk_rows
+
+    assert default_linear_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
+    assert default_linear_chunk_rows(10**9) == 1
