@@ -20,14 +20,16 @@ typecheck: install
 	$(BIN)/mypy
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 
 test: install typecheck
 	$(BIN)/pytest
 
-# Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64.
+# Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
+# then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states.
 demo: install
 	$(BIN)/cpslice verify
+	$(BIN)/python examples/train_tiny_gpt.py
 
 bench: install
 	$(BIN)/cpslice bench

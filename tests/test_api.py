@@ -9,6 +9,7 @@ PUBLIC = {
     "extract_responses", "extraction_strategy", "shard_responses",
     "pack", "shifted_targets", "response_rows",
     "log_probs_and_entropy", "response_log_probs",
+    "linear_log_probs_and_entropy", "response_log_probs_from_hidden",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
     "clear_caches", "sample_means",
 }

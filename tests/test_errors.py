@@ -264,7 +264,9 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_errors.py", "tests/test_logprob.py::test_refusals",
          "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
          "tests/test_reduce.py::test_error_reducer_arguments",
-         "tests/test_reduce.py::test_a_2d_share_is_refused_as_values"],
+         "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
+         "tests/test_linear.py::test_refusals",
+         "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

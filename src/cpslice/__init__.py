@@ -22,6 +22,8 @@ from ._extract import extract_responses as extract_responses
 from ._extract import extraction_strategy as extraction_strategy
 from ._extract import shard_responses as shard_responses
 from ._layout import Layout as Layout
+from ._linear import linear_log_probs_and_entropy as linear_log_probs_and_entropy
+from ._linear import response_log_probs_from_hidden as response_log_probs_from_hidden
 from ._logprob import log_probs_and_entropy as log_probs_and_entropy
 from ._pack import ResponseRows as ResponseRows
 from ._pack import pack as pack
@@ -49,10 +51,12 @@ __all__ = [
     "extract_responses",
     "extraction_strategy",
     "gather_responses",
+    "linear_log_probs_and_entropy",
     "log_probs_and_entropy",
     "pack",
     "redistribute",
     "response_log_probs",
+    "response_log_probs_from_hidden",
     "response_rows",
     "sample_means",
     "shard_responses",

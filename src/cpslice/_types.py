@@ -25,6 +25,9 @@ Rows = Int64[Tensor, " m"]
 Logits = Float[Tensor, "t v"]
 PerRow = Float[Tensor, " t"]
 Targets = Int64[Tensor, " t"]
+# The LM head's input (final hidden states) and this TP rank's shard of its weight.
+Hidden = Float[Tensor, "t h"]
+HeadWeight = Float[Tensor, "v h"]
 
 QkvFormat = Literal["thd", "bshd"]
 CpMode = Literal["none", "zigzag", "allgather"]

@@ -1,0 +1,163 @@
+"""Log-probs + entropy from the hidden states and the LM-head weight, forward and backward:
+cpslice's ``linear_log_probs_and_entropy`` against materializing the logits.
+
+Methods, all computing log p of the targets and the entropy of ``softmax(hidden @
+weight.T / temperature)`` and back-propagating a random upstream gradient on both into
+``hidden`` and ``weight``:
+
+- ``cpslice``: ``linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True)``
+  (chunk logits, never a ``[T, V]`` tensor; backward recomputes them);
+- ``materialized``: ``logits = hidden @ weight.T`` then ``log_probs_and_entropy(logits, ...)``
+  (cpslice's logits path: the logits and their gradient are the ``[T, V]`` buffers);
+- ``naive``: ``lp = log_softmax((hidden @ weight.T).float() / temp)``, ``lp.gather``,
+  ``-(lp.exp() * lp).sum`` through autograd.
+
+Each method runs in a fresh subprocess. Peak memory is the growth of the peak RSS
+(``ru_maxrss``) during the first forward + backward beyond the RSS measured once the
+inputs exist, less the two gradients (``[T, H]`` and ``[V, H]`` in the inputs' dtype,
+which every method must produce), in units of one float32 ``[T, V]`` buffer. Time is
+the median of ``--repeat`` further forward + backward runs (with ``--repeat 0``, the
+first run's), as wall time and as the process's CPU time (steadier when other work
+shares the machine).
+
+Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]``
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+METHODS = ("cpslice", "materialized", "naive")
+TEMPERATURE = 0.9
+
+
+@dataclass
+class Result:
+    method: str
+    dtype: str
+    t: int
+    h: int
+    v: int
+    peak_buffers: float  # peak RSS growth beyond inputs and their gradients, in f32 [T, V] buffers
+    median_ms: float  # wall time
+    cpu_ms: float  # CPU time of the process over the same runs (steadier on a shared machine)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _step(method: str, hidden: Tensor, weight: Tensor, targets: Tensor, g: tuple[Tensor, Tensor]) -> None:
+    from cpslice import linear_log_probs_and_entropy, log_probs_and_entropy
+
+    if method == "cpslice":
+        logp, entropy = linear_log_probs_and_entropy(
+            hidden, weight, targets, with_entropy=True, temperature=TEMPERATURE
+        )
+    elif method == "materialized":
+        logp, entropy = log_probs_and_entropy(
+            hidden @ weight.T, targets, with_entropy=True, temperature=TEMPERATURE
+        )
+    else:
+        lp = torch.log_softmax((hidden @ weight.T).float() / TEMPERATURE, -1)
+        logp = lp.gather(1, targets[:, None]).squeeze(1)
+        entropy = -(lp.exp() * lp).sum(-1)
+        del lp
+    torch.autograd.backward((logp * g[0]).sum() + (entropy * g[1]).sum())
+    hidden.grad = weight.grad = None
+
+
+def _child(method: str, dtype_name: str, t: int, h: int, v: int, repeat: int) -> Result:
+    import cpslice  # noqa: F401  (imported before the baseline: its modules are not the step's memory)
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    hidden = torch.randn(t, h).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, h) / h**0.5).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, v, (t,))
+    g = (torch.randn(t), torch.randn(t))
+    grads = (t * h + v * h) * hidden.element_size()
+    base = _rss_bytes()
+    start, cpu = time.perf_counter(), time.process_time()
+    _step(method, hidden, weight, targets, g)
+    first = (time.perf_counter() - start, time.process_time() - cpu)
+    peak = _maxrss_bytes() - base - grads
+    times = []
+    for _ in range(repeat):
+        start, cpu = time.perf_counter(), time.process_time()
+        _step(method, hidden, weight, targets, g)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+    wall = statistics.median(w for w, _ in times) if times else first[0]
+    cpu_s = statistics.median(c for _, c in times) if times else first[1]
+    return Result(method, dtype_name, t, h, v, peak / (t * v * 4), 1e3 * wall, 1e3 * cpu_s)
+
+
+def _in_subprocess(method: str, dtype: str, t: int, h: int, v: int, repeat: int) -> Result:
+    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(h), str(v), str(repeat)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"),
+         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    fields: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return Result(**fields)
+
+
+def run(quick: bool = False, dtype: str = "float32", repeat: int = 1) -> list[Result]:
+    """One Result per method, each measured in a fresh subprocess (``run(quick)`` as
+    the other benchmarks)."""
+    t, h, v = (2048, 256, 16384) if quick else (4096, 1024, 32768)
+    return [_in_subprocess(m, dtype, t, h, v, repeat) for m in METHODS]
+
+
+def report(results: Sequence[Result], say: Callable[[str], None] = print) -> None:
+    first = results[0]
+    say(f"T={first.t} H={first.h} V={first.v} {first.dtype} hidden and weight, "
+        f"temperature={TEMPERATURE}, forward + backward of log-probs and entropy")
+    say(f"{'method':<14}{'peak beyond inputs+grads, f32 [T,V] bufs':>42}{'wall ms':>10}{'CPU ms':>10}")
+    for r in results:
+        say(f"{r.method:<14}{r.peak_buffers:>42.3f}{r.median_ms:>10.0f}{r.cpu_ms:>10.0f}")
+    by = {r.method: r for r in results}
+    c = by["cpslice"]
+    for other in ("materialized", "naive"):
+        o = by[other]
+        say(f"cpslice/{other}: memory {c.peak_buffers / o.peak_buffers:.3f}x, "
+            f"time {c.median_ms / o.median_ms:.2f}x (CPU time {c.cpu_ms / o.cpu_ms:.2f}x)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed runs after the first (0: time the first run)")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        method, dtype, t, h, v, repeat = args.child
+        if method not in METHODS:
+            parser.error(f"unknown method {method!r}; one of {', '.join(METHODS)}")
+        r = _child(method, dtype, int(t), int(h), int(v), int(repeat))
+        print(json.dumps(r.__dict__))
+        return 0
+    report(run(args.quick, args.dtype, args.repeat))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Static typing of linear_log_probs_and_entropy's and response_log_probs_from_hidden's
+overloads, checked by mypy in `make typecheck` (assert_type is a no-op at run time)."""
+
+from typing import assert_type
+
+import torch
+from torch import Tensor
+
+from cpslice import Layout, linear_log_probs_and_entropy, response_log_probs_from_hidden
+
+
+def test_overloads_make_the_entropy_type_exact() -> None:
+    hidden, weight = torch.zeros(3, 4), torch.zeros(5, 4)
+    targets = torch.tensor([0, 1, 4])
+    plain = linear_log_probs_and_entropy(hidden, weight, targets)
+    assert_type(plain, tuple[Tensor, None])
+    on = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, entropy_grad=False)
+    assert_type(on, tuple[Tensor, Tensor])
+    flag = hidden.shape[0] > 1
+    maybe = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=flag, chunk_size=2)
+    assert_type(maybe, tuple[Tensor, Tensor | None])
+    assert on[1].shape == (3,) and maybe[1] is not None
+
+    layout = Layout([3], [1])
+    tokens = [torch.tensor([0, 1, 2])]
+    shares = response_log_probs_from_hidden(hidden, weight, tokens, layout)
+    assert_type(shares, tuple[list[Tensor], None])
+    both = response_log_probs_from_hidden(hidden, weight, tokens, layout, with_entropy=True)
+    assert_type(both, tuple[list[Tensor], list[Tensor]])
+    assert [x.shape for x in both[1]] == [(1,)]

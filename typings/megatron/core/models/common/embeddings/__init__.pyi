@@ -1,0 +1,1 @@
+from . import rotary_pos_embedding as rotary_pos_embedding

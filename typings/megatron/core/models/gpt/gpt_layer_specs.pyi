@@ -1,0 +1,3 @@
+from ...transformer.spec_utils import ModuleSpec
+
+def get_gpt_layer_local_spec() -> ModuleSpec: ...

@@ -1,0 +1,7 @@
+from torch import Tensor
+
+from . import random as random
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: Tensor, target: Tensor, label_smoothing: float = 0.0
+) -> Tensor: ...
