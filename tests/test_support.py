@@ -478,3 +478,13 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() -> None:
+    """On a device the range check would cost a sync: the row's log-prob is NaN instead
+    (the kernel is called directly here, past the CPU check)."""
+    from cpslice._logprob import _apply
+
+    logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    lp, _ = _apply(logits, targets, False, True, 1.0, None, 2, csr([[1], [9], []]), False)
+    assert not bool(lp[1].isfinite()) and bool(lp[[0, 2]].isfinite().all())
