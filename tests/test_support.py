@@ -23,7 +23,7 @@ from .oracle import Config, local_length, local_map
 from .strategies import configs
 from .test_logprob import EPS32, grad_atol, tolerance
 
-PROPS = settings(max_examples=30, deadline=None)
+PROPS = settings(max_examples=20, deadline=None)
 
 Sets = list[list[int]]
 
@@ -141,7 +141,7 @@ def test_float32_matches_float64_masked_reference(case: dict[str, Any]) -> None:
     check(case)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(cases())
 def test_float64_and_bfloat16(case: dict[str, Any]) -> None:
     check(case, torch.float64, grad_rtol=1e-9)
@@ -321,7 +321,7 @@ def _oracle_sets(cfg: Config, rank: int, per: list[Sets]) -> Sets:
     return out
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(configs(max_cp=4), st.integers(0, 2**31 - 1), st.booleans())
 def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: bool) -> None:
     per, ids, offsets = _response_sets(cfg, seed)
@@ -338,12 +338,12 @@ def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: boo
         assert got == want
 
 
-@pytest.mark.parametrize("kind", ["zigzag-thd", "zigzag-bshd", "allgather"])
-def test_cp_invariance_against_no_cp(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "cp"), [("zigzag-thd", 4), ("zigzag-bshd", 2), ("allgather", 4)])
+def test_cp_invariance_against_no_cp(kind: str, cp: int) -> None:
     """Each rank's shares equal its share of the no-CP result; together they cover it."""
     from .reference import layout_for, make_batch
 
-    for seed, cp in ((11, 2), (12, 4)):
+    for seed in (11,):
         batch = make_batch(seed, n=7, cp=cp, vocab=9)
         cfg = Config(tuple(batch.total), tuple(batch.response), "thd", None, "none", 1, None, 0)
         per, ids, offsets = _response_sets(cfg, seed, vocab=9)
