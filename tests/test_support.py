@@ -23,7 +23,7 @@ from .oracle import Config, local_length, local_map
 from .strategies import configs
 from .test_logprob import EPS32, grad_atol, tolerance
 
-PROPS = settings(max_examples=30, deadline=None)
+PROPS = settings(max_examples=20, deadline=None)
 
 Sets = list[list[int]]
 
@@ -141,7 +141,7 @@ def test_float32_matches_float64_masked_reference(case: dict[str, Any]) -> None:
     check(case)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(cases())
 def test_float64_and_bfloat16(case: dict[str, Any]) -> None:
     check(case, torch.float64, grad_rtol=1e-9)
@@ -321,7 +321,7 @@ def _oracle_sets(cfg: Config, rank: int, per: list[Sets]) -> Sets:
     return out
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(configs(max_cp=4), st.integers(0, 2**31 - 1), st.booleans())
 def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: bool) -> None:
     per, ids, offsets = _response_sets(cfg, seed)
@@ -338,12 +338,12 @@ def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: boo
         assert got == want
 
 
-@pytest.mark.parametrize("kind", ["zigzag-thd", "zigzag-bshd", "allgather"])
-def test_cp_invariance_against_no_cp(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "cp"), [("zigzag-thd", 4), ("zigzag-bshd", 2), ("allgather", 4)])
+def test_cp_invariance_against_no_cp(kind: str, cp: int) -> None:
     """Each rank's shares equal its share of the no-CP result; together they cover it."""
     from .reference import layout_for, make_batch
 
-    for seed, cp in ((11, 2), (12, 4)):
+    for seed in (11,):
         batch = make_batch(seed, n=7, cp=cp, vocab=9)
         cfg = Config(tuple(batch.total), tuple(batch.response), "thd", None, "none", 1, None, 0)
         per, ids, offsets = _response_sets(cfg, seed, vocab=9)
@@ -478,3 +478,13 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() -> None:
+    """On a device the range check would cost a sync: the row's log-prob is NaN instead
+    (the kernel is called directly here, past the CPU check)."""
+    from cpslice._logprob import _apply
+
+    logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    lp, _ = _apply(logits, targets, False, True, 1.0, None, 2, csr([[1], [9], []]), False)
+    assert not bool(lp[1].isfinite()) and bool(lp[[0, 2]].isfinite().all())

@@ -252,7 +252,9 @@ class _LogProbEntropy(torch.autograd.Function):
         else:
             rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         column, owned = _local_targets(targets, rank * vocab, vocab)
-        sp = None if support is None else _support.plan(support, targets, rank * vocab, vocab)
+        sp = None
+        if support is not None:
+            sp = _support.plan(support, targets, rank * vocab, vocab, world * vocab)
         runs = None
         if sp is not None and not (with_entropy and not entropy_over_support):
             # rows with a set need no full pass: their log-prob (and entropy) is sparse
@@ -282,6 +284,8 @@ class _LogProbEntropy(torch.autograd.Function):
                 entropy = torch.where(sp.has_set, h_u, entropy)
             restricted = (sp, sp_x, m_u, s_u, h_u)
         valid = (targets >= 0) & (targets < world * vocab)
+        if sp is not None:
+            valid = valid & ~sp.bad_row
         log_p = torch.where(valid, log_p, math.nan)
 
         ctx.set_materialize_grads(False)
@@ -482,7 +486,8 @@ def log_probs_and_entropy(
             different devices, temperature not finite and > 0, chunk_size < 1, a CPU
             target outside ``[0, tp_size * V_local)`` (checked only on the CPU, where
             it costs no device sync; elsewhere that row's log-prob is NaN), a support
-            over another number of rows or with a CPU id outside the vocabulary,
+            over another number of rows or with a CPU id outside the vocabulary (on
+            a device such a row's log-prob is NaN),
             ``entropy_over`` not ``"full"`` or ``"support"``. Raised before any
             collective. (``support`` not a ``Support``: TypeError.)
 

@@ -348,7 +348,9 @@ class Sparse(NamedTuple):
     """One call's restricted sets on one shard: ``E = K + T`` elements (the set ids,
     then one target candidate per row); ``row``/``col`` locate each in the local logits
     (``col`` 0 where not owned), ``member`` says it counts on this shard, ``is_target``
-    that it is the row's target; ``has_set`` is ``[T]``, ``host_has_set`` its CPU copy."""
+    that it is the row's target; ``has_set`` is ``[T]``, ``host_has_set`` its CPU copy;
+    ``bad_row`` marks rows holding an id outside the vocabulary (their log-prob is NaN:
+    on a device, where checking would cost a sync, as for targets)."""
 
     row: Tensor
     col: Tensor
@@ -356,11 +358,12 @@ class Sparse(NamedTuple):
     is_target: Tensor
     has_set: Tensor
     host_has_set: Tensor
+    bad_row: Tensor
 
 
-def plan(support: Support, targets: Tensor, offset: int, vocab: int) -> Sparse:
+def plan(support: Support, targets: Tensor, offset: int, vocab: int, vocab_total: int) -> Sparse:
     """The elements of every row's ``S_t + {target_t}`` that the shard ``[offset,
-    offset + vocab)`` owns. ``O(K + T)``, no device sync."""
+    offset + vocab)`` of ``[0, vocab_total)`` owns. ``O(K + T)``, no device sync."""
     device = targets.device
     rows = targets.numel()
     ids = support.ids.to(device, non_blocking=True)
@@ -375,6 +378,8 @@ def plan(support: Support, targets: Tensor, offset: int, vocab: int) -> Sparse:
     arange = torch.arange(rows, device=device)
     row = torch.cat([set_row, arange])
     gid = torch.cat([ids, targets])
+    outside = ((ids < 0) | (ids >= vocab_total)).to(_I64)
+    bad_row = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, outside) > 0
     local = gid - offset
     owned = (local >= 0) & (local < vocab)
     counted = torch.cat([torch.ones_like(hit), has_set & ~in_set])
@@ -385,6 +390,7 @@ def plan(support: Support, targets: Tensor, offset: int, vocab: int) -> Sparse:
         torch.cat([hit, torch.ones_like(has_set)]),
         has_set,
         support._host_offsets.diff() > 0,
+        bad_row,
     )
 
 
