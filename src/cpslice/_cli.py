@@ -402,6 +402,11 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"give up (and kill the ranks) after SEC seconds: a hang fails "
         f"(default {DEFAULT_TIMEOUT:g})",
     )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="run the log-prob kernels compiled by torch.compile on every rank "
+        "(CPSLICE_COMPILE=1; the first compile takes a while)",
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -418,7 +423,7 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     config = verify.Config(
         cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
-        timeout=cast(float, args.timeout),
+        timeout=cast(float, args.timeout), compile=cast(bool, args.compile),
     )
     try:
         return verify.verify_main(config)

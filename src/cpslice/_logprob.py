@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import _kernels
 from ._errors import LayoutError
 from ._types import Logits, PerRow, Targets
 
@@ -40,7 +41,7 @@ CPU_CHUNK_BYTES = 8 * 2**20
 # exp() of anything below this is exactly 0 in float32 and float64. Clamping
 # there changes no p and no p * log p, but turns the 0 * (-inf) of a masked
 # (-inf) logit into 0 * finite = 0 in the entropy sums.
-_FLOOR = -1.0e4
+_FLOOR = _kernels.FLOOR
 
 if TYPE_CHECKING:
     TensorArg = Tensor
@@ -155,6 +156,18 @@ def _local_targets(targets: Targets, offset: int, vocab: int) -> tuple[Targets, 
     return torch.where(owned, local, 0), owned
 
 
+def _chunk_rows(chunk_size: int | None, logits: Tensor) -> tuple[int, int]:
+    """Rows per chunk of the eager loop and of the compiled kernels: ``chunk_size`` for
+    both when given, else ``default_chunk_rows`` and ``_kernels.compiled_chunk_rows``."""
+    if chunk_size is not None:
+        return chunk_size, chunk_size
+    vocab, dtype, device = logits.shape[1], logits.dtype, logits.device
+    return (
+        default_chunk_rows(vocab, dtype, device),
+        _kernels.compiled_chunk_rows(vocab, dtype, device),
+    )
+
+
 def _chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
 
@@ -166,16 +179,25 @@ def _local_stats(
     tau: float,
     with_entropy: bool,
     chunk: int,
+    compiled_chunk: int,
 ) -> Tensor:
     """``[k, T]``: this shard's max, sum of exp relative to it, owned target logit (else
-    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3."""
+    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3. The
+    compiled kernels (``_kernels.stats``, chunks of ``compiled_chunk`` rows) where they
+    run, else the eager loop (chunks of ``chunk`` rows)."""
     cdt = _compute_dtype(logits.dtype)
     rows, vocab = logits.shape
     stats = torch.empty((4 if with_entropy else 3, rows), dtype=cdt, device=logits.device)
-    m = logits.amax(1).to(cdt)
-    stats[0] = m
     target = logits.gather(1, column[:, None]).squeeze(1).to(cdt)
     stats[2] = torch.where(owned, target, 0.0)
+    compiled = _kernels.stats(logits, tau, compiled_chunk)
+    if compiled is not None:
+        stats[0], stats[1] = compiled[0], compiled[1]
+        if with_entropy:
+            stats[3] = compiled[2]
+        return stats
+    m = logits.amax(1).to(cdt)
+    stats[0] = m
     # A shard whose row is all -inf contributes S_r = 0 (and A_r = 0), not NaN.
     shift = torch.where(m == -math.inf, 0.0, m)
     n = min(chunk, rows)
@@ -226,15 +248,16 @@ class _LogProbEntropy(torch.autograd.Function):
         entropy_grad: bool,
         tau: float,
         tp_group: dist.ProcessGroup | None,
-        chunk: int,
+        chunk_size: int | None,
     ) -> tuple[PerRow, PerRow | None]:
         rows, vocab = logits.shape
+        chunk, compiled_chunk = _chunk_rows(chunk_size, logits)
         if tp_group is None:
             rank, world = 0, 1
         else:
             rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
         column, owned = _local_targets(targets, rank * vocab, vocab)
-        stats = _local_stats(logits, column, owned, tau, with_entropy, chunk)
+        stats = _local_stats(logits, column, owned, tau, with_entropy, chunk, compiled_chunk)
         if tp_group is None:
             gathered = stats[None]
         else:
@@ -247,7 +270,7 @@ class _LogProbEntropy(torch.autograd.Function):
         log_p = torch.where(valid, log_p, math.nan)
 
         ctx.set_materialize_grads(False)
-        ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk
+        ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk_size
         ctx.entropy_grad = entropy is not None and entropy_grad
         if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -266,7 +289,7 @@ class _LogProbEntropy(torch.autograd.Function):
         saved: tuple[Tensor, ...] = ctx.saved_tensors
         logits, targets, big_m, log_s = saved[:4]
         tau: float = ctx.tau
-        chunk: int = ctx.chunk
+        chunk, compiled_chunk = _chunk_rows(ctx.chunk, logits)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
         if not ctx.entropy_grad:
@@ -286,6 +309,9 @@ class _LogProbEntropy(torch.autograd.Function):
             a = -g_h / tau
             b = -(g_lp + g_h * saved[4]) / tau
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        hot = None if g_logp is None else onehot[:, 0]
+        if _kernels.grad(logits, big_m, log_s, tau, a, b, column, hot, compiled_chunk, grad):
+            return grad, None, None, None, None, None, None
         n = min(chunk, rows)
         work = torch.empty((n, vocab), dtype=cdt, device=logits.device)
         expd = torch.empty((n, vocab), dtype=cdt, device=logits.device)
@@ -406,6 +432,4 @@ def log_probs_and_entropy(
     if tp_group is not None and dist.get_rank(tp_group) < 0:
         raise LayoutError("this process is not a member of tp_group")
     _check_range(targets_, world * logits_.shape[1])
-    if chunk is None:
-        chunk = default_chunk_rows(logits_.shape[1], logits_.dtype, logits_.device)
     return _apply(logits_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk)

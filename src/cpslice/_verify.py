@@ -165,6 +165,9 @@ class Config:
     timeout: float = DEFAULT_TIMEOUT
     tolerance: float = TOLERANCE
     fault: Fault | None = None
+    compile: bool = False
+    """Run the log-prob kernels compiled by torch.compile on every rank
+    (``CPSLICE_COMPILE=1``): a compile failure fails the run."""
 
     @property
     def world(self) -> int:
@@ -385,6 +388,10 @@ def _rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     os.environ["MASTER_PORT"] = str(port)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
+    if config.compile:
+        from . import _kernels
+
+        _kernels.mode = "1"
     where = {"case": -1, "cp_rank": -1}
     try:
         dist.init_process_group("gloo", rank=rank, world_size=config.world)
@@ -568,6 +575,7 @@ def header(config: Config) -> str:
         f"shorter than 2*cp, responses across chunk and rank boundaries){sparse};\n"
         "  log-probs, entropy and the logits' gradient of a weighted loss against "
         "float64 torch.log_softmax"
+        + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
     )
 
 
