@@ -14,6 +14,9 @@ Each shard ``r`` holds ``[m_r, S_r, x_t or 0, A_r]`` relative to its own max
 
     d log p_t / d x_j = (onehot_j - p_j) / tau
     d H / d x_j       = -p_j (log p_j + H) / tau
+
+The per-chunk work runs eagerly here or through the compiled chunk kernels of
+``_kernels`` (``CPSLICE_COMPILE``); both give the same results, memory and collective.
 """
 
 import math
@@ -401,7 +404,9 @@ def log_probs_and_entropy(
             the whole vocabulary is local.
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
             ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
-            resident), 64 MiB elsewhere.
+            resident), 64 MiB elsewhere. With the compiled kernels
+            (``CPSLICE_COMPILE``, see ``_kernels``) it is their fixed chunk's rows; None
+            picks ``[C, V_local]`` within 32 MiB on the CPU, 256 MiB elsewhere.
 
     Returns:
         ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
