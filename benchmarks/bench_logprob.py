@@ -212,7 +212,9 @@ def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
 def _in_subprocess(
     method: str, dtype: str, t: int, v: int, repeat: int, env: dict[str, str] | None = None
 ) -> Result:
-    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(v), str(repeat)]
+    threads = os.environ.get("CPSLICE_BENCH_THREADS", "0")
+    cmd = [sys.executable, __file__, "--threads", threads, "--child", method, dtype, str(t), str(v),
+           str(repeat)]
     child_env = {**os.environ, "CPSLICE_COMPILE": "1" if method == "compiled" else "0", **(env or {})}
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=child_env)
     fields: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -242,7 +244,7 @@ def report(results: Sequence[Result], say: Callable[[str], None] = print) -> Non
     first = results[0]
     say(f"T={first.t} V={first.v} temperature={TEMPERATURE}, forward + backward of log-probs "
         f"and entropy (megatron: log-probs only), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads")
+        f"{os.environ.get('CPSLICE_BENCH_THREADS') or torch.get_num_threads()} threads")
     say(f"{'method':<10}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}"
         f"{'first call s':>14}")
     for r in results:
@@ -267,11 +269,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated, of {','.join(METHODS)} (default all)")
     parser.add_argument("--dtypes", default="float32",
                         help=f"comma-separated, of {','.join(DTYPES)} (default float32)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads in each child (default: torch's default)")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "DTYPE", "T", "V", "REPEAT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         method, dtype, t, v, repeat = args.child
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
         r = _child(method, dtype, int(t), int(v), int(repeat))
         print(json.dumps(r.__dict__))
         return 0
@@ -281,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [x for x in given if x not in valid]
         if bad:
             parser.error(f"unknown {name} {bad[0]!r}; one of {', '.join(valid)}")
+    if args.threads > 0:
+        os.environ["CPSLICE_BENCH_THREADS"] = str(args.threads)
     report(run(args.quick, methods, dtypes))
     return 0
 
