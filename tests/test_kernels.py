@@ -91,7 +91,7 @@ def test_chunk_starts_cover_every_row_with_one_shape(rows: int, chunk: int) -> N
 def test_compiled_chunk_rows() -> None:
     assert _kernels.compiled_chunk_rows(32768) == 256  # 256 x 128 KiB = 32 MiB
     assert _kernels.compiled_chunk_rows(32768, torch.bfloat16) == 256  # float32 arithmetic
-    assert _kernels.compiled_chunk_rows(151936, torch.float32, "cuda") == 256  # 441 -> 256
+    assert _kernels.compiled_chunk_rows(151936, torch.float32, "cuda") == 1024  # 1766 -> 1024
     assert _kernels.compiled_chunk_rows(1000, torch.float64) == 4096  # 4194 -> 4096
     assert _kernels.compiled_chunk_rows(10**9) == 1
 

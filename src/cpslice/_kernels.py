@@ -44,11 +44,12 @@ FLOOR = -1.0e4
 """exp() of anything below this is exactly 0 in float32 and float64 (see _logprob)."""
 
 CPU_COMPILED_CHUNK_BYTES = 32 * 2**20
-COMPILED_CHUNK_BYTES = 256 * 2**20
+COMPILED_CHUNK_BYTES = 2**30
 """Rows per compiled chunk: ``[C, V_local]`` of the compute dtype within these bytes
 (CPU / other devices), rounded down to a power of two. A compiled chunk needs no work
 buffer, so the size only trades per-call overhead (and, on a GPU, occupancy) against
-the redundant overlap of the tail chunk."""
+the redundant overlap of the tail chunk: on a GPU a chunk of a few hundred rows of a
+large vocabulary would leave most of the device idle (one row per program)."""
 AUTO_MIN_ELEMENTS = 2**22
 """In ``auto``, the compiled kernels run only for ``T * V_local`` at least this (about
 16 MiB of float32 logits): below it the eager kernels cost little and a first compile

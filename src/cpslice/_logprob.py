@@ -406,7 +406,7 @@ def log_probs_and_entropy(
             ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
             resident), 64 MiB elsewhere. With the compiled kernels
             (``CPSLICE_COMPILE``, see ``_kernels``) it is their fixed chunk's rows; None
-            picks ``[C, V_local]`` within 32 MiB on the CPU, 256 MiB elsewhere.
+            picks ``[C, V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
 
     Returns:
         ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
