@@ -20,7 +20,8 @@ one warm-up step (for ``compiled``, the compile), the peak RSS is reset
 (``/proc/self/clear_refs``) and the peak memory is the growth of the peak RSS
 (``VmHWM``) during one more step beyond the RSS before it, in units of one ``[T, V]``
 buffer of the logits' dtype (the gradient, one such buffer, is included). Time is the
-median (and the best, less disturbed by other load) of a few further steps.
+median (and the best) of a few further steps; ``cpu ms`` is the median process CPU
+time of a step, which other load on the machine disturbs less (with ``--threads 1``).
 ``compiled`` runs twice, in two processes sharing one fresh compiler cache directory:
 the first call's time in each says what the first compile costs and whether a later
 process reuses the cache.
@@ -59,6 +60,7 @@ class Result:
     peak_buffers: float  # peak RSS growth during one step, in [T, V] buffers of the dtype
     median_ms: float
     best_ms: float
+    cpu_ms: float  # median process CPU time of a step (all threads): robust to other load
     first_s: float  # the first step (for compiled: compile included)
     second_first_s: float | None = None  # compiled: first step of a second process
 
@@ -191,10 +193,13 @@ def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
     targets = torch.randint(0, v, (t,))
     g = (torch.randn(t), torch.randn(t))
 
+    cpu: list[float] = []
+
     def timed() -> float:
         prepare(logits)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step(logits, targets, g)
+        cpu.append(time.process_time() - start_cpu)
         return time.perf_counter() - start
 
     first = timed()
@@ -206,7 +211,7 @@ def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
     times = [timed() for _ in range(repeat)]
     buffer = t * v * logits.element_size()
     return Result(method, dtype_name, t, v, peak / buffer, 1e3 * statistics.median(times),
-                  1e3 * min(times), first)
+                  1e3 * min(times), 1e3 * statistics.median(cpu[-repeat:]), first)
 
 
 def _in_subprocess(
@@ -245,11 +250,11 @@ def report(results: Sequence[Result], say: Callable[[str], None] = print) -> Non
     say(f"T={first.t} V={first.v} temperature={TEMPERATURE}, forward + backward of log-probs "
         f"and entropy (megatron: log-probs only), torch {torch.__version__}, "
         f"{os.environ.get('CPSLICE_BENCH_THREADS') or torch.get_num_threads()} threads")
-    say(f"{'method':<10}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}"
+    say(f"{'method':<10}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}{'cpu ms':>9}"
         f"{'first call s':>14}")
     for r in results:
         second = "" if r.second_first_s is None else f" (next process {r.second_first_s:.1f})"
-        say(f"{r.method:<10}{r.dtype:<10}{r.peak_buffers:>16.2f}{r.median_ms:>11.1f}{r.best_ms:>9.1f}"
+        say(f"{r.method:<10}{r.dtype:<10}{r.peak_buffers:>16.2f}{r.median_ms:>11.1f}{r.best_ms:>9.1f}{r.cpu_ms:>9.1f}"
             f"{r.first_s:>14.1f}{second}")
     for dtype in dict.fromkeys(r.dtype for r in results):
         by = {r.method: r for r in results if r.dtype == dtype}
@@ -258,7 +263,7 @@ def report(results: Sequence[Result], say: Callable[[str], None] = print) -> Non
             if mine in by and other in by:
                 a, b = by[mine], by[other]
                 say(f"{dtype}: {mine}/{other}: time {a.median_ms / b.median_ms:.2f}x "
-                    f"(best {a.best_ms / b.best_ms:.2f}x), "
+                    f"(best {a.best_ms / b.best_ms:.2f}x, cpu {a.cpu_ms / b.cpu_ms:.2f}x), "
                     f"memory {a.peak_buffers / b.peak_buffers:.2f}x")
 
 

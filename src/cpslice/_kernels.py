@@ -173,9 +173,12 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[0] if first else ''}"
 
 
-def _call(fn: Callable[..., Any], x: Tensor, *args: object) -> tuple[bool, object]:
-    """``(True, result)`` of the compiled ``fn``; ``(False, None)`` if its first call
-    (the compilation) failed in ``auto``, which warns once and turns ``auto`` eager."""
+def call(fn: Callable[..., Any], x: Tensor, *args: object) -> tuple[bool, object]:
+    """``(True, result)`` of the compiled ``fn`` (``chunk_stats`` or ``chunk_grad``) on
+    one chunk ``x`` of a fixed shape; ``(False, None)`` if its first call (the
+    compilation) failed in ``auto``, which warns once and turns ``auto`` eager. For
+    other chunk loops too (e.g. logits computed chunk by chunk from hidden states);
+    check ``use_compiled`` first."""
     global _broken
     key, compiled = _kernel(fn, x)
     if key in _ready:
@@ -215,7 +218,7 @@ def stats(logits: Tensor, tau: float, chunk: int) -> tuple[Tensor, Tensor, Tenso
     tau_t = torch.tensor(tau, dtype=cdt, device=logits.device)
     c, starts = chunk_starts(rows, chunk)
     for s in starts:
-        ok, result = _call(chunk_stats, logits[s : s + c], tau_t)
+        ok, result = call(chunk_stats, logits[s : s + c], tau_t)
         if not ok:
             return None
         for i, r in enumerate(cast(tuple[Tensor, Tensor, Tensor], result)):
@@ -247,7 +250,7 @@ def grad(
     c, starts = chunk_starts(rows, chunk)
     for s in starts:
         e = s + c
-        ok, _ = _call(
+        ok, _ = call(
             chunk_grad, logits[s:e], m[s:e], log_s[s:e], tau_t, a_[s:e], b[s:e],
             column[s:e], hot[s:e], out[s:e],
         )
