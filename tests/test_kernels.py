@@ -1,7 +1,8 @@
 """The compiled chunk kernels (cpslice._kernels): CPSLICE_COMPILE, the fixed chunk
 shapes, and log_probs_and_entropy through the compiled path against the float64
-reference, every dtype, with and without TP (``compiled_tp_cases``, run on test_logprob_tp's ranks), in debug
-mode (the pytest plugin; the spawned ranks set CPSLICE_DEBUG=1).
+reference, every dtype, with and without TP (``compiled_tp_cases``, run on
+test_logprob_tp's ranks), in debug mode (the pytest plugin; the spawned ranks set
+CPSLICE_DEBUG=1).
 
 Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same captured
 and functionalized graphs that inductor compiles, without its C++ build (seconds per
