@@ -1,5 +1,6 @@
 """On a CUDA machine: the single-process paths on the GPU against a float64 CPU
-reference, then extraction speed and log-prob memory measured there.
+reference, then extraction speed and log-prob memory measured there, and the eager and compiled
+log-prob kernels against the bandwidth floor (T = 32768, V = 151936 / tp, tp 1 and 4).
 
 Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` (needs torch with CUDA and
 jaxtyping; no megatron, no process groups).
@@ -82,12 +83,69 @@ def _logprob_memory(device: str) -> None:
         del logits
 
 
+def _bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (one read + one write)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+
+
+def _logprob_floor(device: str) -> None:
+    """Eager and compiled kernels against the bandwidth floor: one read of the logits in
+    forward, one read and one gradient write in backward, at T = 32768, V = 151936 / tp."""
+    from cpslice import _kernels
+
+    bw = _bandwidth(device)
+    print(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
+    t = 32768
+    for tp in (1, 4):
+        v = 151936 // tp
+        for dtype in (torch.bfloat16, torch.float32):
+            torch.manual_seed(0)
+            logits = (4 * torch.randn(t, v, device=device)).to(dtype).requires_grad_(True)
+            targets = torch.randint(0, v, (t,), device=device)
+            floor = 3 * logits.numel() * logits.element_size() / bw
+            got = {}
+            for mode in ("0", "1"):
+                _kernels.mode = mode
+                times = []
+                for i in range(6):
+                    logits.grad = None
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    lp, ent = cpslice.log_probs_and_entropy(
+                        logits, targets, with_entropy=True, temperature=0.9
+                    )
+                    torch.autograd.backward(lp.sum() + ent.sum())
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                    if i == 0 and mode == "1":
+                        print(f"  compiled first call (compile included) {times[0]:.1f} s")
+                assert logits.grad is not None
+                got[mode] = (lp.detach(), ent.detach(), logits.grad)
+                ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
+                print(f"tp {tp} V_local {v} {str(dtype):<15} {'compiled' if mode == '1' else 'eager':<8} "
+                      f"{ms:8.2f} ms fwd+bwd, {ms / 1e3 / floor:5.2f}x the floor ({floor * 1e3:.2f} ms)")
+            diff = [float((a.float() - b.float()).abs().max()) for a, b in zip(got["0"], got["1"])]
+            print(f"  compiled vs eager max |diff|: log p {diff[0]:.1e}, H {diff[1]:.1e}, grad {diff[2]:.1e}")
+            del logits, got
+            torch.cuda.empty_cache()
+    _kernels.mode = _kernels.compile_mode()
+
+
 def main() -> int:
     device = "cuda"
     print(torch.__version__, torch.cuda.get_device_name())
     _check_layouts(device)
     print(bench_extract.report(bench_extract.run(False, device)))
     _logprob_memory(device)
+    _logprob_floor(device)
     return 0
 
 

@@ -111,6 +111,10 @@ def _worker(rank: int, world: int) -> list[tuple[int, int]]:
         # TP 2 inside a world of 4: two groups, the rank offset comes from the group rank.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         done.append((2, _run_cases(groups[rank // 2], 2, rank % 2, calls)))
+        # The compiled kernels on the same ranks (raises on a mismatch).
+        from .test_kernels import compiled_tp_cases
+
+        compiled_tp_cases(rank, world, calls)
     # The eager range check refuses an id >= tp_size * V_local, before any collective.
     from cpslice import LayoutError, log_probs_and_entropy
 

@@ -477,6 +477,11 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         help="fail when the ranks have not all spawned, imported megatron-core and joined "
         f"the group within SEC seconds (default {DEFAULT_STARTUP_TIMEOUT:g})",
     )
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="run the log-prob kernels compiled by torch.compile on every rank "
+        "(CPSLICE_COMPILE=1; the first compile takes a while)",
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -497,6 +502,7 @@ def _verify(args: argparse.Namespace) -> int:
     config = verify.Config(
         cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
         timeout=cast(float, args.timeout), startup_timeout=cast(float, args.startup_timeout),
+        compile=cast(bool, args.compile),
     )
     try:
         return verify.verify_main(config)

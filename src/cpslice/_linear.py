@@ -159,7 +159,10 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         stats = torch.empty((4 if with_entropy else 3, rows), dtype=cdt, device=hidden.device)
         for s, e in _chunks(rows, chunk):
             logits = torch.mm(hidden[s:e], weight.t())
-            stats[:, s:e] = _local_stats(logits, column[s:e], owned[s:e], tau, with_entropy, e - s)
+            # eager: the compiled kernels serve the logits path only (for now)
+            stats[:, s:e] = _local_stats(
+                logits, column[s:e], owned[s:e], tau, with_entropy, e - s, None
+            )
             del logits
         big_m, log_s, log_p, entropy = _combine(_gathered_stats(stats, tp_group), tau, with_entropy)
         valid = (targets >= 0) & (targets < world * vocab)

@@ -14,6 +14,9 @@ Each shard ``r`` holds ``[m_r, S_r, x_t or 0, A_r]`` relative to its own max
 
     d log p_t / d x_j = (onehot_j - p_j) / tau
     d H / d x_j       = -p_j (log p_j + H) / tau
+
+The per-chunk work runs eagerly here or through the compiled chunk kernels of
+``_kernels`` (``CPSLICE_COMPILE``); both give the same results, memory and collective.
 """
 
 import math
@@ -26,7 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks as checks
-from . import _support
+from . import _kernels, _support
 from ._cache import boundary
 from ._errors import LayoutError
 from ._support import Sparse, Support
@@ -48,7 +51,7 @@ CPU_CHUNK_BYTES = 8 * 2**20
 # exp() of anything below this is exactly 0 in float32 and float64. Clamping
 # there changes no p and no p * log p, but turns the 0 * (-inf) of a masked
 # (-inf) logit into 0 * finite = 0 in the entropy sums.
-_FLOOR = -1.0e4
+_FLOOR = _kernels.FLOOR
 
 if TYPE_CHECKING:
     from typing import SupportsFloat, SupportsIndex
@@ -155,6 +158,18 @@ def _local_targets(targets: Targets, offset: int, vocab: int) -> tuple[Targets, 
     return torch.where(owned, local, 0), owned
 
 
+def _chunk_rows(chunk_size: int | None, logits: Tensor) -> tuple[int, int]:
+    """Rows per chunk of the eager loop and of the compiled kernels: ``chunk_size`` for
+    both when given, else ``default_chunk_rows`` and ``_kernels.compiled_chunk_rows``."""
+    if chunk_size is not None:
+        return chunk_size, chunk_size
+    vocab, dtype, device = logits.shape[1], logits.dtype, logits.device
+    return (
+        default_chunk_rows(vocab, dtype, device),
+        _kernels.compiled_chunk_rows(vocab, dtype, device),
+    )
+
+
 def _chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
 
@@ -171,26 +186,40 @@ def _local_stats(
     tau: float,
     with_entropy: bool,
     chunk: int,
+    compiled_chunk: int | None,
     runs: list[tuple[int, int]] | None = None,
 ) -> Tensor:
     """``[k, T]``: this shard's max, sum of exp relative to it, owned target logit (else
-    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3.
+    0) and, with entropy, sum of exp * exponent; ``k`` is 4 with entropy, else 3. The
+    compiled kernels (``_kernels.stats``, chunks of ``compiled_chunk`` rows) where they
+    run, else (and always with ``compiled_chunk`` None) the eager loop (chunks of
+    ``chunk`` rows).
 
     Only the rows of ``runs`` (default: all) are read in full; the others get the
-    placeholders ``(0, 1, x_t, 0)``, the same on every shard."""
+    placeholders ``(0, 1, x_t, 0)``, the same on every shard. The compiled kernels
+    read every row, so they run only when ``runs`` covers them all."""
     cdt = _compute_dtype(logits.dtype)
     rows, vocab = logits.shape
     runs = [(0, rows)] if runs is None else runs
     stats = torch.empty((4 if with_entropy else 3, rows), dtype=cdt, device=logits.device)
-    if sum(hi - lo for lo, hi in runs) < rows:
+    covered = sum(hi - lo for lo, hi in runs) == rows
+    target = logits.gather(1, column[:, None]).squeeze(1).to(cdt)
+    stats[2] = torch.where(owned, target, 0.0)
+    compiled = None
+    if covered and compiled_chunk is not None:
+        compiled = _kernels.stats(logits, tau, compiled_chunk)
+    if compiled is not None:
+        stats[0], stats[1] = compiled[0], compiled[1]
+        if with_entropy:
+            stats[3] = compiled[2]
+        return stats
+    if not covered:
         stats[0], stats[1] = 0.0, 1.0
         if with_entropy:
             stats[3] = 0.0
     for lo, hi in runs:
         stats[0, lo:hi] = logits[lo:hi].amax(1)
     m = stats[0]
-    target = logits.gather(1, column[:, None]).squeeze(1).to(cdt)
-    stats[2] = torch.where(owned, target, 0.0)
     # A shard whose row is all -inf contributes S_r = 0 (and A_r = 0), not NaN.
     shift = torch.where(m == -math.inf, 0.0, m)
     pieces = _pieces(runs, chunk)
@@ -242,11 +271,12 @@ class _LogProbEntropy(torch.autograd.Function):
         entropy_grad: bool,
         tau: float,
         tp_group: dist.ProcessGroup | None,
-        chunk: int,
+        chunk_size: int | None,
         support: Support | None = None,
         entropy_over_support: bool = False,
     ) -> tuple[PerRow, PerRow | None]:
         rows, vocab = logits.shape
+        chunk, compiled_chunk = _chunk_rows(chunk_size, logits)
         if tp_group is None:
             rank, world = 0, 1
         else:
@@ -259,7 +289,9 @@ class _LogProbEntropy(torch.autograd.Function):
         if sp is not None and not (with_entropy and not entropy_over_support):
             # rows with a set need no full pass: their log-prob (and entropy) is sparse
             runs = _support.dense_runs(~sp.host_has_set, chunk)
-        stats = _local_stats(logits, column, owned, tau, with_entropy, chunk, runs)
+        stats = _local_stats(
+            logits, column, owned, tau, with_entropy, chunk, compiled_chunk, runs
+        )
         k_dense = stats.shape[0]
         if sp is not None:
             sp_with_h = with_entropy and entropy_over_support
@@ -291,7 +323,7 @@ class _LogProbEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.restricted = restricted
         ctx.entropy_over_support = entropy_over_support
-        ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk
+        ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk_size
         ctx.entropy_grad = entropy is not None and entropy_grad
         if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -310,7 +342,7 @@ class _LogProbEntropy(torch.autograd.Function):
         saved: tuple[Tensor, ...] = ctx.saved_tensors
         logits, targets, big_m, log_s = saved[:4]
         tau: float = ctx.tau
-        chunk: int = ctx.chunk
+        chunk, compiled_chunk = _chunk_rows(ctx.chunk, logits)
         nones = (None,) * 8
         if not ctx.needs_input_grad[0]:
             return (None, *nones)
@@ -352,7 +384,14 @@ class _LogProbEntropy(torch.autograd.Function):
         grad = (torch.empty if covered else torch.zeros)(
             logits.shape, dtype=logits.dtype, device=logits.device
         )
-        pieces = _pieces(runs, chunk)
+        hot = None if g_logp is None else onehot[:, 0]
+        # the compiled kernels write every row: only when every row needs the dense pass
+        if covered and _kernels.grad(
+            logits, big_m, log_s, tau, a, b, column, hot, compiled_chunk, grad
+        ):
+            pieces = []
+        else:
+            pieces = _pieces(runs, chunk)
         n = min(chunk, rows) if pieces else 0
         work = torch.empty((n, vocab), dtype=cdt, device=logits.device)
         expd = torch.empty((n, vocab), dtype=cdt, device=logits.device)
@@ -452,7 +491,9 @@ def log_probs_and_entropy(
             the whole vocabulary is local.
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
             ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
-            resident), 64 MiB elsewhere.
+            resident), 64 MiB elsewhere. With the compiled kernels
+            (``CPSLICE_COMPILE``, see ``_kernels``) it is their fixed chunk's rows; None
+            picks ``[C, V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
         support: per-row token sets (top-p / top-k replay), the same on every rank of
             ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under
             the softmax restricted to ``S_t`` plus its target (a target outside the
@@ -506,8 +547,6 @@ def log_probs_and_entropy(
         )
     if support is not None:
         support = _support.check_support(support, logits_.shape[0], world * logits_.shape[1])
-    if chunk is None:
-        chunk = default_chunk_rows(logits_.shape[1], logits_.dtype, logits_.device)
     return _apply(
         logits_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk, support,
         entropy_over == "support",

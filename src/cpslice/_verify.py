@@ -202,6 +202,9 @@ class Config:
     the run fails as a hang."""
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     tolerance: float = TOLERANCE
+    compile: bool = False
+    """Run the log-prob kernels compiled by torch.compile on every rank
+    (``CPSLICE_COMPILE=1``): a compile failure fails the run."""
 
     @property
     def world(self) -> int:
@@ -432,6 +435,10 @@ def _rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
+    if config.compile:
+        from . import _kernels
+
+        _kernels.mode = "1"
     where = {"case": -1, "cp_rank": -1}
     try:
         dist.init_process_group(
@@ -666,6 +673,7 @@ def header(config: Config) -> str:
         f"shorter than 2*cp, responses across chunk and rank boundaries){sparse};\n"
         "  log-probs, entropy and the logits' gradient of a weighted loss against "
         "float64 torch.log_softmax"
+        + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
     )
 
 

@@ -1,0 +1,241 @@
+"""The compiled chunk kernels (cpslice._kernels): CPSLICE_COMPILE, the fixed chunk
+shapes, and log_probs_and_entropy through the compiled path against the float64
+reference, every dtype, with and without TP (``compiled_tp_cases``, run on
+test_logprob_tp's ranks), in debug mode (the pytest plugin; the spawned ranks set
+CPSLICE_DEBUG=1).
+
+Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same captured
+and functionalized graphs that inductor compiles, without its C++ build (seconds per
+kernel on two cores). Two tests run inductor itself, on tiny shapes."""
+
+import importlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpslice import _kernels, log_probs_and_entropy
+
+from .test_logprob import check, reference, tolerance
+
+Use = Callable[..., None]  # use(mode, backend="aot_eager")
+
+
+@pytest.fixture
+def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Use]:
+    """``use(mode, backend)`` for one test; the mode, backend and failure flag are restored."""
+    monkeypatch.setattr(_kernels, "_broken", None)
+
+    def set_(mode: str, backend: str | Callable[..., Any] = "aot_eager") -> None:
+        monkeypatch.setattr(_kernels, "mode", mode)
+        monkeypatch.setattr(_kernels, "BACKEND", backend)
+
+    yield set_
+
+
+def _ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:
+    """Names of the kernels compiled and run for this backend, dtype and chunk rows."""
+    return {str(k[0]) for k in _kernels._ready if k[1] == dtype and k[2] == rows and k[-1] == backend}
+
+
+def test_compile_mode_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, want in [(None, "auto"), ("", "auto"), ("auto", "auto"), ("1", "1"), ("0", "0")]:
+        if value is None:
+            monkeypatch.delenv("CPSLICE_COMPILE", raising=False)
+        else:
+            monkeypatch.setenv("CPSLICE_COMPILE", value)
+        assert _kernels.compile_mode() == want
+    for bad in ("yes", "true", "2", "AUTO"):
+        monkeypatch.setenv("CPSLICE_COMPILE", bad)
+        with pytest.raises(ValueError, match=rf"CPSLICE_COMPILE='{bad}' is not valid; use one of.*'auto'.*'1'.*'0'"):
+            _kernels.compile_mode()
+
+
+def test_invalid_value_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _kernels.mode
+    monkeypatch.setenv("CPSLICE_COMPILE", "on")
+    try:
+        with pytest.raises(ValueError, match="CPSLICE_COMPILE='on' is not valid"):
+            importlib.reload(_kernels)
+    finally:
+        monkeypatch.setenv("CPSLICE_COMPILE", "0")
+        importlib.reload(_kernels)
+        assert _kernels.mode == "0"
+        _kernels.mode = before
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 70), st.integers(1, 16))
+def test_chunk_starts_cover_every_row_with_one_shape(rows: int, chunk: int) -> None:
+    c, starts = _kernels.chunk_starts(rows, chunk)
+    if rows == 0:
+        assert starts == []
+        return
+    # The shape: the given chunk, or for fewer rows the largest power of two <= rows.
+    want = chunk if rows >= chunk else max(2**k for k in range(8) if 2**k <= rows)
+    assert c == want
+    assert all(0 <= s and s + c <= rows for s in starts)
+    covered = [0] * rows
+    for s in starts:
+        for i in range(s, s + c):
+            covered[i] += 1
+    assert min(covered) >= 1
+    assert len(starts) == -(-rows // c)  # ceil: at most one chunk of redundant rows
+    assert sum(covered) - rows < c
+
+
+def test_compiled_chunk_rows() -> None:
+    assert _kernels.compiled_chunk_rows(32768) == 256  # 256 x 128 KiB = 32 MiB
+    assert _kernels.compiled_chunk_rows(32768, torch.bfloat16) == 256  # float32 arithmetic
+    assert _kernels.compiled_chunk_rows(151936, torch.float32, "cuda") == 1024  # 1766 -> 1024
+    assert _kernels.compiled_chunk_rows(1000, torch.float64) == 4096  # 4194 -> 4096
+    assert _kernels.compiled_chunk_rows(10**9) == 1
+
+
+def test_auto_runs_eager_for_small_work(use: Use) -> None:
+    use("auto")
+    before = set(_kernels._ready)
+    logits = torch.randn(8, 16, requires_grad=True)
+    lp, _ = log_probs_and_entropy(logits, torch.zeros(8, dtype=torch.int64), chunk_size=4)
+    torch.autograd.backward(lp.sum())
+    assert _kernels._ready == before
+    assert not _kernels.use_compiled(torch.zeros(2**11, 2**10))
+    assert _kernels.use_compiled(torch.zeros(2**12, 2**10))
+    assert not _kernels.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
+
+
+def _masked_logits(t: int, v: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, v, generator=gen) * 3
+    logits[1, v // 2 :] = -math.inf  # masked tokens
+    logits[2, :-1] = -math.inf  # all but one masked: p = 1
+    logits[3, 5] += 1e4  # peaked
+    targets = torch.randint(0, v // 2, (t,), generator=gen)
+    targets[2] = v - 1
+    return logits.to(dtype), targets
+
+
+DTYPES = [(torch.float32, 16 * 2.0**-24), (torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float64, 1e-5)]
+
+
+@pytest.mark.parametrize(("dtype", "grad_rtol"), DTYPES)
+def test_compiled_path_matches_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
+    use("1")
+    for t, chunk, temperature in [(11, 4, 0.7), (6, None, 1.0), (5, 8, 1.7)]:
+        logits, targets = _masked_logits(t, 24, dtype, seed=t)
+        check(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
+    # 11 rows in chunks of 4 (starts 0, 4, 7); 6 and 5 rows below their chunk: 4 rows.
+    assert _ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+
+
+def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
+    logits, targets = _masked_logits(9, 20, torch.float32, seed=3)
+    logits[4] = -math.inf  # NaN log-prob, and NaN gradient on that row, as eager
+    g = torch.randn(9)
+    keep = torch.arange(9) != 4
+    ref_lp, _, ref_grad = reference(logits[keep], targets[keep], 0.5, g[keep], torch.zeros(8))
+    grads = []
+    for mode in ("1", "0"):
+        use(mode)
+        x = logits.clone().requires_grad_(True)
+        lp, ent = log_probs_and_entropy(x, targets, temperature=0.5, chunk_size=4)
+        assert ent is None
+        assert math.isnan(float(lp[4].detach()))
+        torch.autograd.backward((lp[keep] * g[keep]).sum())
+        torch.testing.assert_close(lp[keep].double(), ref_lp, rtol=0, atol=tolerance(logits[keep], 0.5))
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad[keep].double(), ref_grad, rtol=1e-5, atol=1e-6)
+        grads.append(x.grad[4])
+    assert torch.isnan(grads[0]).all() and torch.isnan(grads[1]).all()
+    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
+
+
+def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
+    """The pure chunk functions called eagerly (as another path may) equal the compiled
+    ones and the float64 statistics."""
+    use("1")
+    logits, _ = _masked_logits(8, 32, torch.float32, seed=4)
+    tau = torch.tensor(0.8)
+    eager = _kernels.chunk_stats(logits, tau)
+    compiled = _kernels.stats(logits, 0.8, 8)
+    assert compiled is not None
+    x = logits.double()
+    m = x.amax(1)
+    d = ((x - m[:, None]) / 0.8).clamp(min=_kernels.FLOOR)
+    want = (m, d.exp().sum(1), (d.exp() * d).sum(1))
+    for e, c, w in zip(eager, compiled, want, strict=True):
+        torch.testing.assert_close(e.double(), w)
+        torch.testing.assert_close(c.double(), w)
+
+
+def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_backend(gm: Any, example_inputs: Any) -> Any:
+        raise RuntimeError("no C++ compiler here")
+
+    use("auto", broken_backend)
+    monkeypatch.setattr(_kernels, "AUTO_MIN_ELEMENTS", 0)
+    logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
+    with pytest.warns(RuntimeWarning, match="torch.compile of the log-prob kernels failed.*no C\\+\\+ compiler"):
+        check(logits, targets, 0.9, 3)
+    assert _kernels._broken is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(logits, targets, 0.9, 3)  # eager from now on, silently
+    use("1", broken_backend)
+    with pytest.raises(RuntimeError, match="CPSLICE_COMPILE=1 but torch.compile of cpslice's chunk_stats failed"):
+        log_probs_and_entropy(logits, targets, chunk_size=3)
+
+
+@pytest.mark.parametrize(("dtype", "grad_rtol"), DTYPES[:2])
+def test_inductor_kernels_match_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
+    use("1", "inductor")
+    logits, targets = _masked_logits(11, 24, dtype, seed=6)
+    check(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
+    assert _ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
+
+
+def compiled_tp_cases(rank: int, world: int, calls: list[int]) -> None:
+    """Run by test_logprob_tp's ranks at world 4, after the eager cases: two of its cases
+    through the compiled kernels (aot_eager), on TP 4 and on two TP 2 groups. Raises on
+    any mismatch with the float64 reference, or if the compiled path did not run."""
+    import torch.distributed as dist
+
+    from . import test_logprob_tp as tp
+
+    real = tp.CASES
+    mode, backend = _kernels.mode, _kernels.BACKEND
+    _kernels.mode, _kernels.BACKEND = "1", "aot_eager"
+    # No entropy, 6 rows in chunks of 4 (overlapping tail); bfloat16 with entropy, 8 in 3.
+    tp.CASES = [real[3], real[4]]
+    try:
+        assert tp._run_cases(dist.group.WORLD, world, rank, calls) == 2
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        assert tp._run_cases(groups[rank // 2], 2, rank % 2, calls) == 2
+    finally:
+        tp.CASES, _kernels.mode, _kernels.BACKEND = real, mode, backend
+    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
+    assert _ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
+
+
+def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
+    run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
+    from cpslice import _cli, _verify
+
+    seen: list[_verify.Config] = []
+
+    def fake(config: _verify.Config) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(_verify, "verify_main", fake)
+    assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
+    assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
+    assert [c.compile for c in seen] == [True, False]
+    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in _verify.header(seen[0])
+    assert "torch.compile" not in _verify.header(seen[1])
