@@ -49,6 +49,8 @@ _FLAGS = {
     "qkv_format": "--format",
     "max_seq_len": "--max-seq-len",
     "local_length": "--local-length",
+    "padded_lengths": "--padded-lengths",
+    "align": "--align",
 }
 _API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
 
@@ -360,10 +362,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         first = layout(0, given)
+        # An allgather layout without a local length has no pieces yet: take the least.
+        length = default_length(first)
     except LayoutError as err:  # name the flags the user typed, not the API's arguments
         raise LayoutError(_flag_names(str(err))) from None
-    # An allgather layout without a local length has no pieces yet: take the least.
-    length = default_length(first)
     how = "the least that fits" if given is None else "given"
     strategy = extraction_strategy(first)
     seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""

@@ -404,7 +404,7 @@ def _padding(
         )
     if padded_lengths is not None and align is not None:
         raise LayoutError(
-            f"padded_lengths and align={align!r} are both given; pass one: align=a stands "
+            f"padded_lengths and align={align!r} are both given; pass one: align a stands "
             "for padded_lengths W_i = ceil(L_i / a) * a"
         )
     two_c = 2 * size
