@@ -8,7 +8,6 @@ never from the pack/shard_responses code under test."""
 
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -109,19 +108,71 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
     return err
 
 
+Got = list[tuple[str, int, int]]
+
+
+def before_initialization() -> str:
+    """What ``from_parallel_state`` says before megatron-core's state exists."""
+    from cpslice import Layout
+
+    try:
+        Layout.from_parallel_state([10], [4])
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+def from_parallel_state_setup(tp: int, cp: int) -> Got:
+    """The layouts ``from_parallel_state`` builds in one initialized megatron setup."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from cpslice import Layout
+
+    got: Got = []
+    for allgather in (False, True):
+        layout = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=allgather)
+        got.append((layout.cp_mode, layout.cp_rank, layout.cp_size))
+    assert got[0][1] == parallel_state.get_context_parallel_rank()
+    bshd = Layout.from_parallel_state([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12)
+    assert bshd.qkv_format == "bshd" and bshd.max_seq_len == 12
+    # verl's packing: every sample padded to a multiple of tp * cp * 2
+    verl = Layout.from_parallel_state([10, 7], [4, 3], align=tp * cp * 2)
+    assert verl.align == tp * cp * 2 and verl.cp_rank == got[0][1]
+    given = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=True,
+                                       padded_lengths=[11, 9])
+    assert given.padded_lengths == (11, 9) and given.cp_mode == "allgather"
+    dist.barrier()
+    return got
+
+
+def check_from_parallel_state(rank: int, before: str, got: dict[tuple[int, int], Got]) -> None:
+    """The checks of one rank's results (the spawned run is test_end_to_end's world of 4,
+    which initializes megatron-core with (tp, cp) = (1, 4), (2, 2), (1, 2), (2, 1))."""
+    assert "parallel_state is not initialized" in before
+    for (tp, cp), per_setup in got.items():
+        # megatron's default order "tp-cp-...": tp varies fastest, so cp rank = rank // tp
+        cp_rank = (rank // tp) % cp
+        mode = "zigzag" if cp > 1 else "none"
+        assert per_setup == [(mode, cp_rank, cp), ("allgather", cp_rank, cp)], (tp, cp)
+
+
 def whole_lp_anchor(lp: list[torch.Tensor], ent: list[torch.Tensor]) -> torch.Tensor:
     """Keep the gathered outputs in the graph, so backward crosses their all-to-all."""
     return sum((x.sum() + y.sum() for x, y in zip(lp, ent)), torch.zeros(()))
 
 
 def _worker(rank: int, world: int, setups: list[tuple[int, int]], seeds: list[int]
-            ) -> list[tuple[str, dict[str, float]]]:
+            ) -> tuple[list[tuple[str, dict[str, float]]], str, dict[tuple[int, int], Got]]:
     from megatron.core import parallel_state as ps
 
     out = []
+    before = before_initialization()
+    layouts: dict[tuple[int, int], Got] = {}
     for tp, cp in setups:
         init_megatron(tp, cp)
         try:
+            layouts[tp, cp] = from_parallel_state_setup(tp, cp)
             cp_group, tp_group = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
             for seed in seeds:
                 batch = make_batch(seed, n=7, cp=cp, vocab=VOCAB_PER_RANK * tp)
@@ -139,14 +190,17 @@ def _worker(rank: int, world: int, setups: list[tuple[int, int]], seeds: list[in
                     out.append((f"tp{tp} cp{cp} {kind} seed{seed}", errs))
         finally:
             destroy_megatron()
-    return out
+    return out, before, layouts
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_end_to_end_matches_the_float64_reference(world: int) -> None:
-    setups = [(1, 4), (2, 2), (1, 2), (2, 1)] if world == 4 else [(2, 4)]
-    results = run_distributed(_worker, world, setups, [0, 1], timeout=240)
-    for rank_results in results:
+def test_end_to_end_matches_the_float64_reference() -> None:
+    # one spawned world of 4 ranks, four megatron-core setups (tp, cp) over it; it also
+    # checks Layout.from_parallel_state in each setup
+    setups = [(1, 4), (2, 2), (1, 2), (2, 1)]
+    results = run_distributed(_worker, 4, setups, [0, 1], timeout=240)
+    for rank, (rank_results, before, layouts) in enumerate(results):
+        check_from_parallel_state(rank, before, layouts)
+        assert sorted(layouts) == sorted(setups)
         for name, errs in rank_results:
             for what, e in errs.items():
                 assert e < 2e-5, f"{name}: {what} error {e}"

@@ -7,9 +7,10 @@ from the naive oracle's map of rows to positions, extracts its shares, and retur
 its means and gradients; the parent compares them with references computed here.
 """
 
+import dataclasses
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from .oracle import Config, least_length, local_map
 WORLD = 4
 GROUPS = (4, 2)  # cp sizes: the world group, and two subgroups {0, 1}, {2, 3}
 MODES: tuple[CpMode, ...] = ("zigzag", "allgather")
+# the same, with every sample padded to a multiple of 4 * cp (verl's tp * cp * 2 at tp 2)
+ALIGNED = ("zigzag aligned", "allgather aligned")
 CASES = ("mixed", "denominators", "sparse", "bfloat16", "float16")
 LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -38,14 +41,15 @@ VOCAB = 16
 class Case:
     """One batch: whole per-sample values, masks, advantages and denominators."""
 
-    def __init__(self, name: str, cp: int, mode: CpMode) -> None:
-        seed = 10 * cp + MODES.index(mode)
+    def __init__(self, name: str, cp: int, mode: str) -> None:
+        seed = 10 * cp + (MODES + ALIGNED).index(mode)
+        base = cast(CpMode, mode.split()[0])
         gen = torch.Generator().manual_seed(seed)
         self.dtype = LOW.get(name, torch.float64)
         if name in LOW:  # long responses of values near 1.4: a low-precision sum stalls
             total, response = [1500, 9, 1300], [1400, 5, 1200]
         elif name == "sparse":  # ranks that hold no response at all
-            total, response = sparse_lengths(mode, cp)
+            total, response = sparse_lengths(base, cp)
         else:
             total, response = edge_lengths(9, cp, seed)
         self.total, self.response = total, response
@@ -80,10 +84,13 @@ class Case:
             self.denominators = d if mode == "zigzag" else torch.tensor(d)
         self.n = n
 
-    def config(self, mode: CpMode, cp: int) -> Config:
-        cfg = Config(tuple(self.total), tuple(self.response), "thd", None, mode, cp, None, 0)
-        if mode == "allgather":
-            cfg = Config(cfg.total, cfg.response, "thd", None, mode, cp, least_length(cfg), 0)
+    def config(self, mode: str, cp: int) -> Config:
+        base = cast(CpMode, mode.split()[0])
+        align = 4 * cp if mode in ALIGNED else None
+        cfg = Config(tuple(self.total), tuple(self.response), "thd", None, base, cp, None, 0,
+                     None, align)
+        if base == "allgather":
+            cfg = dataclasses.replace(cfg, local_length=least_length(cfg))
         return cfg
 
     def reference(self) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -185,8 +192,8 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
     for cp in GROUPS:
         group = None if cp == WORLD else subgroups[rank // 2]
         me = rank % cp
-        for mode in MODES:
-            for name in CASES:
+        for mode in MODES + ALIGNED:
+            for name in CASES if mode in MODES else ("mixed", "sparse"):
                 case = Case(name, cp, mode)
                 cfg = case.config(mode, cp)
                 layout = cfg.layout(me)
@@ -243,10 +250,13 @@ def _replicas(cp: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("cp", GROUPS)
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["mixed", "denominators", "sparse"])
+@pytest.mark.parametrize(
+    ("mode", "name"),
+    [(m, n) for m in MODES for n in ("mixed", "denominators", "sparse")]
+    + [(m, n) for m in ALIGNED for n in ("mixed", "sparse")],
+)
 def test_means_and_gradients_equal_the_float64_no_cp_ones(
-    ranks: dict[Any, Any], cp: int, mode: CpMode, name: str
+    ranks: dict[Any, Any], cp: int, mode: str, name: str
 ) -> None:
     case = Case(name, cp, mode)
     means, loss, grads = case.reference()
