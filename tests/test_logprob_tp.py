@@ -126,9 +126,35 @@ def _worker(rank: int, world: int) -> list[tuple[int, int]]:
     return done
 
 
+def _all_paths(rank: int, world: int) -> dict[str, list[tuple[int, int]]]:
+    """Every vocabulary-parallel check on one spawned world (a spawn costs ~15 s here):
+    the logits path, the logits path under supports (test_support), and the hidden-state
+    path (test_linear_tp), each counting its own collectives."""
+    from cpslice import _linear, _logprob
+
+    from .test_linear_tp import _worker as linear_worker
+    from .test_support import _tp_worker as support_worker
+
+    real = (_logprob._all_gather, _linear._all_reduce)
+    out = {}
+    for name, worker in (("logprob", _worker), ("support", support_worker),
+                         ("linear", linear_worker)):
+        out[name] = worker(rank, world)
+        _logprob._all_gather, _linear._all_reduce = real
+    return out
+
+
 def test_vocab_parallel_matches_full_vocabulary() -> None:
-    # one spawned world of 4: TP 4 on the world group, then TP 2 on two subgroups
+    # one spawned world of 4: TP 4 on the world group, then TP 2 on two subgroups, for
+    # the logits path, supports and the hidden-state path
+    from .test_linear_tp import CASES as LINEAR_CASES
+    from .test_support import TP_CASES
+
     world = 4
-    results = run_distributed(_worker, world, timeout=180)
-    expected = [(world, len(CASES))] + ([(2, len(CASES))] if world == 4 else [])
-    assert results == [expected] * world
+    results = run_distributed(_all_paths, world, timeout=300)
+    expected = [(world, len(CASES)), (2, len(CASES))]
+    assert [r["logprob"] for r in results] == [expected] * world
+    assert [r["support"] for r in results] == [[(4, len(TP_CASES)), (2, len(TP_CASES))]] * world
+    assert [r["linear"] for r in results] == [
+        [(4, len(LINEAR_CASES)), (2, len(LINEAR_CASES))]
+    ] * world
