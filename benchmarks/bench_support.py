@@ -16,8 +16,9 @@ target. Methods:
   path is compared against for speed).
 
 Each method runs in a fresh subprocess. Peak memory is the growth of the peak RSS
-during the first forward + backward beyond the RSS measured once the logits, targets
-and sets exist, in units of one float32 ``[T, V]`` buffer (the gradient, itself one
+during one forward + backward (after a warm-up step, with the peak reset) beyond the
+RSS measured just before it, once the logits, targets and sets exist, in units of
+one float32 ``[T, V]`` buffer (the gradient, itself one
 such buffer, is included). Time is the median (and the least) of a few further runs
 in the process.
 
@@ -28,7 +29,7 @@ Run: ``.venv/bin/python benchmarks/bench_support.py [--quick]``
 import argparse
 import json
 import os
-import resource
+import re
 import statistics
 import subprocess
 import sys
@@ -60,8 +61,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: '5' resets VmHWM to the RSS
+        f.write("5")
 
 
 def _slime(
@@ -117,9 +126,13 @@ def _child(method: str, t: int, v: int, repeat: int, threads: int) -> Result:
     ids = ids.reshape(-1).contiguous()
     offsets = torch.arange(t + 1) * IDS
     g = (torch.randn(t), torch.randn(t))
+    # one warm-up step first: the first call's one-time costs (lazy imports, the
+    # allocator's first pages) are not the method's memory
+    _step(method, logits, targets, ids, offsets, g)
+    _reset_peak()
     base = _rss_bytes()
     _step(method, logits, targets, ids, offsets, g)
-    peak = _maxrss_bytes() - base
+    peak = _peak_bytes() - base
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
