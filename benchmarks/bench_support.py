@@ -29,7 +29,6 @@ Run: ``.venv/bin/python benchmarks/bench_support.py [--quick]``
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_logprob import _peak_bytes, _reset_peak, _rss_bytes  # noqa: E402
 
 METHODS = ("support", "support+H", "slime", "slime+H", "unrestricted", "unrestricted+H")
 TEMPERATURE = 0.9
@@ -54,23 +57,6 @@ class Result:
     peak_buffers: float  # peak RSS growth beyond the inputs, in float32 [T, V] buffers
     median_ms: float
     min_ms: float  # on a shared machine the least time is the least disturbed one
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: '5' resets VmHWM to the RSS
-        f.write("5")
 
 
 def _slime(

@@ -17,6 +17,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._errors import LayoutError
@@ -221,3 +222,29 @@ def fill_value(fill: object, dtype: torch.dtype) -> float | int | bool:
     if not info.min <= whole <= info.max:
         raise LayoutError(f"fill {fill!r} is outside the range of {dtype} [{info.min}, {info.max}]")
     return whole
+
+
+def cp_group(
+    what: str, name: str, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None
+) -> int:
+    """The size of ``group`` (``None``: the default group), which must be the CP group
+    of a layout ``name`` that is rank ``cp_rank`` of ``cp_size``; ``what`` is the
+    function that needs it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        LayoutError: this process is another rank, or the group another size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} at cp_size {cp_size} needs torch.distributed: call init_process_group "
+            "first"
+        )
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp_size != size or cp_rank != rank:
+        raise LayoutError(
+            f"{name} is rank {cp_rank} of cp_size {cp_size} but this process is rank "
+            f"{rank} of a group of {size}; pass the CP group (megatron-core: "
+            "parallel_state.get_context_parallel_group()) as group="
+        )
+    return size

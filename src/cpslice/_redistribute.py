@@ -181,18 +181,8 @@ def _check(
 
 
 def _check_group(src: Layout, dst: Layout, group: Any) -> int:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"redistribute at cp_size {src.cp_size} needs torch.distributed: call "
-            "init_process_group first"
-        )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if src.cp_size != size or src.cp_rank != rank:
-        raise LayoutError(
-            f"src is rank {src.cp_rank} of cp_size {src.cp_size} but this process is rank "
-            f"{rank} of a group of {size}; pass the CP group (megatron-core: "
-            "parallel_state.get_context_parallel_group()) as group="
-        )
+    size = checks.cp_group("redistribute", "src", src.cp_rank, src.cp_size, group)
+    rank = src.cp_rank
     if dst.cp_mode != "none" and (dst.cp_size != size or dst.cp_rank != rank):
         raise LayoutError(
             f"dst is rank {dst.cp_rank} of cp_size {dst.cp_size} but this process is rank "

@@ -244,18 +244,7 @@ _all_reduce_sum = cast(Callable[[Tensor, Any], Tensor], _AllReduceSum.apply)
 
 
 def _check_group(layout: Layout, group: dist.ProcessGroup | None) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"sample_means with cp_size {layout.cp_size} needs torch.distributed: call "
-            "init_process_group first"
-        )
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if layout.cp_size != size or layout.cp_rank != rank:
-        raise LayoutError(
-            f"the layout is rank {layout.cp_rank} of cp_size {layout.cp_size} but this process "
-            f"is rank {rank} of a group of {size}; pass the CP group (megatron-core: "
-            "parallel_state.get_context_parallel_group()) as group="
-        )
+    checks.cp_group("sample_means", "the layout", layout.cp_rank, layout.cp_size, group)
 
 
 def sample_means(
