@@ -29,7 +29,6 @@ from . import _logprob
 from ._errors import LayoutError
 from ._layout import Layout
 from ._logprob import (
-    _FLOOR,
     ChunkArg,
     FloatArg,
     TensorArg,
@@ -40,6 +39,8 @@ from ._logprob import (
     _compute_dtype,
     _local_stats,
     _local_targets,
+    coefficients,
+    probs_and_factor,
 )
 from ._pack import response_rows, shifted_targets
 from ._plan import resolve_length
@@ -201,14 +202,7 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         column, owned = _local_targets(targets, ctx.offset, vocab)
         g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
         onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
-        # d/d logits = p * (a log p + b) + onehot, a = -g_H / tau, b = -(g_lp + g_H H) / tau
-        if g_entropy is None:
-            a = None
-            b = -g_lp / tau
-        else:
-            g_h = g_entropy.to(cdt)
-            a = -g_h / tau
-            b = -(g_lp + g_h * saved[5]) / tau
+        a, b = coefficients(g_lp, g_entropy, None if g_entropy is None else saved[5], tau, cdt)
         grad_h = torch.empty_like(hidden) if want_h else None
         # A low-precision weight gradient adds up over chunks in float32 (one [V_local, H]
         # partial product in the inputs' dtype at a time) and is rounded once.
@@ -221,13 +215,7 @@ class _LinearLogProbEntropy(torch.autograd.Function):
                 d = torch.mm(hidden[s:e], weight.t(), out=work[: e - s]).sub_(big_m[s:e, None])
             else:
                 d = torch.sub(torch.mm(hidden[s:e], weight.t()), big_m[s:e, None], out=work[: e - s])
-            if tau != 1.0:
-                d.div_(tau)
-            d.sub_(log_s[s:e, None])
-            if a is not None:
-                d.clamp_(min=_FLOOR)
-            p = torch.exp(d, out=expd[: e - s])
-            factor = b[s:e, None] if a is None else d.mul_(a[s:e, None]).add_(b[s:e, None])
+            p, factor = probs_and_factor(d, log_s, tau, a, b, s, e, expd)
             g = p.mul_(factor)
             if g_logp is not None:
                 g.scatter_add_(1, column[s:e, None], onehot[s:e])

@@ -258,6 +258,46 @@ def _combine(
     return big_m, log_s, log_p, log_s - a / s_total
 
 
+def coefficients(
+    g_lp: Tensor,
+    g_entropy: Tensor | None,
+    entropy: Tensor | None,
+    tau: float,
+    cdt: torch.dtype,
+    *,
+    placeholders: bool = False,
+) -> tuple[Tensor | None, Tensor]:
+    """The per-row ``(a, b)`` of the backward pass: ``d/d x = p * (a log p + b)`` plus
+    the one-hot term, with ``a = -g_H / tau`` (None without an entropy gradient) and
+    ``b = -(g_lp + g_H H) / tau``. With ``placeholders``, a row whose ``g_H`` is 0 adds
+    no ``g_H H`` term even where ``H`` is not finite (a placeholder)."""
+    if g_entropy is None:
+        return None, -g_lp / tau
+    assert entropy is not None
+    g_h = g_entropy.to(cdt)
+    h_term = g_h * entropy
+    if placeholders:
+        h_term = torch.where(g_h != 0, h_term, 0.0)
+    return -g_h / tau, -(g_lp + h_term) / tau
+
+
+def probs_and_factor(
+    d: Tensor, log_s: Tensor, tau: float, a: Tensor | None, b: Tensor, s: int, e: int,
+    expd: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Rows ``[s, e)``: from ``d = x - M`` (overwritten), ``p`` (into ``expd``) and the
+    factor ``a log p + b`` (in ``d``, or ``b``'s column without entropy), so that the
+    chunk's gradient is ``p * factor`` plus the one-hot term."""
+    if tau != 1.0:
+        d.div_(tau)
+    d.sub_(log_s[s:e, None])
+    if a is not None:
+        d.clamp_(min=_FLOOR)
+    p = torch.exp(d, out=expd[: e - s])
+    factor = b[s:e, None] if a is None else d.mul_(a[s:e, None]).add_(b[s:e, None])
+    return p, factor
+
+
 class _LogProbEntropy(torch.autograd.Function):
     """Forward: chunked statistics and one all-gather under TP. Backward: no
     communication; the gradient is written once into one ``[T, V_local]`` buffer."""
@@ -367,18 +407,9 @@ class _LogProbEntropy(torch.autograd.Function):
             if g_entropy is None or ctx.entropy_over_support:
                 runs = _support.dense_runs(~sp.host_has_set, chunk)
         onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
-        # grad = -p * (g_lp + g_H (log p + H)) / tau + onehot * g_lp / tau, i.e. with
-        # the per-row a = -g_H / tau, b = -(g_lp + g_H H) / tau: p * (a log p + b).
-        if g_entropy is None:
-            a = None
-            b = -g_lp / tau
-        else:
-            g_h = g_entropy.to(cdt)
-            a = -g_h / tau
-            h_term = g_h * saved[4]
-            if restricted is not None:  # H may be a placeholder where g_h is 0
-                h_term = torch.where(g_h != 0, h_term, 0.0)
-            b = -(g_lp + h_term) / tau
+        # H may be a placeholder where a row's set took its entropy gradient
+        h = None if g_entropy is None else saved[4]
+        a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
         runs = [(0, rows)] if runs is None else runs
         covered = sum(hi - lo for lo, hi in runs) == rows
         grad = (torch.empty if covered else torch.zeros)(
@@ -397,13 +428,7 @@ class _LogProbEntropy(torch.autograd.Function):
         expd = torch.empty((n, vocab), dtype=cdt, device=logits.device)
         for s, e in pieces:
             d = torch.sub(logits[s:e], big_m[s:e, None], out=work[: e - s])
-            if tau != 1.0:
-                d.div_(tau)
-            d.sub_(log_s[s:e, None])
-            if a is not None:
-                d.clamp_(min=_FLOOR)
-            p = torch.exp(d, out=expd[: e - s])
-            factor = b[s:e, None] if a is None else d.mul_(a[s:e, None]).add_(b[s:e, None])
+            p, factor = probs_and_factor(d, log_s, tau, a, b, s, e, expd)
             # Write the float result straight into the gradient when the dtypes agree;
             # otherwise round once, after the one-hot term is in.
             out = grad[s:e] if grad.dtype == cdt else p
