@@ -38,6 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_logprob import _rss_bytes  # noqa: E402
+
 METHODS = ("cpslice", "materialized", "naive")
 TEMPERATURE = 0.9
 
@@ -52,11 +56,6 @@ class Result:
     peak_buffers: float  # peak RSS growth beyond inputs and their gradients, in f32 [T, V] buffers
     median_ms: float  # wall time
     cpu_ms: float  # CPU time of the process over the same runs (steadier on a shared machine)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _maxrss_bytes() -> int:

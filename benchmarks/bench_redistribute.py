@@ -27,7 +27,9 @@ from cpslice._verify import host_store, join_store
 CP = 4
 
 
-def _median_ms(fn: Callable[[], None], repeat: int) -> float:
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall ms of ``fn`` on every rank of the default group, after one warm-up
+    call, each run started together (a barrier before it)."""
     fn()
     dist.barrier()
     times = []
@@ -93,8 +95,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
         route = _route(src, dst, CP)
         sent = 2 * sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
         ar_sent = int(2 * (CP - 1) / CP * 2 * sum(response))
-        t_ours = _median_ms(ours(dst), repeat)
-        t_pad = _median_ms(padded(dst), repeat)
+        t_ours = median_ms(ours(dst), repeat)
+        t_pad = median_ms(padded(dst), repeat)
         rows.append((name, sent * itemsize, ar_sent * itemsize, t_ours, t_pad))
     if rank == 0:
         out.put(rows)
@@ -119,19 +121,27 @@ class _AllReduce(torch.autograd.Function):
 _all_reduce = cast(Callable[[torch.Tensor], torch.Tensor], _AllReduce.apply)
 
 
+def spawn_ranks(worker: Callable[..., None], args: tuple[Any, ...], timeout: float) -> Any:
+    """Run ``worker(rank, port, *args, queue)`` on ``CP`` spawned processes that join a
+    gloo group through the store held here; return what rank 0 puts on the queue."""
+    store = host_store()  # held (and its port with it) until the ranks are done
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, store.port, *args, q)) for r in range(CP)]
+    for p in procs:
+        p.start()
+    result = q.get(timeout=timeout)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
 def run(quick: bool = False) -> list[tuple[str, int, int, float, float]]:
     """Spawn CP ranks and measure; rows of (case, our bytes, all_reduce bytes, ms, ms)."""
     n, mean, repeat = (256, 256, 5) if quick else (2048, 512, 7)
-    store = host_store()  # held (and its port with it) until the ranks are done
-    port = store.port
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, n, mean, repeat, q)) for r in range(CP)]
-    for p in procs:
-        p.start()
-    rows: list[tuple[str, int, int, float, float]] = q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
+    rows: list[tuple[str, int, int, float, float]] = spawn_ranks(
+        _worker, (n, mean, repeat), timeout=600
+    )
     return rows
 
 

@@ -27,31 +27,18 @@ Run: ``.venv/bin/python -m benchmarks.bench_sample_means [--quick]``.
 import argparse
 import os
 import random
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 
-from cpslice._verify import host_store, join_store
+from benchmarks.bench_redistribute import median_ms, spawn_ranks
+from cpslice._verify import join_store
 
 CP = 4
 Row = tuple[str, int, int, float]  # method, collectives per step, bytes sent, ms
-
-
-def _median_ms(fn: Callable[[], Tensor], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 class _GatherShare(torch.autograd.Function):
@@ -162,10 +149,10 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     a2a_fwd = sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
     a2a_bwd = sum(s for j, s in enumerate(route.recv_splits) if j != rank)
     rows: list[Row] = [
-        ("sample_means", 2, int(2 * ring * n) * itemsize, _median_ms(ours, repeat)),
+        ("sample_means", 2, int(2 * ring * n) * itemsize, median_ms(ours, repeat)),
         ("per-sample all-gather", 3 * n, 3 * (CP - 1) * sum(pad) * itemsize,
-         _median_ms(per_sample, repeat)),
-        ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, _median_ms(gathered, repeat)),
+         median_ms(per_sample, repeat)),
+        ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, median_ms(gathered, repeat)),
     ]
     if rank == 0:
         out.put((n, sum(response), rows))
@@ -175,16 +162,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 def run(quick: bool = False) -> tuple[int, int, list[Row]]:
     """Spawn CP ranks and measure: (samples, response tokens, rows of rank 0)."""
     n, mean, repeat = (64, 256, 5) if quick else (512, 1024, 5)
-    store = host_store()  # held (and its port with it) until the ranks are done
-    port = store.port
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, n, mean, repeat, q)) for r in range(CP)]
-    for p in procs:
-        p.start()
-    result: tuple[int, int, list[Row]] = q.get(timeout=1200)
-    for p in procs:
-        p.join(timeout=60)
+    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, (n, mean, repeat), timeout=1200)
     return result
 
 
