@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from . import _checks as checks
 from ._errors import LayoutError
 from ._layout import Layout
 from ._plan import resolve_length, response_base, selection
@@ -215,10 +216,10 @@ class Support:
 
 
 def _per_sample(name: str, values: object, n: int) -> list[Tensor]:
-    if not isinstance(values, (list, tuple)):
+    if isinstance(values, (Tensor, str, bytes)) or not isinstance(values, Sequence):
         raise TypeError(
             f"{name} must be a list or tuple with one entry per sample (a 1-D integer "
-            f"tensor or a list of ints), got {type(values).__name__}"
+            f"tensor or a list of ints), got {checks.kind(values)}"
         )
     if len(values) != n:
         raise LayoutError(f"{name} has {len(values)} entries but the layout has {n} samples")
@@ -230,13 +231,13 @@ def _per_sample(name: str, values: object, n: int) -> list[Tensor]:
             if x.dim() != 1:
                 raise LayoutError(f"sample {i}: {name}[{i}] has shape {tuple(x.shape)}; it must be 1-D")
             out.append(x.to(_I64))
-        elif isinstance(x, (list, tuple)):
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
-                raise TypeError(f"sample {i}: {name}[{i}] must hold ints only")
-            out.append(torch.tensor(x, dtype=_I64))
+        elif isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+            # ints, numpy integers: what checks.integer accepts everywhere else
+            ids = [checks.integer(f"sample {i}: {name}[{i}][{j}]", v) for j, v in enumerate(x)]
+            out.append(torch.tensor(ids, dtype=_I64))
         else:
             raise TypeError(
-                f"sample {i}: {name}[{i}] is a {type(x).__name__}; pass a 1-D integer "
+                f"sample {i}: {name}[{i}] is {checks.kind(x)}; pass a 1-D integer "
                 "tensor or a list of ints"
             )
     return out
