@@ -160,8 +160,7 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
     ones and the float64 statistics."""
     use("1")
     logits, _ = _masked_logits(8, 32, torch.float32, seed=4)
-    tau = torch.tensor(0.8)
-    eager = _kernels.chunk_stats(logits, tau)
+    eager = _kernels.chunk_stats(logits, torch.tensor(1 / 0.8))
     compiled = _kernels.stats(logits, 0.8, 8)
     assert compiled is not None
     x = logits.double()
@@ -239,3 +238,36 @@ def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatc
     assert [c.compile for c in seen] == [True, False]
     assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in _verify.header(seen[0])
     assert "torch.compile" not in _verify.header(seen[1])
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
+    shape = (1024, 16384)  # 64 MiB of float32
+    zeroed = _kernels.buffer(shape, torch.float32, torch.device("cpu"), zero=True)
+    assert zeroed.shape == shape and zeroed.is_contiguous() and not zeroed.any()
+    small = _kernels.buffer((8, 8), torch.bfloat16, torch.device("cpu"), zero=True)
+    assert small.dtype == torch.bfloat16 and not small.any()
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            setting = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this system")
+    if "[never]" in setting:
+        pytest.skip("transparent huge pages are off on this system")
+    big = _kernels.buffer(shape, torch.float32, torch.device("cpu"), zero=False)
+    middle = big.data_ptr() + big.numel() * big.element_size() // 2
+    assert "hg" in _vma_flags(middle)  # MADV_HUGEPAGE landed on the buffer's mapping
+    assert "hg" not in _vma_flags(small.data_ptr())

@@ -1,16 +1,18 @@
 """Per-chunk log-prob kernels, eager or compiled by ``torch.compile`` (``CPSLICE_COMPILE``).
 
 Two pure functions of one row chunk ``x = logits[s:e]`` (``[n, V_local]``, any float
-dtype; arithmetic in float32, float64 for float64 logits), with ``tau`` the
-temperature as a 0-d tensor:
+dtype; arithmetic in float32, float64 for float64 logits), with ``inv_tau`` the
+inverse temperature as a 0-d tensor (a multiply where the eager loop divides: within
+an ulp, and a vector division costs as much as the exp):
 
-- ``chunk_stats(x, tau) -> (m, S, A)``, each ``[n]``: the row max ``m``,
+- ``chunk_stats(x, inv_tau) -> (m, S, A)``, each ``[n]``: the row max ``m``,
   ``S = sum exp(d)`` and ``A = sum exp(d) * d`` with ``d = (x - m) / tau`` clamped at
   ``FLOOR`` (an all -inf row has ``m = -inf`` and ``S = A = 0``);
-- ``chunk_grad(x, m, log_s, tau, a, b, column, onehot, out)`` writes into ``out``
-  (``[n, V_local]``, dtype of ``x``) ``p * (a * log p + b)`` plus ``onehot`` at
-  ``column`` of each row, with ``log p = (x - m) / tau - log_s`` clamped at ``FLOOR``
-  and ``a, b, onehot`` per-row ``[n]`` coefficients, rounded once.
+- ``chunk_grad(x, m, log_s, inv_tau, a, b, out)`` writes into ``out`` (``[n,
+  V_local]``, dtype of ``x``) ``p * (a * log p + b)``, with ``log p = (x - m) / tau -
+  log_s`` clamped at ``FLOOR`` and ``a, b`` per-row ``[n]`` coefficients, rounded once.
+  The one-hot term of the target column is not in the loop: ``grad`` overwrites that
+  one entry per row afterwards (``target_grad``), also rounded once.
 
 Called eagerly they are plain torch code (temporaries of one chunk); compiled, each
 is one fused loop over the chunk: one read of the logits in forward, one read and
@@ -22,15 +24,18 @@ power of two ``<= T`` in the same way. A new ``T`` therefore compiles nothing ne
 each (kernel, dtype, V_local, chunk rows, device type) is compiled once per process,
 in a code object of its own so that dynamo's per-function recompile limit never
 silently turns a variant eager. Temperature, TP offset and per-row coefficients are
-tensor inputs; ``chunk_stats`` always computes ``A`` (with or without entropy: one
+tensor inputs (the target column never enters a kernel); ``chunk_stats`` always computes ``A`` (with or without entropy: one
 variant, the extra multiply-add is free in a fused loop).
 
 The compiled functions carry no jaxtyping annotations and are excluded from the
 debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch code.
 """
 
+import ctypes
+import functools
 import math
 import os
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -86,24 +91,74 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @no_type_check
-def chunk_stats(x, tau):
+def chunk_stats(x, inv_tau):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(cdt)
     m = xf.amax(1)
     shift = torch.where(m == -math.inf, 0.0, m)
-    d = ((xf - shift[:, None]) / tau).clamp(min=FLOOR)
+    d = ((xf - shift[:, None]) * inv_tau).clamp(min=FLOOR)
     p = torch.exp(d)
     return m, p.sum(1), (p * d).sum(1)
 
 
 @no_type_check
-def chunk_grad(x, m, log_s, tau, a, b, column, onehot, out):
+def chunk_grad(x, m, log_s, inv_tau, a, b, out):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    d = ((x.to(cdt) - m[:, None]) / tau - log_s[:, None]).clamp(min=FLOOR)
+    d = ((x.to(cdt) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
-    cols = torch.arange(x.shape[1], device=x.device)
-    hot = torch.where(cols[None, :] == column[:, None], onehot[:, None], 0.0)
-    out.copy_((p * (a[:, None] * d + b[:, None]) + hot).to(out.dtype))
+    out.copy_((p * (a[:, None] * d + b[:, None])).to(out.dtype))
+
+
+def target_grad(
+    x: Tensor, m: Tensor, log_s: Tensor, tau: float, a: Tensor | None, b: Tensor, onehot: Tensor
+) -> Tensor:
+    """``chunk_grad``'s value at one column per row plus the one-hot term, from that
+    column's logits ``x`` (``[T]``), in the compute dtype of ``b``: the entry the
+    kernels leave out (a per-column compare in the fused loop costs a third of it)."""
+    d = ((x.to(b.dtype) - m) / tau - log_s).clamp(min=FLOOR)
+    factor = b if a is None else a * d + b
+    return torch.exp(d) * factor + onehot
+
+
+HUGE_PAGE = 2**21
+MADV_HUGEPAGE = 14
+ADVISE_MIN_BYTES = 32 * 2**20
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` on Linux, else None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], fn)
+
+
+def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, zero: bool) -> Tensor:
+    """A new (zeroed if ``zero``) tensor for the backward's ``[T, V_local]`` gradient.
+
+    A fresh CPU buffer of hundreds of MiB is new memory from the kernel: its first
+    write takes one page fault per 4 KiB page, which at ``T = 4096, V = 32768`` costs
+    more than the fused gradient kernel itself. On Linux a CPU buffer of at least
+    ``ADVISE_MIN_BYTES`` is therefore advised as transparent huge pages (``madvise
+    MADV_HUGEPAGE`` on its 2 MiB-aligned interior) before it is touched: 512 times
+    fewer faults where the system's THP setting is ``madvise`` or ``always``, nothing
+    where it is ``never``. Advice only: the memory, its size and its contents are what
+    ``torch.empty`` gave, and the advice leaves with the memory when it is freed."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    madvise = _madvise() if out.device.type == "cpu" and nbytes >= ADVISE_MIN_BYTES else None
+    if madvise is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, MADV_HUGEPAGE)  # a refusal (EINVAL) changes nothing
+    return out.zero_() if zero else out
 
 
 def compiled_chunk_rows(
@@ -215,10 +270,10 @@ def stats(logits: Tensor, tau: float, chunk: int) -> tuple[Tensor, Tensor, Tenso
     rows = logits.shape[0]
     cdt = _compute_dtype(logits.dtype)
     out = torch.empty((3, rows), dtype=cdt, device=logits.device)
-    tau_t = torch.tensor(tau, dtype=cdt, device=logits.device)
+    inv_tau = torch.full((), 1.0 / tau, dtype=cdt, device=logits.device)
     c, starts = chunk_starts(rows, chunk)
     for s in starts:
-        ok, result = call(chunk_stats, logits[s : s + c], tau_t)
+        ok, result = call(chunk_stats, logits[s : s + c], inv_tau)
         if not ok:
             return None
         for i, r in enumerate(cast(tuple[Tensor, Tensor, Tensor], result)):
@@ -239,21 +294,26 @@ def grad(
     out: Tensor,
 ) -> bool:
     """Write ``chunk_grad`` of every row into ``out`` (``[T, V_local]``) with the compiled
-    kernel in fixed chunks of ``chunk`` rows; ``a`` or ``onehot`` None mean zeros. False
-    (``out`` not fully written) where the compiled kernels are off or failed to compile."""
+    kernel in fixed chunks of ``chunk`` rows, then overwrite each row's ``column`` entry
+    with ``target_grad`` (adding ``onehot`` there, rounded once); ``a`` or ``onehot``
+    None mean zeros. False (``out`` not fully written) where the compiled kernels are off
+    or failed to compile."""
     if not use_compiled(logits):
         return False
     rows = logits.shape[0]
-    tau_t = torch.tensor(tau, dtype=b.dtype, device=logits.device)
+    inv_tau = torch.full((), 1.0 / tau, dtype=b.dtype, device=logits.device)
     a_ = torch.zeros_like(b) if a is None else a
-    hot = torch.zeros_like(b) if onehot is None else onehot
     c, starts = chunk_starts(rows, chunk)
     for s in starts:
         e = s + c
-        ok, _ = call(
-            chunk_grad, logits[s:e], m[s:e], log_s[s:e], tau_t, a_[s:e], b[s:e],
-            column[s:e], hot[s:e], out[s:e],
-        )
+        ok, _ = call(chunk_grad, logits[s:e], m[s:e], log_s[s:e], inv_tau, a_[s:e], b[s:e], out[s:e])
         if not ok:
             return False
+    if onehot is not None:
+        x = logits.gather(1, column[:, None])[:, 0]
+        entry = target_grad(x, m, log_s, tau, a, b, onehot)
+        # one entry per row of the contiguous ``out`` by its flat index: a scatter_
+        # into a bfloat16 tensor takes a slow path that costs as much as the kernel
+        flat = torch.arange(rows, device=out.device) * out.shape[1] + column
+        out.view(-1).index_put_((flat,), entry.to(out.dtype))
     return True

@@ -412,9 +412,7 @@ class _LogProbEntropy(torch.autograd.Function):
         a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
         runs = [(0, rows)] if runs is None else runs
         covered = sum(hi - lo for lo, hi in runs) == rows
-        grad = (torch.empty if covered else torch.zeros)(
-            logits.shape, dtype=logits.dtype, device=logits.device
-        )
+        grad = _kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
         hot = None if g_logp is None else onehot[:, 0]
         # the compiled kernels write every row: only when every row needs the dense pass
         if covered and _kernels.grad(
