@@ -298,6 +298,81 @@ def probs_and_factor(
     return p, factor
 
 
+def gather_stats(stats: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
+    """``[W, k, T]``: every shard's ``[k, T]`` statistics, by one all-gather under TP."""
+    if tp_group is None:
+        return stats[None]
+    world = dist.get_world_size(tp_group)
+    # The concatenation form [W * k, T]: gloo refuses the stacked [W, k, T].
+    flat = stats.new_empty((world * stats.shape[0], stats.shape[1]))
+    _all_gather(flat, stats, group=tp_group)
+    return flat.view(world, *stats.shape)
+
+
+def finish(
+    stats: Tensor,
+    sp_part: tuple[Sparse, Tensor, Tensor] | None,
+    targets: Targets,
+    vocab_total: int,
+    tau: float,
+    with_entropy: bool,
+    tp_group: dist.ProcessGroup | None,
+) -> tuple[PerRow, PerRow, PerRow, PerRow | None, _Restricted | None]:
+    """From this shard's dense ``[k, T]`` statistics (``_local_stats``) and, with a
+    support, ``(plan, [k', T] restricted statistics, [E] element logits)``: the one
+    all-gather, then ``(M, log S, log-probs, entropy or None, restricted)``, the rows
+    with a set taking their restricted log-prob (and entropy, where computed), NaN where
+    a target (or a set's id) is outside the vocabulary. ``restricted`` is what the
+    backward needs of the sets: ``(plan, x, M_u, log S_u, H_u or None)``."""
+    k_dense = stats.shape[0]
+    if sp_part is not None:
+        stats = torch.cat([stats, sp_part[1]])
+    gathered = gather_stats(stats, tp_group)
+    big_m, log_s, log_p, entropy = _combine(gathered[:, :k_dense], tau, with_entropy)
+    valid = (targets >= 0) & (targets < vocab_total)
+    restricted = None
+    if sp_part is not None:
+        sp, sp_stats, sp_x = sp_part
+        sp_with_h = sp_stats.shape[0] == 3
+        # the restricted rows in _combine's order: max, sum, target logit, [A]
+        order = [k_dense, k_dense + 1, 2] + ([k_dense + 2] if sp_with_h else [])
+        m_u, s_u, lp_u, h_u = _combine(gathered[:, order], tau, sp_with_h)
+        log_p = torch.where(sp.has_set, lp_u, log_p)
+        if h_u is not None:
+            assert entropy is not None
+            entropy = torch.where(sp.has_set, h_u, entropy)
+        restricted = (sp, sp_x, m_u, s_u, h_u)
+        valid = valid & ~sp.bad_row
+    return big_m, log_s, torch.where(valid, log_p, math.nan), entropy, restricted
+
+
+def split_restricted(
+    restricted: _Restricted | None,
+    g_lp: Tensor,
+    g_entropy: Tensor | None,
+    entropy_over_support: bool,
+    gap: int,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, list[tuple[int, int]] | None]:
+    """The upstream gradients split into the dense part and the restricted rows' part:
+    ``(g_lp, g_entropy, g_lp_u, g_h_u, runs)``; ``runs`` are the rows that still need
+    the dense pass (None: all). Without sets, the inputs and None."""
+    if restricted is None:
+        return g_lp, g_entropy, None, None, None
+    # rows with a set: the log-prob's gradient is sparse, and so is the entropy's with
+    # entropy_over="support" (or no entropy gradient)
+    sp, _, _, _, h_u = restricted
+    g_lp_u = torch.where(sp.has_set, g_lp, 0.0)
+    g_lp = g_lp - g_lp_u
+    g_h_u = None
+    if g_entropy is not None and h_u is not None:
+        g_h_u = torch.where(sp.has_set, g_entropy.to(g_lp.dtype), 0.0)
+        g_entropy = g_entropy.to(g_lp.dtype) - g_h_u
+    runs = None
+    if g_entropy is None or entropy_over_support:
+        runs = _support.dense_runs(~sp.host_has_set, gap)
+    return g_lp, g_entropy, g_lp_u, g_h_u, runs
+
+
 class _LogProbEntropy(torch.autograd.Function):
     """Forward: chunked statistics and one all-gather under TP. Backward: no
     communication; the gradient is written once into one ``[T, V_local]`` buffer."""
@@ -332,33 +407,15 @@ class _LogProbEntropy(torch.autograd.Function):
         stats = _local_stats(
             logits, column, owned, tau, with_entropy, chunk, compiled_chunk, runs
         )
-        k_dense = stats.shape[0]
+        sp_part = None
         if sp is not None:
-            sp_with_h = with_entropy and entropy_over_support
-            sp_stats, sp_x = _support.sparse_stats(logits, sp, tau, sp_with_h, stats.dtype)
-            stats = torch.cat([stats, sp_stats])
-        if tp_group is None:
-            gathered = stats[None]
-        else:
-            # The concatenation form [W * k, T]: gloo refuses the stacked [W, k, T].
-            flat = stats.new_empty((world * stats.shape[0], rows))
-            _all_gather(flat, stats, group=tp_group)
-            gathered = flat.view(world, *stats.shape)
-        big_m, log_s, log_p, entropy = _combine(gathered[:, :k_dense], tau, with_entropy)
-        restricted = None
-        if sp is not None:
-            # the restricted rows in _combine's order: max, sum, target logit, [A]
-            order = [k_dense, k_dense + 1, 2] + ([k_dense + 2] if sp_with_h else [])
-            m_u, s_u, lp_u, h_u = _combine(gathered[:, order], tau, sp_with_h)
-            log_p = torch.where(sp.has_set, lp_u, log_p)
-            if h_u is not None:
-                assert entropy is not None
-                entropy = torch.where(sp.has_set, h_u, entropy)
-            restricted = (sp, sp_x, m_u, s_u, h_u)
-        valid = (targets >= 0) & (targets < world * vocab)
-        if sp is not None:
-            valid = valid & ~sp.bad_row
-        log_p = torch.where(valid, log_p, math.nan)
+            sp_stats, sp_x = _support.sparse_stats(
+                logits, sp, tau, with_entropy and entropy_over_support, stats.dtype
+            )
+            sp_part = (sp, sp_stats, sp_x)
+        big_m, log_s, log_p, entropy, restricted = finish(
+            stats, sp_part, targets, world * vocab, tau, with_entropy, tp_group
+        )
 
         ctx.set_materialize_grads(False)
         ctx.restricted = restricted
@@ -393,19 +450,9 @@ class _LogProbEntropy(torch.autograd.Function):
         column, owned = _local_targets(targets, ctx.offset, vocab)
         g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
         restricted: _Restricted | None = ctx.restricted
-        runs = None
-        if restricted is not None:
-            # rows with a set: the log-prob's gradient is sparse, and so is the
-            # entropy's with entropy_over="support" (or no entropy gradient)
-            sp, sp_x, m_u, s_u, h_u = restricted
-            g_lp_u = torch.where(sp.has_set, g_lp, 0.0)
-            g_lp = g_lp - g_lp_u
-            g_h_u = None
-            if g_entropy is not None and h_u is not None:
-                g_h_u = torch.where(sp.has_set, g_entropy.to(cdt), 0.0)
-                g_entropy = g_entropy.to(cdt) - g_h_u
-            if g_entropy is None or ctx.entropy_over_support:
-                runs = _support.dense_runs(~sp.host_has_set, chunk)
+        g_lp, g_entropy, g_lp_u, g_h_u, runs = split_restricted(
+            restricted, g_lp, g_entropy, ctx.entropy_over_support, chunk
+        )
         onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
         # H may be a placeholder where a row's set took its entropy gradient
         h = None if g_entropy is None else saved[4]
@@ -436,6 +483,8 @@ class _LogProbEntropy(torch.autograd.Function):
             if out is p:
                 grad[s:e].copy_(p)
         if restricted is not None:
+            sp, sp_x, m_u, s_u, h_u = restricted
+            assert g_lp_u is not None
             _support.sparse_grad(grad, sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
         return (grad, *nones)
 

@@ -396,26 +396,59 @@ def plan(support: Support, targets: Tensor, offset: int, vocab: int, vocab_total
 
 
 def sparse_stats(logits: Tensor, sp: Sparse, tau: float, with_entropy: bool, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``([k, T] statistics, [E] gathered logits)``: this shard's restricted max, sum of
-    exp relative to it and, with entropy, sum of exp * exponent (``k`` 3, else 2).
-    Rows without a set get the placeholders ``(0, 1, 0)``, the same on every shard."""
-    rows = logits.shape[0]
+    """``([k, T] statistics, [E] gathered logits)``: ``stats_of`` the logits at the
+    elements' ids (one gather)."""
     x = logits[sp.row, sp.col].to(cdt)
+    return stats_of(x, sp, logits.shape[0], tau, with_entropy), x
+
+
+def stats_of(x: Tensor, sp: Sparse, rows: int, tau: float, with_entropy: bool) -> Tensor:
+    """``[k, T]``: from the ``[E]`` logits ``x`` of the elements, this shard's restricted
+    max, sum of exp relative to it and, with entropy, sum of exp * exponent (``k`` 3,
+    else 2). Rows without a set get the placeholders ``(0, 1, 0)``, the same on every
+    shard."""
     xm = torch.where(sp.member, x, -math.inf)
-    m = torch.full((rows,), -math.inf, dtype=cdt, device=logits.device)
+    m = torch.full((rows,), -math.inf, dtype=x.dtype, device=x.device)
     m = m.scatter_reduce(0, sp.row, xm, "amax")
     shift = torch.where(m == -math.inf, 0.0, m)
     d = (xm - shift[sp.row]) / tau
     if with_entropy:
         d = d.clamp(min=_FLOOR)
     e = torch.where(sp.member, torch.exp(d), 0.0)
-    stats = torch.zeros((3 if with_entropy else 2, rows), dtype=cdt, device=logits.device)
+    stats = torch.zeros((3 if with_entropy else 2, rows), dtype=x.dtype, device=x.device)
     stats[0] = torch.where(sp.has_set, m, 0.0)
     stats[1].index_add_(0, sp.row, e)
     stats[1] = torch.where(sp.has_set, stats[1], 1.0)
     if with_entropy:
         stats[2].index_add_(0, sp.row, e * d)
-    return stats, x
+    return stats
+
+
+def coefficients(
+    sp: Sparse,
+    x: Tensor,
+    big_m: Tensor,
+    log_s: Tensor,
+    entropy: Tensor | None,
+    g_lp: Tensor,
+    g_h: Tensor | None,
+    tau: float,
+) -> Tensor:
+    """``[E]``: the gradient w.r.t. each element's logit ``x`` of the restricted rows
+    (zero where the element does not count on this shard); ``g_lp``, ``g_h`` are the
+    upstream gradients of the restricted log-prob and entropy, zero on rows they do not
+    apply to."""
+    r = sp.row
+    log_q = (x - big_m[r]) / tau - log_s[r]
+    glp = g_lp[r]
+    if g_h is not None and entropy is not None:
+        log_q = log_q.clamp(min=_FLOOR)
+        q = torch.exp(log_q)
+        coef = -q * (glp + g_h[r] * (log_q + entropy[r]))
+    else:
+        coef = -torch.exp(log_q) * glp
+    coef = torch.where(sp.is_target, coef + glp, coef) / tau
+    return torch.where(sp.member, coef, 0.0)
 
 
 def sparse_grad(
@@ -429,19 +462,7 @@ def sparse_grad(
     g_h: Tensor | None,
     tau: float,
 ) -> None:
-    """Add the restricted rows' gradient into ``grad`` (``[T, V_local]``, contiguous):
-    ``g_lp``, ``g_h`` are the upstream gradients of the restricted log-prob and entropy,
-    zero on rows they do not apply to. One ``index_add_`` of ``E`` values."""
-    vocab = grad.shape[1]
-    r = sp.row
-    log_q = (x - big_m[r]) / tau - log_s[r]
-    glp = g_lp[r]
-    if g_h is not None and entropy is not None:
-        log_q = log_q.clamp(min=_FLOOR)
-        q = torch.exp(log_q)
-        coef = -q * (glp + g_h[r] * (log_q + entropy[r]))
-    else:
-        coef = -torch.exp(log_q) * glp
-    coef = torch.where(sp.is_target, coef + glp, coef) / tau
-    coef = torch.where(sp.member, coef, 0.0)
-    grad.view(-1).index_add_(0, r * vocab + sp.col, coef.to(grad.dtype))
+    """Add the restricted rows' gradient (``coefficients``) into ``grad`` (``[T,
+    V_local]``, contiguous). One ``index_add_`` of ``E`` values."""
+    coef = coefficients(sp, x, big_m, log_s, entropy, g_lp, g_h, tau)
+    grad.view(-1).index_add_(0, sp.row * grad.shape[1] + sp.col, coef.to(grad.dtype))
