@@ -2,13 +2,14 @@
 (TP 4, and TP 2 twice inside the same 4 ranks): every rank's values equal the float64
 full-vocabulary reference, its weight gradient the reference's rows of its shard, its
 hidden gradient the *full* reference gradient; one all-gather forward, one all-reduce
-backward."""
+backward; then test_linear_support's cases with supports."""
 
 from typing import Any
 
 import torch
 
 from .test_linear import grad_close, reference, value_atol
+from .test_linear_support import tp_cases
 
 # (T, H, V_local, temperature, with_entropy, entropy_grad, dtype, chunk_size)
 Case = tuple[int, int, int, float, bool, bool, str, int | None]
@@ -64,7 +65,7 @@ def _run_cases(group: Any, tp: int, tp_rank: int, calls: dict[str, int]) -> int:
         grad_close(x.grad, ref_dh, 3e-2 if bf16 else 1e-5)
         grad_close(w.grad, ref_dw[rows], 3e-2 if bf16 else 1e-5)
         assert torch.equal(x.detach(), hidden)
-    return len(CASES)
+    return len(CASES) + tp_cases(group, tp, tp_rank)
 
 
 def _worker(rank: int, world: int) -> list[tuple[int, int]]:

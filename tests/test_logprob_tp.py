@@ -147,6 +147,7 @@ def _all_paths(rank: int, world: int) -> dict[str, list[tuple[int, int]]]:
 def test_vocab_parallel_matches_full_vocabulary() -> None:
     # one spawned world of 4: TP 4 on the world group, then TP 2 on two subgroups, for
     # the logits path, supports and the hidden-state path
+    from .test_linear_support import TP_CASES as LINEAR_SUPPORT_CASES
     from .test_linear_tp import CASES as LINEAR_CASES
     from .test_support import TP_CASES
 
@@ -155,6 +156,5 @@ def test_vocab_parallel_matches_full_vocabulary() -> None:
     expected = [(world, len(CASES)), (2, len(CASES))]
     assert [r["logprob"] for r in results] == [expected] * world
     assert [r["support"] for r in results] == [[(4, len(TP_CASES)), (2, len(TP_CASES))]] * world
-    assert [r["linear"] for r in results] == [
-        [(4, len(LINEAR_CASES)), (2, len(LINEAR_CASES))]
-    ] * world
+    linear = len(LINEAR_CASES) + len(LINEAR_SUPPORT_CASES)
+    assert [r["linear"] for r in results] == [[(4, linear), (2, linear)]] * world

@@ -15,9 +15,8 @@ so memory beyond the inputs and their gradients is ``O(T)`` statistics plus a fe
 ``[chunk, V_local]`` blocks, forward and backward.
 """
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, NamedTuple, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -25,25 +24,31 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks as checks
-from . import _logprob
+from . import _kernels, _support
 from ._errors import LayoutError
 from ._layout import Layout
 from ._logprob import (
     ChunkArg,
+    EntropyOver,
     FloatArg,
+    SupportArg,
     TensorArg,
     _check,
     _check_range,
-    _chunks,
-    _combine,
     _compute_dtype,
     _local_stats,
     _local_targets,
+    _pieces,
+    _Restricted,
+    check_sets,
     coefficients,
+    finish,
     probs_and_factor,
+    split_restricted,
 )
 from ._pack import response_rows, shifted_targets
 from ._plan import resolve_length
+from ._support import Sparse, Support
 from ._types import AnyShare, HeadWeight, Hidden, PerRow, Share, Targets
 
 # Module-level, so that a test can count the collectives.
@@ -56,6 +61,10 @@ _all_reduce: Callable[..., object] = dist.all_reduce
 # whole matmul, 256-row chunks 1.2x). Forward and backward each hold about three such
 # blocks at a time.
 LINEAR_CHUNK_BYTES = 32 * 2**20
+TILE_ROWS = 2048
+"""Backward tiles span at least this many rows (all rows if fewer): see ``_tiles``."""
+ELEMENT_BYTES = 16 * 2**20
+"""Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
 
 
 def default_linear_chunk_rows(vocab: int) -> int:
@@ -121,21 +130,41 @@ def _check_linear(
     return hidden, weight, targets_, tau, chunk
 
 
-def _gathered_stats(stats: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
-    """``[W, k, T]``: every shard's statistics, by one all-gather under TP."""
-    if tp_group is None:
-        return stats[None]
-    world = dist.get_world_size(tp_group)
-    # The concatenation form [W * k, T]: gloo refuses the stacked [W, k, T].
-    flat = stats.new_empty((world * stats.shape[0], stats.shape[1]))
-    _logprob._all_gather(flat, stats, group=tp_group)
-    return flat.view(world, *stats.shape)
+def _tiles(rows: int, vocab: int, chunk: int) -> tuple[int, int]:
+    """``(rows, columns)`` of a backward tile: half as many elements as one forward
+    chunk (``chunk * vocab``; a backward tile holds more buffers: its logits, its
+    gradient and the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows
+    (all of them if fewer), so that a tile's weight-gradient block sums many rows in
+    one matmul."""
+    tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
+    return tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows)))
+
+
+def _blocks(size: int, block: int) -> list[tuple[int, int]]:
+    return [(s, min(s + block, size)) for s in range(0, size, block)]
+
+
+def _element_logits(hidden: Tensor, weight: Tensor, sp: Sparse, cdt: torch.dtype) -> Tensor:
+    """``[E]``: the logit of each support element, ``hidden[row] . weight[col]``, rounded
+    to the inputs' dtype as the materialized head's logits are; ``[chunk, H]`` pieces."""
+    x = torch.empty(sp.row.numel(), dtype=cdt, device=hidden.device)
+    for s, e in _blocks(sp.row.numel(), _element_rows(hidden.shape[1])):
+        prod = hidden[sp.row[s:e]].to(cdt) * weight[sp.col[s:e]].to(cdt)
+        x[s:e] = prod.sum(1).to(hidden.dtype).to(cdt)
+    return x
+
+
+def _element_rows(width: int) -> int:
+    """Support elements per piece: one float32 ``[n, width]`` product within
+    ``ELEMENT_BYTES``."""
+    return max(1, ELEMENT_BYTES // (4 * max(width, 1)))
 
 
 class _LinearLogProbEntropy(torch.autograd.Function):
-    """Forward: chunk logits -> ``[k, T]`` statistics -> one all-gather under TP.
-    Backward: chunk logits again -> chunk gradient -> ``d hidden``, ``d weight``; one
-    all-reduce of ``d hidden`` under TP."""
+    """Forward: row chunks of logits -> ``[k, T]`` statistics -> one all-gather under
+    TP. Backward: ``[rows, V_block]`` tiles of logits again -> tile gradient -> ``d
+    hidden`` (accumulated over vocabulary blocks) and ``d weight`` (each block written
+    once); one all-reduce of ``d hidden`` under TP."""
 
     @staticmethod
     def forward(
@@ -148,6 +177,8 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         tau: float,
         tp_group: dist.ProcessGroup | None,
         chunk: int,
+        support: Support | None = None,
+        entropy_over_support: bool = False,
     ) -> tuple[PerRow, PerRow | None]:
         rows = hidden.shape[0]
         vocab = weight.shape[0]
@@ -158,18 +189,35 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         column, owned = _local_targets(targets, rank * vocab, vocab)
         cdt = _compute_dtype(hidden.dtype)
         stats = torch.empty((4 if with_entropy else 3, rows), dtype=cdt, device=hidden.device)
-        for s, e in _chunks(rows, chunk):
+        sp_part = None
+        runs = [(0, rows)]
+        if support is not None:
+            sp = _support.plan(support, targets, rank * vocab, vocab, world * vocab)
+            sp_x = _element_logits(hidden, weight, sp, cdt)
+            sp_part = (sp, _support.stats_of(sp_x, sp, rows, tau, with_entropy and entropy_over_support), sp_x)
+            if not (with_entropy and not entropy_over_support):
+                # rows with a set need no logits row: their log-prob (and entropy) is sparse
+                runs = _support.dense_runs(~sp.host_has_set, chunk)
+                # their placeholders, as _local_stats gives them; the target logit is
+                # the row's candidate, the last T elements
+                stats[0], stats[1] = 0.0, 1.0
+                stats[2] = torch.where(owned, sp_x[sp_x.numel() - rows :], 0.0)
+                if with_entropy:
+                    stats[3] = 0.0
+        compiled_chunk = _kernels.compiled_chunk_rows(vocab, hidden.dtype, hidden.device)
+        for s, e in _pieces(runs, chunk):
             logits = torch.mm(hidden[s:e], weight.t())
-            # eager: the compiled kernels serve the logits path only (for now)
             stats[:, s:e] = _local_stats(
-                logits, column[s:e], owned[s:e], tau, with_entropy, e - s, None
+                logits, column[s:e], owned[s:e], tau, with_entropy, e - s, compiled_chunk
             )
             del logits
-        big_m, log_s, log_p, entropy = _combine(_gathered_stats(stats, tp_group), tau, with_entropy)
-        valid = (targets >= 0) & (targets < world * vocab)
-        log_p = torch.where(valid, log_p, math.nan)
+        big_m, log_s, log_p, entropy, restricted = finish(
+            stats, sp_part, targets, world * vocab, tau, with_entropy, tp_group
+        )
 
         ctx.set_materialize_grads(False)
+        ctx.restricted = restricted
+        ctx.entropy_over_support = entropy_over_support
         ctx.tau, ctx.offset, ctx.chunk, ctx.tp_group = tau, rank * vocab, chunk, tp_group
         ctx.entropy_grad = entropy is not None and entropy_grad
         if entropy is not None and not entropy_grad:
@@ -185,14 +233,14 @@ class _LinearLogProbEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(
         ctx: Any, g_logp: PerRow | None, g_entropy: PerRow | None
-    ) -> tuple[Hidden | None, HeadWeight | None, None, None, None, None, None, None]:
+    ) -> tuple[Hidden | None, HeadWeight | None, None, None, None, None, None, None, None, None]:
         saved: tuple[Tensor, ...] = ctx.saved_tensors
         hidden, weight, targets, big_m, log_s = saved[:5]
         tau: float = ctx.tau
         chunk: int = ctx.chunk
         tp_group: dist.ProcessGroup | None = ctx.tp_group
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None, None, None, None, None, None)
+        none = (None,) * 8
         if not (want_h or want_w):
             return (None, None, *none)
         if not ctx.entropy_grad:
@@ -201,38 +249,129 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         dtype, cdt = hidden.dtype, _compute_dtype(hidden.dtype)
         column, owned = _local_targets(targets, ctx.offset, vocab)
         g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
-        onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
-        a, b = coefficients(g_lp, g_entropy, None if g_entropy is None else saved[5], tau, cdt)
-        grad_h = torch.empty_like(hidden) if want_h else None
-        # A low-precision weight gradient adds up over chunks in float32 (one [V_local, H]
-        # partial product in the inputs' dtype at a time) and is rounded once.
-        grad_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if want_w else None
-        n = min(chunk, rows)
-        work = torch.empty((n, vocab), dtype=cdt, device=hidden.device)
-        expd = torch.empty((n, vocab), dtype=cdt, device=hidden.device)
-        for s, e in _chunks(rows, chunk):
-            if dtype == cdt:  # the chunk's logits straight into the work buffer
-                d = torch.mm(hidden[s:e], weight.t(), out=work[: e - s]).sub_(big_m[s:e, None])
-            else:
-                d = torch.sub(torch.mm(hidden[s:e], weight.t()), big_m[s:e, None], out=work[: e - s])
-            p, factor = probs_and_factor(d, log_s, tau, a, b, s, e, expd)
-            g = p.mul_(factor)
-            if g_logp is not None:
-                g.scatter_add_(1, column[s:e, None], onehot[s:e])
-            # The matmuls run in the inputs' dtype, as the materialized head's would.
-            g_low = g if dtype == cdt else g.to(dtype)
-            if grad_h is not None:
-                torch.mm(g_low, weight, out=grad_h[s:e])
-            if grad_w is None:
-                continue
-            if dtype == cdt:
-                grad_w.addmm_(g_low.t(), hidden[s:e])
-            else:
-                grad_w.add_(torch.mm(g_low.t(), hidden[s:e]))
-        if grad_h is not None and tp_group is not None:
-            # hidden is the same on every TP rank; its gradient is the sum of the shards'.
-            _all_reduce(grad_h, group=tp_group)
-        return grad_h, None if grad_w is None else grad_w.to(dtype), *none
+        restricted: _Restricted | None = ctx.restricted
+        g_lp, g_entropy, g_lp_u, g_h_u, runs = split_restricted(
+            restricted, g_lp, g_entropy, ctx.entropy_over_support, chunk
+        )
+        onehot = torch.where(owned, g_lp / tau, 0.0)
+        # H may be a placeholder where a row's set took its entropy gradient
+        h = None if g_entropy is None else saved[5]
+        a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
+        # Sums over vocabulary blocks and support elements in the compute dtype: the
+        # hidden gradient in a [T, H] accumulator (the gradient itself in float32), the
+        # weight gradient one [V_block, H] block at a time, each rounded once.
+        acc_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        tile_rows, tile_cols = _tiles(rows, vocab, chunk)
+        pieces = _pieces([(0, rows)] if runs is None else runs, tile_rows)
+        sp_blocks = None
+        if restricted is not None:
+            sp, sp_x, m_u, s_u, h_u = restricted
+            assert g_lp_u is not None
+            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+            if acc_h is not None:
+                for s, e in _blocks(coef.numel(), _element_rows(hidden.shape[1])):
+                    part = coef[s:e, None] * weight[sp.col[s:e]].to(cdt)
+                    acc_h.index_add_(0, sp.row[s:e], part)
+            if grad_w is not None:
+                sp_blocks = _by_block(sp, coef, vocab, tile_cols)
+        compiled_chunk = _kernels.compiled_chunk_rows(tile_cols, dtype, hidden.device)
+        tile = tile_rows * tile_cols
+        g_buf = torch.empty(tile if pieces else 0, dtype=dtype, device=hidden.device)
+        work = expd = None
+        for i, (v0, v1) in enumerate(_blocks(vocab, tile_cols)):
+            w_b = weight[v0:v1]
+            acc_w = None
+            if grad_w is not None:
+                acc_w = grad_w[v0:v1] if dtype == cdt else torch.zeros(w_b.shape, dtype=cdt, device=w_b.device)
+                if dtype == cdt:
+                    acc_w.zero_()
+            in_block = (column >= v0) & (column < v1)
+            col_b = torch.where(in_block, column - v0, 0)
+            hot_b = None if g_logp is None else torch.where(in_block, onehot, 0.0)
+            for s, e in pieces:
+                x = torch.mm(hidden[s:e], w_b.t())
+                g = g_buf[: x.numel()].view(x.shape)
+                if not _kernels.grad(
+                    x, big_m[s:e], log_s[s:e], tau, None if a is None else a[s:e], b[s:e],
+                    col_b[s:e], None if hot_b is None else hot_b[s:e], compiled_chunk, g,
+                ):
+                    if work is None or expd is None:
+                        work = torch.empty(tile, dtype=cdt, device=x.device)
+                        expd = torch.empty(tile, dtype=cdt, device=x.device)
+                    _eager_tile(x, big_m, log_s, tau, a, b, col_b, hot_b, s, e, work, expd, g)
+                del x
+                # The matmuls run in the inputs' dtype, as the materialized head's would.
+                if acc_h is not None:
+                    if dtype == cdt:
+                        acc_h[s:e].addmm_(g, w_b)
+                    else:
+                        acc_h[s:e].add_(torch.mm(g, w_b))
+                if acc_w is not None:
+                    if dtype == cdt:
+                        acc_w.addmm_(g.t(), hidden[s:e])
+                    else:
+                        acc_w.add_(torch.mm(g.t(), hidden[s:e]))
+            if acc_w is not None and sp_blocks is not None:
+                _add_elements(acc_w, sp_blocks, i, v0, hidden, cdt)
+            if grad_w is not None and acc_w is not None and dtype != cdt:
+                grad_w[v0:v1] = acc_w
+        grad_h = None
+        if acc_h is not None:
+            grad_h = acc_h if dtype == cdt else acc_h.to(dtype)
+            if tp_group is not None:
+                # hidden is the same on every TP rank; its gradient is the sum of the shards'.
+                _all_reduce(grad_h, group=tp_group)
+        return grad_h, grad_w, *none
+
+
+def _eager_tile(
+    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, a: Tensor | None, b: Tensor,
+    col_b: Tensor, hot_b: Tensor | None, s: int, e: int, work: Tensor, expd: Tensor,
+    out: Tensor,
+) -> None:
+    """The eager kernels on one ``[e - s, V_block]`` tile of logits ``x``: its gradient
+    into ``out`` (rounded once to its dtype)."""
+    n = x.numel()
+    d = torch.sub(x, big_m[s:e, None], out=work[:n].view(x.shape))
+    p, factor = probs_and_factor(d, log_s, tau, a, b, s, e, expd[:n].view(x.shape))
+    g = p.mul_(factor)
+    if hot_b is not None:
+        g.scatter_add_(1, col_b[s:e, None], hot_b[s:e, None])
+    out.copy_(g)
+
+
+class _Blocks(NamedTuple):
+    """Support elements sorted by their local column, with each vocabulary block's
+    range among them (host ints, one read of ``V_local / V_block + 1`` values)."""
+
+    order: Tensor
+    col: Tensor
+    row: Tensor
+    coef: Tensor
+    bounds: list[int]
+
+
+def _by_block(sp: Sparse, coef: Tensor, vocab: int, block: int) -> _Blocks:
+    """The elements that count on this shard, by vocabulary block (those that do not
+    sort past the last block)."""
+    key = torch.where(sp.member, sp.col, vocab)
+    order = torch.argsort(key)
+    edges = torch.arange(0, vocab + 1, block, device=key.device)
+    edges = torch.cat([edges[edges < vocab], edges.new_full((1,), vocab)])
+    bounds = torch.searchsorted(key[order], edges).tolist()
+    return _Blocks(order, sp.col[order], sp.row[order], coef[order], bounds)
+
+
+def _add_elements(
+    acc_w: Tensor, blocks: _Blocks, i: int, v0: int, hidden: Tensor, cdt: torch.dtype
+) -> None:
+    """Add the support elements of block ``i`` (its first column ``v0``) into its weight
+    gradient ``acc_w`` (compute dtype): ``coef * hidden[row]`` at each column."""
+    lo, hi = blocks.bounds[i], blocks.bounds[i + 1]
+    for s, e in _blocks(hi - lo, _element_rows(hidden.shape[1])):
+        part = blocks.coef[lo + s : lo + e, None] * hidden[blocks.row[lo + s : lo + e]].to(cdt)
+        acc_w.index_add_(0, blocks.col[lo + s : lo + e] - v0, part)
 
 
 # torch leaves Function.apply untyped; typed once here, at the boundary.
@@ -250,6 +389,8 @@ def linear_log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, None]: ...
 @overload
 def linear_log_probs_and_entropy(
@@ -262,6 +403,8 @@ def linear_log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def linear_log_probs_and_entropy(
@@ -274,6 +417,8 @@ def linear_log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow | None]: ...
 def linear_log_probs_and_entropy(
     hidden: TensorArg,
@@ -285,6 +430,8 @@ def linear_log_probs_and_entropy(
     temperature: FloatArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
@@ -332,10 +479,12 @@ def linear_log_probs_and_entropy(
     if tp_group is not None and dist.get_rank(tp_group) < 0:
         raise LayoutError("this process is not a member of tp_group")
     _check_range(targets_, world * weight_.shape[0])
+    support = check_sets(support, entropy_over, hidden_.shape[0], world * weight_.shape[0], "hidden")
     if chunk is None:
         chunk = default_linear_chunk_rows(weight_.shape[0])
     return _apply(
-        hidden_, weight_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk
+        hidden_, weight_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk,
+        support, entropy_over == "support",
     )
 
 
@@ -351,6 +500,8 @@ def response_log_probs_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs_from_hidden(
@@ -364,6 +515,8 @@ def response_log_probs_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs_from_hidden(
@@ -377,6 +530,8 @@ def response_log_probs_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
     hidden: TensorArg,
@@ -389,6 +544,8 @@ def response_log_probs_from_hidden(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int | None = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOver = "full",
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -417,8 +574,18 @@ def response_log_probs_from_hidden(
         )
     length = resolve_length(layout, int(hidden.shape[0]), "hidden")
     local = layout.with_local_length(length)
-    rows, counts = response_rows(local, hidden.device)
-    targets = shifted_targets(tokens, local).to(hidden.device)[rows]
+    host_rows, counts = response_rows(local)
+    rows = host_rows.to(hidden.device)
+    targets = shifted_targets(tokens, local).to(hidden.device)
+    if support is not None:
+        # the whole support against the whole hidden (its errors name the caller's
+        # rows), then the response rows' sets
+        _, weight_, _, _, _ = _check_linear(hidden, weight, targets, temperature, chunk_size)
+        world = 1 if tp_group is None else dist.get_world_size(tp_group)
+        whole = check_sets(support, entropy_over, length, world * weight_.shape[0], "hidden")
+        assert whole is not None
+        support = _support.take_rows(whole, host_rows)
+    targets = targets[rows]
     log_probs, entropy = linear_log_probs_and_entropy(
         hidden[rows],
         weight,
@@ -428,6 +595,8 @@ def response_log_probs_from_hidden(
         temperature=temperature,
         tp_group=tp_group,
         chunk_size=chunk_size,
+        support=support,
+        entropy_over=entropy_over,
     )
     shares = list(torch.split(log_probs, counts))
     return shares, None if entropy is None else list(torch.split(entropy, counts))

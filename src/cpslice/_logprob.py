@@ -373,6 +373,21 @@ def split_restricted(
     return g_lp, g_entropy, g_lp_u, g_h_u, runs
 
 
+def check_sets(
+    support: object, entropy_over: object, rows: int, vocab_total: int, what: str = "logits"
+) -> Support | None:
+    """``support`` checked against the ``rows`` of ``what`` and the vocabulary (see
+    ``_support.check_support``), after ``entropy_over``."""
+    if entropy_over not in ("full", "support"):
+        raise LayoutError(
+            f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "
+            "vocabulary) or 'support' (over each row's set plus its target)"
+        )
+    if support is None:
+        return None
+    return _support.check_support(support, rows, vocab_total, what)
+
+
 class _LogProbEntropy(torch.autograd.Function):
     """Forward: chunked statistics and one all-gather under TP. Backward: no
     communication; the gradient is written once into one ``[T, V_local]`` buffer."""
@@ -612,13 +627,7 @@ def log_probs_and_entropy(
     if tp_group is not None and dist.get_rank(tp_group) < 0:
         raise LayoutError("this process is not a member of tp_group")
     _check_range(targets_, world * logits_.shape[1])
-    if entropy_over not in ("full", "support"):
-        raise LayoutError(
-            f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "
-            "vocabulary) or 'support' (over each row's set plus its target)"
-        )
-    if support is not None:
-        support = _support.check_support(support, logits_.shape[0], world * logits_.shape[1])
+    support = check_sets(support, entropy_over, logits_.shape[0], world * logits_.shape[1])
     return _apply(
         logits_, targets_, with_entropy, entropy_grad, tau, tp_group, chunk, support,
         entropy_over == "support",

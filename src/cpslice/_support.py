@@ -299,9 +299,9 @@ def _check_ids(flat_ids: Tensor, glob: Tensor, starts: Tensor, ends: Tensor, res
         )
 
 
-def check_support(support: object, rows: int, vocab_total: int) -> Support:
-    """The support given to a log-prob function, checked against ``[T]`` rows and the
-    vocabulary (ids on the CPU only, where it costs no device sync)."""
+def check_support(support: object, rows: int, vocab_total: int, what: str = "logits") -> Support:
+    """The support given to a log-prob function, checked against the ``[T]`` rows of
+    ``what`` and the vocabulary (ids on the CPU only, where it costs no device sync)."""
     if not isinstance(support, Support):
         raise TypeError(
             f"support must be a cpslice.Support or None, got {type(support).__name__} "
@@ -309,7 +309,7 @@ def check_support(support: object, rows: int, vocab_total: int) -> Support:
         )
     if support.num_rows != rows:
         raise LayoutError(
-            f"support has {support.num_rows} rows but logits has {rows}; the sets are per "
+            f"support has {support.num_rows} rows but {what} has {rows}; the sets are per "
             "row of the local tensor (offsets must be [T + 1]; Support.from_responses "
             "gives the layout's local_length rows, else the least it needs: build the "
             "Layout with local_length=T)"
@@ -466,3 +466,17 @@ def sparse_grad(
     V_local]``, contiguous). One ``index_add_`` of ``E`` values."""
     coef = coefficients(sp, x, big_m, log_s, entropy, g_lp, g_h, tau)
     grad.view(-1).index_add_(0, sp.row * grad.shape[1] + sp.col, coef.to(grad.dtype))
+
+
+def take_rows(support: Support, rows: Tensor) -> Support:
+    """The sets of the given rows (CPU int64 indices into ``support``'s rows, in any
+    order), as a ``Support`` over ``len(rows)`` rows: for a function that computes only
+    some rows (the response rows of ``response_log_probs_from_hidden``)."""
+    host = support._host_offsets
+    counts = host.diff()[rows]
+    offsets = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(counts, 0)])
+    k = int(offsets[-1])
+    within = torch.arange(k) - torch.repeat_interleave(offsets[:-1], counts, output_size=k)
+    index = torch.repeat_interleave(host[:-1][rows], counts, output_size=k) + within
+    device = support.ids.device
+    return Support(support.ids[index.to(device)], offsets.to(device))

@@ -1,0 +1,235 @@
+"""Supports (top-p / top-k sets) on the hidden-state path: ``linear_log_probs_and_entropy``
+and ``response_log_probs_from_hidden`` with ``support=`` against the float64 masked
+reference of test_support on ``hidden @ weight.T`` (values, and the gradients of hidden
+and weight), over test_support's random sets; rows with a set compute no logits row
+where they need none; the response path subsets a whole-tensor support to its rows;
+the TP cases run on test_logprob_tp's ranks (``tp_cases``)."""
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpslice import (
+    Layout,
+    LayoutError,
+    Support,
+    linear_log_probs_and_entropy,
+    pack,
+    response_log_probs,
+    response_log_probs_from_hidden,
+)
+
+from .test_linear import grad_close, value_atol
+from .test_support import Sets, _tp_sets, cases, csr, reference
+
+H = 5
+
+
+def _head(t: int, v: int, seed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, H, generator=gen) * 1.5).to(dtype), torch.randn(v, H, generator=gen).to(dtype)
+
+
+def _reference(
+    hidden: Tensor, weight: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
+    g_lp: Tensor, g_h: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """test_support's reference on the float64 logits (rounded to the inputs' dtype, as
+    the head's matmul rounds them); its logit gradient carried to hidden and weight."""
+    h, w = hidden.double(), weight.double()
+    logits = h @ w.T
+    if hidden.dtype != torch.float64:
+        logits = logits.to(hidden.dtype).double()
+    logp, ent, grad = reference(logits, targets, sets, temperature, over, g_lp, g_h)
+    return logp, ent, grad @ w, grad.T @ h
+
+
+def check(
+    case: dict[str, Any], dtype: torch.dtype, value_rel: float, grad_rel: float,
+    spy: TorchDispatchMode | None = None,
+) -> None:
+    t, v = case["logits"].shape
+    targets: Tensor = case["targets"]
+    hidden, weight = _head(t, v, seed=t * 31 + v, dtype=dtype)
+    gen = torch.Generator().manual_seed(7)
+    g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
+    x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    use_h = case["with_entropy"] and case["entropy_grad"]
+    with spy or contextlib.nullcontext():
+        lp, ent = linear_log_probs_and_entropy(
+            x, w, targets, with_entropy=case["with_entropy"], entropy_grad=case["entropy_grad"],
+            temperature=case["temperature"], chunk_size=case["chunk"], support=csr(case["sets"]),
+            entropy_over=case["over"],
+        )
+        loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None and use_h else 0.0)
+        torch.autograd.backward(loss)
+    g_h = g_h if use_h else torch.zeros(t)
+    ref_lp, ref_h, ref_dh, ref_dw = _reference(
+        hidden, weight, targets, case["sets"], case["temperature"], case["over"], g_lp, g_h
+    )
+    atol = value_atol(hidden, weight, case["temperature"], value_rel)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
+    if case["with_entropy"]:
+        assert ent is not None
+        torch.testing.assert_close(ent.double(), ref_h, rtol=0.0, atol=atol)
+    else:
+        assert ent is None
+    assert x.grad is not None and w.grad is not None and w.grad.dtype == dtype
+    grad_close(x.grad, ref_dh, grad_rel)
+    grad_close(w.grad, ref_dw, grad_rel)
+
+
+@settings(max_examples=20, deadline=None)
+@given(cases())
+def test_float64_and_float32_match_the_masked_reference(case: dict[str, Any]) -> None:
+    check(case, torch.float64, 1e-12, 1e-9)
+    check(case, torch.float32, 2.0**-18, 1e-5)
+
+
+@settings(max_examples=6, deadline=None)
+@given(cases())
+def test_bfloat16_matches_the_masked_reference_of_its_logits(case: dict[str, Any]) -> None:
+    check(case, torch.bfloat16, 2.0**-7, 3e-2)
+
+
+class _Spy(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The output shapes of every matmul run under it, and the sizes of the float32
+    tensors any operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.shapes: list[tuple[int, ...]] = []
+        self.float32: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append(tuple(out.shape))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, Tensor) and x.dtype == torch.float32:
+                self.float32.append(x.untyped_storage().nbytes() // 4)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_with_a_set_compute_no_logits_row_and_the_weight_gradient_is_rounded_once(
+    dtype: torch.dtype,
+) -> None:
+    """Every row has a set: without entropy (or with entropy over the sets) no matmul
+    produces vocabulary-wide logits, forward or backward; with the full entropy every
+    row's logits are computed. A popular id in many rows still gets a float32-summed
+    weight gradient (compared with the reference at bfloat16 tolerance)."""
+    t, v = 40, 400
+    gen = torch.Generator().manual_seed(5)
+    targets = torch.randint(0, v, (t,), generator=gen)
+    sets = [sorted({3, *torch.randperm(v, generator=gen)[: 1 + r % 4].tolist()}) for r in range(t)]
+    base = {"logits": torch.zeros(t, v), "targets": targets, "sets": sets, "temperature": 0.8,
+            "chunk": 4, "entropy_grad": True}
+    tol = (2.0**-7, 3e-2) if dtype == torch.bfloat16 else (2.0**-18, 1e-5)
+    for with_entropy, over, dense in ((False, "full", False), (True, "support", False), (True, "full", True)):
+        spy = _Spy()
+        check({**base, "with_entropy": with_entropy, "over": over}, dtype, *tol, spy=spy)
+        logits = [s for s in spy.shapes if s[-1] != H]  # the rest are gradients, [n, H]
+        assert bool(logits) == dense, (with_entropy, over, spy.shapes)
+        if dtype == torch.bfloat16:
+            # the weight gradient adds up in float32 one [V_block, H] block at a time:
+            # no float32 [V, H] copy (the largest: the [T, H] hidden accumulator, the
+            # [E, H] products of the E = K + T support elements, [chunk, V] blocks)
+            elements = sum(len(x) for x in sets) + t
+            most = max(t * H, elements * H, 4 * v)
+            assert max(spy.float32) <= most < v * H, sorted(spy.float32)[-3:]
+
+
+def test_response_path_takes_the_sets_of_its_rows() -> None:
+    """``response_log_probs_from_hidden(..., support=)`` equals ``response_log_probs`` on
+    the materialized logits with the same support, per rank of a zigzag CP 2 layout,
+    values and gradients; a whole-tensor support of the wrong length is refused."""
+    total, response, vocab = [9, 6, 12], [4, 0, 7], 17
+    gen = torch.Generator().manual_seed(21)
+    tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in total]
+    hiddens = [torch.randn(n, H, generator=gen, dtype=torch.float64) for n in total]
+    weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64)
+    per = [[torch.randperm(vocab, generator=gen)[: int(k)].tolist() for k in torch.randint(0, 4, (r,), generator=gen)]
+           for r in response]
+    ids = [torch.tensor([i for s in sample for i in s], dtype=torch.int64) for sample in per]
+    offsets = [torch.tensor([0] + [len(s) for s in sample]).cumsum(0) for sample in per]
+    for rank in range(2):
+        layout = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=2)
+        support = Support.from_responses(ids, offsets, layout)
+        got: list[tuple[list[Tensor], list[Tensor], Tensor | None, Tensor | None]] = []
+        want: list[tuple[list[Tensor], list[Tensor], Tensor | None, Tensor | None]] = []
+        for path in ("hidden", "logits"):
+            hidden = pack(hiddens, layout).requires_grad_(True)
+            w = weight.clone().requires_grad_(True)
+            if path == "hidden":
+                lp, ent = response_log_probs_from_hidden(
+                    hidden, w, tokens, layout, with_entropy=True, temperature=0.7, chunk_size=3,
+                    support=support, entropy_over="support",
+                )
+            else:
+                lp, ent = response_log_probs(
+                    hidden @ w.T, tokens, layout, with_entropy=True, temperature=0.7,
+                    support=support, entropy_over="support",
+                )
+            loss = sum((x.sum() * (1 + i) + 0.5 * y.sum() for i, (x, y) in enumerate(zip(lp, ent))),
+                       torch.zeros((), dtype=torch.float64))
+            torch.autograd.backward(loss)
+            (got if path == "hidden" else want).append((lp, ent, hidden.grad, w.grad))
+        for a, b in zip(got[0][0] + got[0][1], want[0][0] + want[0][1]):
+            assert a.shape == b.shape and a.grad_fn is not None
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got[0][2], want[0][2], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got[0][3], want[0][3], rtol=1e-10, atol=1e-12)
+    layout = Layout(total, response)
+    hidden = pack(hiddens, layout)
+    short = Support(torch.zeros(0, dtype=torch.int64), torch.zeros(sum(total), dtype=torch.int64))
+    with pytest.raises(LayoutError, match=f"support has {sum(total) - 1} rows but hidden has {sum(total)}"):
+        response_log_probs_from_hidden(hidden, weight, tokens, layout, support=short)
+    far = Support.from_responses([torch.full((r,), vocab + 2) for r in response],
+                                 [torch.arange(r + 1) for r in response], layout)
+    with pytest.raises(LayoutError, match=rf"support row 4: id {vocab + 2} is outside the vocabulary"):
+        response_log_probs_from_hidden(hidden, weight, tokens, layout, support=far)
+    with pytest.raises(LayoutError, match="entropy_over='all' is not one of"):
+        linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+                                     support=far, entropy_over="all")  # type: ignore[call-overload]
+
+
+# (T, V_local, temperature, with_entropy, entropy_over, chunk); run on test_logprob_tp's ranks
+TP_CASES: list[tuple[int, int, float, bool, str, int]] = [
+    (7, 5, 0.7, False, "full", 2),
+    (7, 5, 1.3, True, "support", 3),
+    (6, 3, 1.0, True, "full", 1),
+]
+
+
+def tp_cases(group: Any, tp: int, tp_rank: int) -> int:
+    """On every rank of ``group``: its values, its shard's weight gradient and the full
+    hidden gradient against the reference."""
+    for i, (t, v_local, temp, with_entropy, over, chunk) in enumerate(TP_CASES):
+        vocab = tp * v_local
+        hidden, weight = _head(t, vocab, seed=900 + i, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(950 + i)
+        targets = torch.randint(0, vocab, (t,), generator=gen)
+        sets = _tp_sets(i, t, vocab, targets)
+        g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
+        rows = slice(tp_rank * v_local, (tp_rank + 1) * v_local)
+        x, w = hidden.clone().requires_grad_(True), weight[rows].clone().requires_grad_(True)
+        lp, ent = linear_log_probs_and_entropy(  # type: ignore[call-overload]
+            x, w, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
+            chunk_size=chunk, support=csr(sets), entropy_over=over,
+        )
+        torch.autograd.backward((lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None else 0.0))
+        g_h = g_h if with_entropy else torch.zeros(t)
+        ref_lp, ref_h, ref_dh, ref_dw = _reference(hidden, weight, targets, sets, temp, over, g_lp, g_h)
+        atol = value_atol(hidden, weight, temp, 2.0**-18)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
+        if ent is not None:
+            torch.testing.assert_close(ent.double(), ref_h, rtol=0.0, atol=atol)
+        grad_close(x.grad, ref_dh, 1e-5)
+        grad_close(w.grad, ref_dw[rows], 1e-5)
+    return len(TP_CASES)
