@@ -12,13 +12,15 @@ weight.T / temperature)`` and back-propagating a random upstream gradient on bot
 - ``naive``: ``lp = log_softmax((hidden @ weight.T).float() / temp)``, ``lp.gather``,
   ``-(lp.exp() * lp).sum`` through autograd.
 
-Each method runs in a fresh subprocess. Peak memory is the growth of the peak RSS
-(``ru_maxrss``) during the first forward + backward beyond the RSS measured once the
-inputs exist, less the two gradients (``[T, H]`` and ``[V, H]`` in the inputs' dtype,
-which every method must produce), in units of one float32 ``[T, V]`` buffer. Time is
-the median of ``--repeat`` further forward + backward runs (with ``--repeat 0``, the
-first run's), as wall time and as the process's CPU time (steadier when other work
-shares the machine).
+Each method runs in a fresh subprocess. After one warm-up forward + backward (lazy
+imports; in ``CPSLICE_COMPILE=auto``, the first compile of the chunk kernels), the
+allocator's free heap is returned to the system and the peak RSS reset (as
+``bench_logprob`` does); peak memory is the growth of the peak RSS (``VmHWM``) during
+the next forward + backward beyond the RSS before it, less the two gradients (``[T,
+H]`` and ``[V, H]`` in the inputs' dtype, which every method must produce), in units
+of one float32 ``[T, V]`` buffer. Time is the median of ``--repeat`` runs after the
+warm-up (at least one), as wall time and as the process's CPU time (steadier when
+other work shares the machine).
 
 Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]``
 """
@@ -26,7 +28,6 @@ Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]`
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import _rss_bytes  # noqa: E402
+from benchmarks.bench_logprob import _peak_bytes, _reset_peak, _rss_bytes  # noqa: E402
 
 METHODS = ("cpslice", "materialized", "naive")
 TEMPERATURE = 0.9
@@ -56,10 +57,6 @@ class Result:
     peak_buffers: float  # peak RSS growth beyond inputs and their gradients, in f32 [T, V] buffers
     median_ms: float  # wall time
     cpu_ms: float  # CPU time of the process over the same runs (steadier on a shared machine)
-
-
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _step(method: str, hidden: Tensor, weight: Tensor, targets: Tensor, g: tuple[Tensor, Tensor]) -> None:
@@ -92,18 +89,19 @@ def _child(method: str, dtype_name: str, t: int, h: int, v: int, repeat: int) ->
     targets = torch.randint(0, v, (t,))
     g = (torch.randn(t), torch.randn(t))
     grads = (t * h + v * h) * hidden.element_size()
-    base = _rss_bytes()
-    start, cpu = time.perf_counter(), time.process_time()
-    _step(method, hidden, weight, targets, g)
-    first = (time.perf_counter() - start, time.process_time() - cpu)
-    peak = _maxrss_bytes() - base - grads
+    _step(method, hidden, weight, targets, g)  # warm-up: lazy imports, compiled kernels
     times = []
-    for _ in range(repeat):
+    for i in range(max(repeat, 1)):
+        if i == 0:
+            _reset_peak()
+            base = _rss_bytes()
         start, cpu = time.perf_counter(), time.process_time()
         _step(method, hidden, weight, targets, g)
         times.append((time.perf_counter() - start, time.process_time() - cpu))
-    wall = statistics.median(w for w, _ in times) if times else first[0]
-    cpu_s = statistics.median(c for _, c in times) if times else first[1]
+        if i == 0:
+            peak = _peak_bytes() - base - grads
+    wall = statistics.median(w for w, _ in times)
+    cpu_s = statistics.median(c for _, c in times)
     return Result(method, dtype_name, t, h, v, peak / (t * v * 4), 1e3 * wall, 1e3 * cpu_s)
 
 
@@ -117,7 +115,7 @@ def _in_subprocess(method: str, dtype: str, t: int, h: int, v: int, repeat: int)
     return Result(**fields)
 
 
-def run(quick: bool = False, dtype: str = "float32", repeat: int = 1) -> list[Result]:
+def run(quick: bool = False, dtype: str = "float32", repeat: int = 3) -> list[Result]:
     """One Result per method, each measured in a fresh subprocess (``run(quick)`` as
     the other benchmarks)."""
     t, h, v = (2048, 256, 16384) if quick else (4096, 1024, 32768)
@@ -143,8 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="timed runs after the first (0: time the first run)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs after the warm-up (at least 1)")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

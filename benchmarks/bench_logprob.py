@@ -31,6 +31,8 @@ Run: ``.venv/bin/python benchmarks/bench_logprob.py [--quick] [--methods cpslice
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import re
@@ -78,6 +80,14 @@ def _peak_bytes() -> int:
 
 
 def _reset_peak() -> None:
+    """Return the allocator's free heap to the system (glibc keeps up to tens of MiB
+    of freed memory, which the next step would reuse unseen), then reset the peak RSS
+    (``VmHWM``) to the current RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     with open("/proc/self/clear_refs", "w") as f:  # Linux: '5' resets VmHWM to the RSS
         f.write("5")
 

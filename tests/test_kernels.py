@@ -271,3 +271,25 @@ def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
     middle = big.data_ptr() + big.numel() * big.element_size() // 2
     assert "hg" in _vma_flags(middle)  # MADV_HUGEPAGE landed on the buffer's mapping
     assert "hg" not in _vma_flags(small.data_ptr())
+
+
+@pytest.mark.parametrize(("dtype", "value_rel", "grad_rel"), [(torch.float32, 2.0**-18, 1e-5), (torch.bfloat16, 2.0**-7, 3e-2)])
+def test_hidden_state_path_runs_the_compiled_kernels(
+    dtype: torch.dtype, value_rel: float, grad_rel: float, use: Use, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """linear_log_probs_and_entropy through the compiled kernels: forward on its
+    [chunk, V] logits, backward on its [rows, V_block] tiles; values and gradients
+    against the float64 reference."""
+    from .test_linear import check as check_linear
+
+    use("1")
+    monkeypatch.setattr(_kernels, "_ready", set())  # only this test's kernels count
+    monkeypatch.setattr(_kernels, "_compiled", {})
+    gen = torch.Generator().manual_seed(8)
+    t, h, v = 12, 4, 24
+    hidden, weight = torch.randn(t, h, generator=gen).to(dtype), torch.randn(v, h, generator=gen).to(dtype)
+    targets = torch.randint(0, v, (t,), generator=gen)
+    check_linear(hidden, weight, targets, 0.8, 4, value_rel=value_rel, grad_rel=grad_rel)
+    # forward chunks [4, 24]; backward tiles [12, 4 * 24 // (2 * 12) = 4]
+    ran = {(str(k[0]), k[3]) for k in _kernels._ready if k[1] == dtype and k[-1] == "aot_eager"}
+    assert {("chunk_stats", v), ("chunk_grad", 4)} <= ran

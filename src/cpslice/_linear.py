@@ -1,18 +1,26 @@
 """Log-probs and entropy straight from the final hidden states and the LM-head weight.
 
 ``logits = hidden @ weight.T`` is never built whole. Forward computes each row chunk's
-logits, reduces them to the per-row statistics of ``_logprob`` and drops them; one
-all-gather of the ``[k, T]`` statistics and ``_combine`` give the global ``M``,
-``log S``, log-probs and entropy, exactly as ``log_probs_and_entropy`` on the
-materialized logits. Backward recomputes each chunk's logits, turns them into the
-chunk's logit gradient ``G`` (the same formula as ``_logprob``'s backward) and
-multiplies it out at once:
+logits, reduces them to the per-row statistics of ``_logprob`` (its chunk kernels,
+compiled where ``CPSLICE_COMPILE`` says so) and drops them; ``_logprob.finish`` (one
+all-gather of the ``[k, T]`` statistics) gives the global ``M``, ``log S``, log-probs
+and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
+Backward walks ``[rows, V_block]`` tiles, vocabulary block by vocabulary block:
+each tile's logits are recomputed, turned into the tile's logit gradient ``G`` (the
+same kernels as ``_logprob``'s backward) and multiplied out at once:
 
-    d hidden = G @ weight           (this shard's part; summed over TP by one all-reduce)
-    d weight = G.T @ hidden         (accumulated over chunks, this shard's rows)
+    d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
+    d weight[block] = sum over tiles of G.T @ hidden[rows]   (written once per block)
 
-so memory beyond the inputs and their gradients is ``O(T)`` statistics plus a few
-``[chunk, V_local]`` blocks, forward and backward.
+so the weight gradient is summed over the rows by matmuls (their own float32
+accumulation for bfloat16) and stored once: no float32 ``[V_local, H]`` accumulator.
+Memory beyond the inputs and their gradients is ``O(T)`` statistics, the ``[T, H]``
+hidden-gradient accumulator (the gradient itself in float32) and a few tiles.
+
+A support (``Support``) restricts rows to their sets as on the logits path: each set
+element's logit is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no
+tile unless the full entropy is asked for, and their gradient reaches ``d hidden``
+and each block of ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
 from collections.abc import Callable, Sequence
@@ -444,10 +452,13 @@ def linear_log_probs_and_entropy(
         weight: ``[V_local, H]`` this TP rank's shard of the LM-head weight (rank ``r``
             holds token ids ``[r * V_local, (r + 1) * V_local)``; a tied embedding's
             shard too), the dtype of ``hidden``; saved for backward by reference.
-        targets, with_entropy, entropy_grad, temperature, tp_group: as
-            ``log_probs_and_entropy``.
-        chunk_size: rows per chunk; None picks ``default_linear_chunk_rows(V_local)``:
-            one float32 ``[rows, V_local]`` block within 32 MiB.
+        targets, with_entropy, entropy_grad, temperature, tp_group, support,
+            entropy_over: as ``log_probs_and_entropy`` (a support's rows are the ``T``
+            rows of ``hidden``; each set element's logit is ``hidden[t] . weight[id]``).
+        chunk_size: rows per forward chunk; None picks
+            ``default_linear_chunk_rows(V_local)``: one float32 ``[rows, V_local]``
+            block within 32 MiB. Backward tiles hold half as many elements, over at
+            least ``TILE_ROWS`` rows (all rows if fewer).
 
     Returns:
         ``(log_probs, entropy)`` as ``log_probs_and_entropy`` on the materialized logits
@@ -456,8 +467,12 @@ def linear_log_probs_and_entropy(
         ``weight``'s gradient is this shard's; ``hidden``'s is the *full* gradient,
         summed over the TP group, so everything below the head gets correct gradients.
         Memory beyond the inputs and their gradients: ``[T]`` statistics and a few
-        ``[chunk, V_local]`` blocks (the chunk's logits and work buffers), forward and
-        backward; backward recomputes the chunk logits (one more matmul).
+        ``[chunk, V_local]`` blocks (the chunk's logits and work buffers) in forward;
+        in backward a few tiles, a float32 ``[T, H]`` sum of the hidden gradient
+        (bfloat16/float16 inputs) and one float32 ``[V_block, H]`` block of the
+        weight gradient at a time, never a float32 ``[V_local, H]`` copy; with a
+        support ``O(K + T)`` more and ``[n, H]`` pieces of its elements. Backward
+        recomputes the logits (one more matmul).
 
     Collectives: with ``tp_group``, one ``all_gather`` of the ``[k, T]`` statistics in
     forward (as ``log_probs_and_entropy``) and, when ``hidden`` needs a gradient, one
@@ -558,6 +573,9 @@ def response_log_probs_from_hidden(
     Returns what ``response_log_probs(hidden @ weight.T, tokens, layout, ...)`` returns:
     one ``[r_i]`` float32 share per sample (an empty share is a zero-length view, in the
     graph) and the entropy shares aligned with them (None unless ``with_entropy``).
+    ``support`` is over the ``T`` rows of ``hidden``, as ``response_log_probs`` takes it
+    (``Support.from_responses``); the response rows' sets are taken from it, and its
+    errors name its own rows.
 
     Collectives: those of ``linear_log_probs_and_entropy`` (one all-gather over
     ``tp_group`` forward, one all-reduce backward); no CP communication.
@@ -565,7 +583,7 @@ def response_log_probs_from_hidden(
     Raises:
         TypeError, LayoutError: as ``shifted_targets`` and
             ``linear_log_probs_and_entropy``; ``hidden`` of a length the layout cannot
-            hold.
+            hold; a support over another number of rows than ``hidden``'s.
     """
     if checks.tensor("hidden", hidden, "a torch.Tensor [T, H]").dim() != 2:
         raise LayoutError(
