@@ -500,7 +500,8 @@ class _LogProbEntropy(torch.autograd.Function):
         if restricted is not None:
             sp, sp_x, m_u, s_u, h_u = restricted
             assert g_lp_u is not None
-            _support.sparse_grad(grad, sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+            _support.sparse_grad(grad, sp, coef)
         return (grad, *nones)
 
 

@@ -451,20 +451,9 @@ def coefficients(
     return torch.where(sp.member, coef, 0.0)
 
 
-def sparse_grad(
-    grad: Tensor,
-    sp: Sparse,
-    x: Tensor,
-    big_m: Tensor,
-    log_s: Tensor,
-    entropy: Tensor | None,
-    g_lp: Tensor,
-    g_h: Tensor | None,
-    tau: float,
-) -> None:
-    """Add the restricted rows' gradient (``coefficients``) into ``grad`` (``[T,
+def sparse_grad(grad: Tensor, sp: Sparse, coef: Tensor) -> None:
+    """Add the elements' gradient ``coef`` (``coefficients``) into ``grad`` (``[T,
     V_local]``, contiguous). One ``index_add_`` of ``E`` values."""
-    coef = coefficients(sp, x, big_m, log_s, entropy, g_lp, g_h, tau)
     grad.view(-1).index_add_(0, sp.row * grad.shape[1] + sp.col, coef.to(grad.dtype))
 
 
