@@ -353,7 +353,6 @@ class _Blocks(NamedTuple):
     """Support elements sorted by their local column, with each vocabulary block's
     range among them (host ints, one read of ``V_local / V_block + 1`` values)."""
 
-    order: Tensor
     col: Tensor
     row: Tensor
     coef: Tensor
@@ -365,10 +364,9 @@ def _by_block(sp: Sparse, coef: Tensor, vocab: int, block: int) -> _Blocks:
     sort past the last block)."""
     key = torch.where(sp.member, sp.col, vocab)
     order = torch.argsort(key)
-    edges = torch.arange(0, vocab + 1, block, device=key.device)
-    edges = torch.cat([edges[edges < vocab], edges.new_full((1,), vocab)])
+    edges = torch.tensor([*range(0, vocab, block), vocab], device=key.device)
     bounds = torch.searchsorted(key[order], edges).tolist()
-    return _Blocks(order, sp.col[order], sp.row[order], coef[order], bounds)
+    return _Blocks(sp.col[order], sp.row[order], coef[order], bounds)
 
 
 def _add_elements(
