@@ -24,6 +24,8 @@ from cpslice import (
     response_log_probs_from_hidden,
 )
 
+from tests.checked import refused
+
 from .test_linear import grad_close, value_atol
 from .test_support import Sets, _tp_sets, cases, csr, reference
 
@@ -148,7 +150,7 @@ def test_rows_with_a_set_compute_no_logits_row_and_the_weight_gradient_is_rounde
 def test_response_path_takes_the_sets_of_its_rows() -> None:
     """``response_log_probs_from_hidden(..., support=)`` equals ``response_log_probs`` on
     the materialized logits with the same support, per rank of a zigzag CP 2 layout,
-    values and gradients; a whole-tensor support of the wrong length is refused."""
+    values and gradients."""
     total, response, vocab = [9, 6, 12], [4, 0, 7], 17
     gen = torch.Generator().manual_seed(21)
     tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in total]
@@ -185,18 +187,30 @@ def test_response_path_takes_the_sets_of_its_rows() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
         torch.testing.assert_close(got[0][2], want[0][2], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(got[0][3], want[0][3], rtol=1e-10, atol=1e-12)
+
+
+def test_support_refusals_on_the_hidden_path() -> None:
+    """A whole-tensor support of the wrong length, an id outside the vocabulary (named
+    by the caller's row: sample 0's first response row is row 4) and a bad
+    ``entropy_over`` are refused before any work."""
+    total, response, vocab = [9, 6, 12], [4, 0, 7], 17
+    tokens = [torch.zeros(n, dtype=torch.int64) for n in total]
+    weight = torch.randn(vocab, H)
     layout = Layout(total, response)
-    hidden = pack(hiddens, layout)
+    hidden = torch.randn(sum(total), H)
     short = Support(torch.zeros(0, dtype=torch.int64), torch.zeros(sum(total), dtype=torch.int64))
-    with pytest.raises(LayoutError, match=f"support has {sum(total) - 1} rows but hidden has {sum(total)}"):
+    with refused(LayoutError, f"support has {sum(total) - 1} rows but hidden has {sum(total)}"):
         response_log_probs_from_hidden(hidden, weight, tokens, layout, support=short)
     far = Support.from_responses([torch.full((r,), vocab + 2) for r in response],
                                  [torch.arange(r + 1) for r in response], layout)
-    with pytest.raises(LayoutError, match=rf"support row 4: id {vocab + 2} is outside the vocabulary"):
+    with refused(LayoutError, rf"support row 4: id {vocab + 2} is outside the vocabulary"):
         response_log_probs_from_hidden(hidden, weight, tokens, layout, support=far)
-    with pytest.raises(LayoutError, match="entropy_over='all' is not one of"):
+    with refused(LayoutError, "entropy_over='all' is not one of"):
         linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
                                      support=far, entropy_over="all")  # type: ignore[call-overload]
+    with refused(TypeError, "support must be a cpslice.Support or None, got list"):
+        linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+                                     support=[[1]])  # type: ignore[call-overload]
 
 
 # (T, V_local, temperature, with_entropy, entropy_over, chunk); run on test_logprob_tp's ranks
