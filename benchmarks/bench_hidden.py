@@ -23,7 +23,7 @@ warm-up (at least one), as wall time and as the process's CPU time (steadier whe
 other work shares the machine).
 
 Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]
-[--methods cpslice,materialized] [--repeat N]``
+[--methods cpslice,materialized] [--repeat N] [--bf16-matmul-in-float32]``
 """
 
 import argparse
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,7 +81,45 @@ def _step(method: str, hidden: Tensor, weight: Tensor, targets: Tensor, g: tuple
     hidden.grad = weight.grad = None
 
 
-def _child(method: str, dtype_name: str, t: int, h: int, v: int, repeat: int) -> Result:
+def _mm_in_float32(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """``out = a @ b`` (bfloat16) from float32 matmuls of ``[512, K] x [K, 1024]`` blocks:
+    the float32 copies stay a few MiB, whatever the operands' size."""
+    for i in range(0, a.shape[0], 512):
+        rows = a[i : i + 512].float()
+        for j in range(0, b.shape[1], 1024):
+            out[i : i + 512, j : j + 1024] = rows @ b[:, j : j + 1024].float()
+    return out
+
+
+class _Bf16MatmulInFloat32(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every bfloat16 ``mm``/``addmm`` computed by float32 matmuls, rounded to bfloat16:
+    the same output tensor (dtype, shape), plus transient float32 copies of operand
+    blocks of a few MiB (``_mm_in_float32``). For CPUs whose bfloat16 matmul is
+    emulated (0.5 GFLOP/s on this machine's AVX2 cores against 72 for float32: hours
+    for one method at the full size)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.mm, torch.ops.aten.addmm) and args[-1].dtype == torch.bfloat16 and not kwargs:
+            a, b = args[-2], args[-1]
+            out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+            _mm_in_float32(a, b, out)
+            if packet is torch.ops.aten.addmm:
+                out.copy_(args[0].float() + out.float())
+            return out
+        return func(*args, **kwargs)
+
+
+def _child(
+    method: str, dtype_name: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool = False
+) -> Result:
+    if bf16_in_f32:
+        with _Bf16MatmulInFloat32():
+            return _child(method, dtype_name, t, h, v, repeat)
     import cpslice  # noqa: F401  (imported before the baseline: its modules are not the step's memory)
 
     dtype = getattr(torch, dtype_name)
@@ -106,8 +145,11 @@ def _child(method: str, dtype_name: str, t: int, h: int, v: int, repeat: int) ->
     return Result(method, dtype_name, t, h, v, peak / (t * v * 4), 1e3 * wall, 1e3 * cpu_s)
 
 
-def _in_subprocess(method: str, dtype: str, t: int, h: int, v: int, repeat: int) -> Result:
-    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(h), str(v), str(repeat)]
+def _in_subprocess(
+    method: str, dtype: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool
+) -> Result:
+    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(h), str(v), str(repeat),
+           str(int(bf16_in_f32))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"),
          os.environ.get("PYTHONPATH", "")])}
@@ -118,12 +160,12 @@ def _in_subprocess(method: str, dtype: str, t: int, h: int, v: int, repeat: int)
 
 def run(
     quick: bool = False, dtype: str = "float32", repeat: int = 3,
-    methods: Sequence[str] = METHODS,
+    methods: Sequence[str] = METHODS, bf16_in_f32: bool = False,
 ) -> list[Result]:
     """One Result per method, each measured in a fresh subprocess (``run(quick)`` as
     the other benchmarks)."""
     t, h, v = (2048, 256, 16384) if quick else (4096, 1024, 32768)
-    return [_in_subprocess(m, dtype, t, h, v, repeat) for m in methods]
+    return [_in_subprocess(m, dtype, t, h, v, repeat, bf16_in_f32) for m in methods]
 
 
 def report(results: Sequence[Result], say: Callable[[str], None] = print) -> None:
@@ -152,19 +194,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated, cpslice first (bfloat16 matmuls are slow on "
                              "CPUs without native bfloat16: minutes per method)")
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--bf16-matmul-in-float32", action="store_true",
+                        help="compute bfloat16 matmuls as float32 ones rounded to bfloat16 "
+                             "(same tensors plus transient float32 copies: peak memory an "
+                             "upper bound; times are not bfloat16 times)")
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        method, dtype, t, h, v, repeat = args.child
+        method, dtype, t, h, v, repeat, bf16_in_f32 = args.child
         if method not in METHODS:
             parser.error(f"unknown method {method!r}; one of {', '.join(METHODS)}")
-        r = _child(method, dtype, int(t), int(h), int(v), int(repeat))
+        r = _child(method, dtype, int(t), int(h), int(v), int(repeat), bf16_in_f32 == "1")
         print(json.dumps(r.__dict__))
         return 0
     methods = args.methods.split(",")
     if methods[0] != "cpslice" or not set(methods) <= set(METHODS):
         parser.error(f"--methods: cpslice first, then any of {', '.join(METHODS[1:])}")
-    report(run(args.quick, args.dtype, args.repeat, methods))
+    if args.bf16_matmul_in_float32:
+        print("bfloat16 matmuls computed in float32 and rounded: peak memory an upper bound, "
+              "times not bfloat16 times")
+    report(run(args.quick, args.dtype, args.repeat, methods, args.bf16_matmul_in_float32))
     return 0
 
 
