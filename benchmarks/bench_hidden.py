@@ -33,13 +33,13 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,45 +81,36 @@ def _step(method: str, hidden: Tensor, weight: Tensor, targets: Tensor, g: tuple
     hidden.grad = weight.grad = None
 
 
-def _mm_in_float32(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
-    """``out = a @ b`` (bfloat16) from float32 matmuls of ``[512, K] x [K, 1024]`` blocks:
-    the float32 copies stay a few MiB, whatever the operands' size."""
-    for i in range(0, a.shape[0], 512):
-        rows = a[i : i + 512].float()
-        for j in range(0, b.shape[1], 1024):
-            out[i : i + 512, j : j + 1024] = rows @ b[:, j : j + 1024].float()
-    return out
+def _bf16_matmul_in_float32() -> torch.library.Library:
+    """Replace the CPU ``aten::mm`` kernel for this process: a bfloat16 product is
+    computed by float32 matmuls of ``[512, K] x [K, 1024]`` operand blocks and rounded
+    to bfloat16 (the same output tensor, plus float32 copies of a few MiB); other
+    dtypes go through ``bmm``. For CPUs whose bfloat16 matmul is emulated (0.5 GFLOP/s
+    on this machine's AVX2 cores against 72 for float32: hours for one method at the
+    full size). A kernel override, not a Python dispatch mode: under a dispatch mode
+    ``torch.compile`` runs nothing compiled. Keep the returned library alive."""
 
+    def mm(a: Tensor, b: Tensor) -> Tensor:
+        if a.dtype != torch.bfloat16:
+            return torch.bmm(a[None], b[None])[0]
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+        for i in range(0, a.shape[0], 512):
+            rows = a[i : i + 512].float()[None]
+            for j in range(0, b.shape[1], 1024):
+                out[i : i + 512, j : j + 1024] = torch.bmm(rows, b[:, j : j + 1024].float()[None])[0]
+        return out
 
-class _Bf16MatmulInFloat32(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Every bfloat16 ``mm``/``addmm`` computed by float32 matmuls, rounded to bfloat16:
-    the same output tensor (dtype, shape), plus transient float32 copies of operand
-    blocks of a few MiB (``_mm_in_float32``). For CPUs whose bfloat16 matmul is
-    emulated (0.5 GFLOP/s on this machine's AVX2 cores against 72 for float32: hours
-    for one method at the full size)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in (torch.ops.aten.mm, torch.ops.aten.addmm) and args[-1].dtype == torch.bfloat16 and not kwargs:
-            a, b = args[-2], args[-1]
-            out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
-            _mm_in_float32(a, b, out)
-            if packet is torch.ops.aten.addmm:
-                out.copy_(args[0].float() + out.float())
-            return out
-        return func(*args, **kwargs)
+    lib = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+        lib.impl("mm", mm, "CPU")  # type: ignore[no-untyped-call]
+    return lib
 
 
 def _child(
     method: str, dtype_name: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool = False
 ) -> Result:
-    if bf16_in_f32:
-        with _Bf16MatmulInFloat32():
-            return _child(method, dtype_name, t, h, v, repeat)
+    override = _bf16_matmul_in_float32() if bf16_in_f32 else None  # noqa: F841 (kept alive)
     import cpslice  # noqa: F401  (imported before the baseline: its modules are not the step's memory)
 
     dtype = getattr(torch, dtype_name)
