@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,8 +27,10 @@ from cpslice import (
 
 from tests.checked import refused
 
+from .oracle import Config, local_length
+from .strategies import configs
 from .test_linear import grad_close, value_atol
-from .test_support import Sets, _tp_sets, cases, csr, reference
+from .test_support import Sets, _response_sets, _tp_sets, cases, csr, reference
 
 H = 5
 
@@ -147,46 +150,48 @@ def test_rows_with_a_set_compute_no_logits_row_and_the_weight_gradient_is_rounde
             assert max(spy.float32) <= most < v * H, sorted(spy.float32)[-3:]
 
 
-def test_response_path_takes_the_sets_of_its_rows() -> None:
-    """``response_log_probs_from_hidden(..., support=)`` equals ``response_log_probs`` on
-    the materialized logits with the same support, per rank of a zigzag CP 2 layout,
-    values and gradients."""
-    total, response, vocab = [9, 6, 12], [4, 0, 7], 17
-    gen = torch.Generator().manual_seed(21)
-    tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in total]
-    hiddens = [torch.randn(n, H, generator=gen, dtype=torch.float64) for n in total]
+@settings(max_examples=10, deadline=None)
+@given(configs(max_cp=4), st.integers(0, 2**31 - 1), st.sampled_from(["full", "support"]))
+def test_response_path_takes_the_sets_of_its_rows(cfg: Config, seed: int, over: str) -> None:
+    """Over random layouts (padding, empty responses, ranks holding nothing):
+    ``response_log_probs_from_hidden(..., support=)`` on each rank equals
+    ``response_log_probs`` on its materialized logits with the same whole-tensor
+    support, values and the gradients of hidden and weight."""
+    vocab = 30
+    _, ids, offsets = _response_sets(cfg, seed, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in cfg.total]
     weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64)
-    per = [[torch.randperm(vocab, generator=gen)[: int(k)].tolist() for k in torch.randint(0, 4, (r,), generator=gen)]
-           for r in response]
-    ids = [torch.tensor([i for s in sample for i in s], dtype=torch.int64) for sample in per]
-    offsets = [torch.tensor([0] + [len(s) for s in sample]).cumsum(0) for sample in per]
-    for rank in range(2):
-        layout = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=2)
+    length = local_length(cfg)
+    for rank in range(cfg.cp):
+        layout = cfg.layout(rank).with_local_length(length)
         support = Support.from_responses(ids, offsets, layout)
-        got: list[tuple[list[Tensor], list[Tensor], Tensor | None, Tensor | None]] = []
-        want: list[tuple[list[Tensor], list[Tensor], Tensor | None, Tensor | None]] = []
+        base = torch.randn(length, H, generator=gen, dtype=torch.float64)
+        got = []
         for path in ("hidden", "logits"):
-            hidden = pack(hiddens, layout).requires_grad_(True)
-            w = weight.clone().requires_grad_(True)
+            hidden, w = base.clone().requires_grad_(True), weight.clone().requires_grad_(True)
             if path == "hidden":
-                lp, ent = response_log_probs_from_hidden(
+                lp, ent = response_log_probs_from_hidden(  # type: ignore[call-overload]
                     hidden, w, tokens, layout, with_entropy=True, temperature=0.7, chunk_size=3,
-                    support=support, entropy_over="support",
+                    support=support, entropy_over=over,
                 )
             else:
-                lp, ent = response_log_probs(
+                lp, ent = response_log_probs(  # type: ignore[call-overload]
                     hidden @ w.T, tokens, layout, with_entropy=True, temperature=0.7,
-                    support=support, entropy_over="support",
+                    support=support, entropy_over=over,
                 )
+            # (no samples: the zero term keeps the loss in the graph)
             loss = sum((x.sum() * (1 + i) + 0.5 * y.sum() for i, (x, y) in enumerate(zip(lp, ent))),
-                       torch.zeros((), dtype=torch.float64))
+                       0 * (hidden.sum() + w.sum()))
             torch.autograd.backward(loss)
-            (got if path == "hidden" else want).append((lp, ent, hidden.grad, w.grad))
-        for a, b in zip(got[0][0] + got[0][1], want[0][0] + want[0][1]):
-            assert a.shape == b.shape and a.grad_fn is not None
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-        torch.testing.assert_close(got[0][2], want[0][2], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(got[0][3], want[0][3], rtol=1e-10, atol=1e-12)
+            got.append((lp + ent, hidden.grad, w.grad))
+        (shares, dh, dw), (want, want_dh, want_dw) = got
+        assert [x.shape for x in shares] == [x.shape for x in want]
+        for x, y in zip(shares, want):
+            assert x.grad_fn is not None  # empty shares too: in the graph
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dh, want_dh, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dw, want_dw, rtol=1e-10, atol=1e-12)
 
 
 def test_support_refusals_on_the_hidden_path() -> None:
