@@ -23,7 +23,7 @@ warm-up (at least one), as wall time and as the process's CPU time (steadier whe
 other work shares the machine).
 
 Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]
-[--methods cpslice,materialized] [--repeat N] [--bf16-matmul-in-float32]``
+[--methods cpslice,materialized] [--repeat N] [--bf16-matmul-in-float32] [--device cuda]``
 """
 
 import argparse
@@ -108,39 +108,48 @@ def _bf16_matmul_in_float32() -> torch.library.Library:
 
 
 def _child(
-    method: str, dtype_name: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool = False
+    method: str, dtype_name: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool = False,
+    device: str = "cpu",
 ) -> Result:
     override = _bf16_matmul_in_float32() if bf16_in_f32 else None  # noqa: F841 (kept alive)
     import cpslice  # noqa: F401  (imported before the baseline: its modules are not the step's memory)
 
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
-    hidden = torch.randn(t, h).to(dtype).requires_grad_(True)
-    weight = (torch.randn(v, h) / h**0.5).to(dtype).requires_grad_(True)
-    targets = torch.randint(0, v, (t,))
-    g = (torch.randn(t), torch.randn(t))
+    hidden = torch.randn(t, h).to(device, dtype).requires_grad_(True)
+    weight = (torch.randn(v, h) / h**0.5).to(device, dtype).requires_grad_(True)
+    targets = torch.randint(0, v, (t,)).to(device)
+    g = (torch.randn(t).to(device), torch.randn(t).to(device))
     grads = (t * h + v * h) * hidden.element_size()
+    cuda = hidden.device.type == "cuda"
     _step(method, hidden, weight, targets, g)  # warm-up: lazy imports, compiled kernels
     times = []
     for i in range(max(repeat, 1)):
-        if i == 0:
+        if i == 0 and cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        elif i == 0:
             _reset_peak()
             base = _rss_bytes()
         start, cpu = time.perf_counter(), time.process_time()
         _step(method, hidden, weight, targets, g)
+        if cuda:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start, time.process_time() - cpu))
         if i == 0:
-            peak = _peak_bytes() - base - grads
+            top = torch.cuda.max_memory_allocated() if cuda else _peak_bytes()
+            peak = top - base - grads
     wall = statistics.median(w for w, _ in times)
     cpu_s = statistics.median(c for _, c in times)
     return Result(method, dtype_name, t, h, v, peak / (t * v * 4), 1e3 * wall, 1e3 * cpu_s)
 
 
 def _in_subprocess(
-    method: str, dtype: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool
+    method: str, dtype: str, t: int, h: int, v: int, repeat: int, bf16_in_f32: bool, device: str
 ) -> Result:
     cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(h), str(v), str(repeat),
-           str(int(bf16_in_f32))]
+           str(int(bf16_in_f32)), device]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"),
          os.environ.get("PYTHONPATH", "")])}
@@ -151,12 +160,12 @@ def _in_subprocess(
 
 def run(
     quick: bool = False, dtype: str = "float32", repeat: int = 3,
-    methods: Sequence[str] = METHODS, bf16_in_f32: bool = False,
+    methods: Sequence[str] = METHODS, bf16_in_f32: bool = False, device: str = "cpu",
 ) -> list[Result]:
     """One Result per method, each measured in a fresh subprocess (``run(quick)`` as
     the other benchmarks)."""
     t, h, v = (2048, 256, 16384) if quick else (4096, 1024, 32768)
-    return [_in_subprocess(m, dtype, t, h, v, repeat, bf16_in_f32) for m in methods]
+    return [_in_subprocess(m, dtype, t, h, v, repeat, bf16_in_f32, device) for m in methods]
 
 
 def report(results: Sequence[Result], say: Callable[[str], None] = print) -> None:
@@ -189,13 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compute bfloat16 matmuls as float32 ones rounded to bfloat16 "
                              "(same tensors plus transient float32 copies: peak memory an "
                              "upper bound; times are not bfloat16 times)")
-    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda: peak memory from torch.cuda.max_memory_allocated "
+                             "(beyond the allocated bytes before the step), synchronized times")
+    parser.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        method, dtype, t, h, v, repeat, bf16_in_f32 = args.child
+        method, dtype, t, h, v, repeat, bf16_in_f32, device = args.child
         if method not in METHODS:
             parser.error(f"unknown method {method!r}; one of {', '.join(METHODS)}")
-        r = _child(method, dtype, int(t), int(h), int(v), int(repeat), bf16_in_f32 == "1")
+        r = _child(method, dtype, int(t), int(h), int(v), int(repeat), bf16_in_f32 == "1", device)
         print(json.dumps(r.__dict__))
         return 0
     methods = args.methods.split(",")
@@ -204,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bf16_matmul_in_float32:
         print("bfloat16 matmuls computed in float32 and rounded: peak memory an upper bound, "
               "times not bfloat16 times")
-    report(run(args.quick, args.dtype, args.repeat, methods, args.bf16_matmul_in_float32))
+    report(run(args.quick, args.dtype, args.repeat, methods, args.bf16_matmul_in_float32,
+               args.device))
     return 0
 
 
