@@ -104,3 +104,19 @@ def destroy_megatron() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+_TP_GROUPS: list[tuple[Any, int, int]] = []
+
+
+def tp_groups(rank: int, world: int) -> list[tuple[Any, int, int]]:
+    """``(group, tp size, rank in it)`` for the vocabulary-parallel workers: the whole
+    world, then, in a world of 4, the two TP-2 subgroups ``[0, 1]`` and ``[2, 3]`` (the
+    rank offset comes from the group rank). Made once per process: every worker of one
+    spawn shares them (``new_group`` is collective and must be entered by all ranks)."""
+    if not _TP_GROUPS:
+        _TP_GROUPS.append((dist.group.WORLD, world, rank))
+        if world == 4:
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            _TP_GROUPS.append((pairs[rank // 2], 2, rank % 2))
+    return list(_TP_GROUPS)

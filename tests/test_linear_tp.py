@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ._dist import tp_groups
 from .test_linear import grad_close, reference, value_atol
 from .test_linear_support import tp_cases
 
@@ -84,10 +85,7 @@ def _worker(rank: int, world: int) -> list[tuple[int, int]]:
 
     _logprob._all_gather = counted("all_gather", _logprob._all_gather)
     _linear._all_reduce = counted("all_reduce", _linear._all_reduce)
-    done = [(world, _run_cases(dist.group.WORLD, world, rank, calls))]
-    # TP 2 inside the world of 4: the rank offset comes from the group rank.
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    done.append((2, _run_cases(groups[rank // 2], 2, rank % 2, calls)))
+    done = [(tp, _run_cases(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     dist.barrier()
     return done
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from ._dist import run_distributed
+from ._dist import run_distributed, tp_groups
 from .test_logprob import EPS32, grad_atol, reference, tolerance
 
 # (T, V_local, temperature, with_entropy, entropy_grad, dtype, chunk_size)
@@ -106,11 +106,8 @@ def _worker(rank: int, world: int) -> list[tuple[int, int]]:
         return real(*args, **kwargs)
 
     _logprob._all_gather = counting
-    done = [(world, _run_cases(dist.group.WORLD, world, rank, calls))]
+    done = [(tp, _run_cases(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     if world == 4:
-        # TP 2 inside a world of 4: two groups, the rank offset comes from the group rank.
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        done.append((2, _run_cases(groups[rank // 2], 2, rank % 2, calls)))
         # The compiled kernels on the same ranks (raises on a mismatch).
         from .test_kernels import compiled_tp_cases
 

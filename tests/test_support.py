@@ -18,6 +18,7 @@ from torch import Tensor
 from cpslice import Layout, LayoutError, Support, log_probs_and_entropy, pack, response_log_probs
 from cpslice import shard_responses as cp_shard
 
+from ._dist import tp_groups
 from .oracle import Config, local_length, local_map
 from .strategies import configs
 from .test_logprob import EPS32, grad_atol, tolerance
@@ -272,9 +273,7 @@ def _tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
         return real(*args, **kwargs)
 
     _logprob._all_gather = counting
-    done = [(world, _run_tp(dist.group.WORLD, world, rank, calls))]
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    done.append((2, _run_tp(groups[rank // 2], 2, rank % 2, calls)))
+    done = [(tp, _run_tp(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     # an id beyond tp_size * V_local is refused before any collective
     with pytest.raises(LayoutError, match=rf"support row 0: id {world * 3} is outside"):
         log_probs_and_entropy(torch.zeros(1, 3), torch.tensor([0]), tp_group=dist.group.WORLD,
