@@ -273,7 +273,10 @@ def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
     assert "hg" not in _vma_flags(small.data_ptr())
 
 
-@pytest.mark.parametrize(("dtype", "value_rel", "grad_rel"), [(torch.float32, 2.0**-18, 1e-5), (torch.bfloat16, 2.0**-7, 3e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "value_rel", "grad_rel"),
+    [(torch.float32, 2.0**-18, 1e-5), (torch.bfloat16, 2.0**-7, 3e-2)],
+)
 def test_hidden_state_path_runs_the_compiled_kernels(
     dtype: torch.dtype, value_rel: float, grad_rel: float, use: Use, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,11 +20,9 @@ from cpslice import (
     LayoutError,
     Support,
     linear_log_probs_and_entropy,
-    pack,
     response_log_probs,
     response_log_probs_from_hidden,
 )
-
 from tests.checked import refused
 
 from .oracle import Config, local_length

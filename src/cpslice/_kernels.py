@@ -24,8 +24,9 @@ power of two ``<= T`` in the same way. A new ``T`` therefore compiles nothing ne
 each (kernel, dtype, V_local, chunk rows, device type) is compiled once per process,
 in a code object of its own so that dynamo's per-function recompile limit never
 silently turns a variant eager. Temperature, TP offset and per-row coefficients are
-tensor inputs (the target column never enters a kernel); ``chunk_stats`` always computes ``A`` (with or without entropy: one
-variant, the extra multiply-add is free in a fused loop).
+tensor inputs (the target column never enters a kernel); ``chunk_stats`` always
+computes ``A`` (with or without entropy: one variant, the extra multiply-add is free
+in a fused loop).
 
 The compiled functions carry no jaxtyping annotations and are excluded from the
 debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch code.
