@@ -18,8 +18,8 @@ allocator's free heap is returned to the system and the peak RSS reset (as
 ``bench_logprob`` does); peak memory is the growth of the peak RSS (``VmHWM``) during
 the next forward + backward beyond the RSS before it, less the two gradients (``[T,
 H]`` and ``[V, H]`` in the inputs' dtype, which every method must produce), in units
-of one float32 ``[T, V]`` buffer. Time is the median of ``--repeat`` runs after the
-warm-up (at least one), as wall time and as the process's CPU time (steadier when
+of one float32 ``[T, V]`` buffer. Time is the median of ``--repeat`` further runs (at
+least one), as wall time and as the process's CPU time (steadier when
 other work shares the machine).
 
 Run: ``.venv/bin/python -m benchmarks.bench_hidden [--dtype bfloat16] [--quick]
@@ -43,7 +43,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import _peak_bytes, _reset_peak, _rss_bytes  # noqa: E402
+from benchmarks.bench_logprob import peak_growth  # noqa: E402
 
 METHODS = ("cpslice", "materialized", "naive")
 TEMPERATURE = 0.9
@@ -122,24 +122,25 @@ def _child(
     g = (torch.randn(t).to(device), torch.randn(t).to(device))
     grads = (t * h + v * h) * hidden.element_size()
     cuda = hidden.device.type == "cuda"
-    _step(method, hidden, weight, targets, g)  # warm-up: lazy imports, compiled kernels
-    times = []
-    for i in range(max(repeat, 1)):
-        if i == 0 and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        elif i == 0:
-            _reset_peak()
-            base = _rss_bytes()
-        start, cpu = time.perf_counter(), time.process_time()
+
+    def step() -> None:
         _step(method, hidden, weight, targets, g)
         if cuda:
             torch.cuda.synchronize()
+
+    step()  # warm-up: lazy imports, compiled kernels
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        peak = torch.cuda.max_memory_allocated() - base - grads
+    else:
+        peak = peak_growth(step) - grads
+    times = []
+    for _ in range(max(repeat, 1)):
+        start, cpu = time.perf_counter(), time.process_time()
+        step()
         times.append((time.perf_counter() - start, time.process_time() - cpu))
-        if i == 0:
-            top = torch.cuda.max_memory_allocated() if cuda else _peak_bytes()
-            peak = top - base - grads
     wall = statistics.median(w for w, _ in times)
     cpu_s = statistics.median(c for _, c in times)
     return Result(method, dtype_name, t, h, v, peak / (t * v * 4), 1e3 * wall, 1e3 * cpu_s)

@@ -92,6 +92,15 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def peak_growth(step: Callable[[], object]) -> int:
+    """Bytes the peak RSS grows by during one ``step()`` beyond the RSS before it (the
+    free heap returned and the peak reset first: ``_reset_peak``)."""
+    _reset_peak()
+    base = _rss_bytes()
+    step()
+    return _peak_bytes() - base
+
+
 class _SavedSoftmax(torch.autograd.Function):
     """The usual fused kernel: one forward, the softmax saved for backward."""
 
@@ -213,10 +222,7 @@ def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
 
     first = timed()
     prepare(logits)
-    _reset_peak()
-    base = _rss_bytes()
-    step(logits, targets, g)
-    peak = _peak_bytes() - base
+    peak = peak_growth(lambda: step(logits, targets, g))
     times = [timed() for _ in range(repeat)]
     buffer = t * v * logits.element_size()
     return Result(method, dtype_name, t, v, peak / buffer, 1e3 * statistics.median(times),

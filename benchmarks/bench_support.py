@@ -42,7 +42,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import _peak_bytes, _reset_peak, _rss_bytes  # noqa: E402
+from benchmarks.bench_logprob import peak_growth  # noqa: E402
 
 METHODS = ("support", "support+H", "slime", "slime+H", "unrestricted", "unrestricted+H")
 TEMPERATURE = 0.9
@@ -115,10 +115,7 @@ def _child(method: str, t: int, v: int, repeat: int, threads: int) -> Result:
     # one warm-up step first: the first call's one-time costs (lazy imports, the
     # allocator's first pages) are not the method's memory
     _step(method, logits, targets, ids, offsets, g)
-    _reset_peak()
-    base = _rss_bytes()
-    _step(method, logits, targets, ids, offsets, g)
-    peak = _peak_bytes() - base
+    peak = peak_growth(lambda: _step(method, logits, targets, ids, offsets, g))
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
