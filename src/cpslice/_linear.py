@@ -47,12 +47,11 @@ from ._logprob import (
     _local_stats,
     _local_targets,
     _pieces,
-    _Restricted,
+    backward_terms,
     check_sets,
-    coefficients,
     finish,
     probs_and_factor,
-    split_restricted,
+    save_outputs,
 )
 from ._pack import response_rows, shifted_targets
 from ._plan import resolve_length
@@ -223,18 +222,11 @@ class _LinearLogProbEntropy(torch.autograd.Function):
             stats, sp_part, targets, world * vocab, tau, with_entropy, tp_group
         )
 
-        ctx.set_materialize_grads(False)
-        ctx.restricted = restricted
-        ctx.entropy_over_support = entropy_over_support
-        ctx.tau, ctx.offset, ctx.chunk, ctx.tp_group = tau, rank * vocab, chunk, tp_group
-        ctx.entropy_grad = entropy is not None and entropy_grad
-        if entropy is not None and not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        if ctx.entropy_grad:
-            assert entropy is not None
-            ctx.save_for_backward(hidden, weight, targets, big_m, log_s, entropy)
-        else:
-            ctx.save_for_backward(hidden, weight, targets, big_m, log_s)
+        save_outputs(
+            ctx, (hidden, weight, targets), big_m, log_s, entropy, entropy_grad, restricted,
+            entropy_over_support, tau, rank * vocab,
+        )
+        ctx.chunk, ctx.tp_group = chunk, tp_group
         return log_p, entropy
 
     @staticmethod
@@ -251,20 +243,13 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         none = (None,) * 8
         if not (want_h or want_w):
             return (None, None, *none)
-        if not ctx.entropy_grad:
-            g_entropy = None
         rows, vocab = hidden.shape[0], weight.shape[0]
         dtype, cdt = hidden.dtype, _compute_dtype(hidden.dtype)
-        column, owned = _local_targets(targets, ctx.offset, vocab)
-        g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
-        restricted: _Restricted | None = ctx.restricted
-        g_lp, g_entropy, g_lp_u, g_h_u, runs = split_restricted(
-            restricted, g_lp, g_entropy, ctx.entropy_over_support, chunk
+        terms = backward_terms(
+            ctx, targets, log_s, saved[5] if len(saved) > 5 else None, g_logp, g_entropy,
+            vocab, cdt, chunk,
         )
-        onehot = torch.where(owned, g_lp / tau, 0.0)
-        # H may be a placeholder where a row's set took its entropy gradient
-        h = None if g_entropy is None else saved[5]
-        a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
+        column, onehot, a, b, runs = terms.column, terms.onehot, terms.a, terms.b, terms.runs
         # Sums over vocabulary blocks and support elements in the compute dtype: the
         # hidden gradient in a [T, H] accumulator (the gradient itself in float32), the
         # weight gradient one [V_block, H] block at a time, each rounded once.
@@ -273,10 +258,10 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         tile_rows, tile_cols = _tiles(rows, vocab, chunk)
         pieces = _pieces([(0, rows)] if runs is None else runs, tile_rows)
         sp_blocks = None
-        if restricted is not None:
-            sp, sp_x, m_u, s_u, h_u = restricted
-            assert g_lp_u is not None
-            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+        if ctx.restricted is not None:
+            sp, sp_x, m_u, s_u, h_u = ctx.restricted
+            assert terms.g_lp_u is not None
+            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, terms.g_lp_u, terms.g_h_u, tau)
             if acc_h is not None:
                 for s, e in _blocks(coef.numel(), _element_rows(hidden.shape[1])):
                     part = coef[s:e, None] * weight[sp.col[s:e]].to(cdt)

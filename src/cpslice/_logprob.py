@@ -21,7 +21,7 @@ The per-chunk work runs eagerly here or through the compiled chunk kernels of
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -388,6 +388,75 @@ def check_sets(
     return _support.check_support(support, rows, vocab_total, what)
 
 
+def save_outputs(
+    ctx: Any,
+    inputs: tuple[Tensor, ...],
+    big_m: PerRow,
+    log_s: PerRow,
+    entropy: PerRow | None,
+    entropy_grad: bool,
+    restricted: _Restricted | None,
+    entropy_over_support: bool,
+    tau: float,
+    offset: int,
+) -> None:
+    """What both log-prob Functions' backward reads (``backward_terms``): the tensors
+    ``(*inputs, M, log S[, H])`` (H only when its gradient is wanted, else the entropy
+    is marked non-differentiable) and the sets, temperature and shard offset."""
+    ctx.set_materialize_grads(False)
+    ctx.restricted = restricted
+    ctx.entropy_over_support = entropy_over_support
+    ctx.tau, ctx.offset = tau, offset
+    ctx.entropy_grad = entropy is not None and entropy_grad
+    if entropy is not None and not entropy_grad:
+        ctx.mark_non_differentiable(entropy)
+    ctx.save_for_backward(*inputs, big_m, log_s, *((entropy,) if ctx.entropy_grad else ()))
+
+
+class _Terms(NamedTuple):
+    """The per-row terms of a backward pass: each row's target column in the shard and
+    its one-hot coefficient (0 where the shard does not own the target), the dense
+    coefficients ``(a, b)`` of ``coefficients``, the restricted rows' upstream
+    gradients (None without sets) and the rows that need the dense pass (None: all)."""
+
+    column: Targets
+    onehot: PerRow
+    a: PerRow | None
+    b: PerRow
+    g_lp_u: PerRow | None
+    g_h_u: PerRow | None
+    runs: list[tuple[int, int]] | None
+
+
+def backward_terms(
+    ctx: Any,
+    targets: Targets,
+    log_s: PerRow,
+    entropy: PerRow | None,
+    g_logp: PerRow | None,
+    g_entropy: PerRow | None,
+    vocab: int,
+    cdt: torch.dtype,
+    gap: int,
+) -> _Terms:
+    """``_Terms`` from the upstream gradients and what ``save_outputs`` kept
+    (``entropy`` the saved H, None when it was not saved); ``gap`` merges dense runs
+    closer than it (``_support.dense_runs``)."""
+    tau: float = ctx.tau
+    if not ctx.entropy_grad:
+        g_entropy = None
+    column, owned = _local_targets(targets, ctx.offset, vocab)
+    g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
+    restricted: _Restricted | None = ctx.restricted
+    g_lp, g_entropy, g_lp_u, g_h_u, runs = split_restricted(
+        restricted, g_lp, g_entropy, ctx.entropy_over_support, gap
+    )
+    # H may be a placeholder where a row's set took its entropy gradient
+    h = None if g_entropy is None else entropy
+    a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
+    return _Terms(column, torch.where(owned, g_lp / tau, 0.0), a, b, g_lp_u, g_h_u, runs)
+
+
 class _LogProbEntropy(torch.autograd.Function):
     """Forward: chunked statistics and one all-gather under TP. Backward: no
     communication; the gradient is written once into one ``[T, V_local]`` buffer."""
@@ -432,18 +501,11 @@ class _LogProbEntropy(torch.autograd.Function):
             stats, sp_part, targets, world * vocab, tau, with_entropy, tp_group
         )
 
-        ctx.set_materialize_grads(False)
-        ctx.restricted = restricted
-        ctx.entropy_over_support = entropy_over_support
-        ctx.tau, ctx.offset, ctx.chunk = tau, rank * vocab, chunk_size
-        ctx.entropy_grad = entropy is not None and entropy_grad
-        if entropy is not None and not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        if ctx.entropy_grad:
-            assert entropy is not None
-            ctx.save_for_backward(logits, targets, big_m, log_s, entropy)
-        else:
-            ctx.save_for_backward(logits, targets, big_m, log_s)
+        save_outputs(
+            ctx, (logits, targets), big_m, log_s, entropy, entropy_grad, restricted,
+            entropy_over_support, tau, rank * vocab,
+        )
+        ctx.chunk = chunk_size
         return log_p, entropy
 
     @staticmethod
@@ -458,24 +520,17 @@ class _LogProbEntropy(torch.autograd.Function):
         nones = (None,) * 8
         if not ctx.needs_input_grad[0]:
             return (None, *nones)
-        if not ctx.entropy_grad:
-            g_entropy = None
         rows, vocab = logits.shape
         cdt = _compute_dtype(logits.dtype)
-        column, owned = _local_targets(targets, ctx.offset, vocab)
-        g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(cdt)
-        restricted: _Restricted | None = ctx.restricted
-        g_lp, g_entropy, g_lp_u, g_h_u, runs = split_restricted(
-            restricted, g_lp, g_entropy, ctx.entropy_over_support, chunk
+        terms = backward_terms(
+            ctx, targets, log_s, saved[4] if len(saved) > 4 else None, g_logp, g_entropy,
+            vocab, cdt, chunk,
         )
-        onehot = torch.where(owned, g_lp / tau, 0.0)[:, None]
-        # H may be a placeholder where a row's set took its entropy gradient
-        h = None if g_entropy is None else saved[4]
-        a, b = coefficients(g_lp, g_entropy, h, tau, cdt, placeholders=restricted is not None)
-        runs = [(0, rows)] if runs is None else runs
+        column, onehot, a, b = terms.column, terms.onehot, terms.a, terms.b
+        runs = [(0, rows)] if terms.runs is None else terms.runs
         covered = sum(hi - lo for lo, hi in runs) == rows
         grad = _kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
-        hot = None if g_logp is None else onehot[:, 0]
+        hot = None if g_logp is None else onehot
         # the compiled kernels write every row: only when every row needs the dense pass
         if covered and _kernels.grad(
             logits, big_m, log_s, tau, a, b, column, hot, compiled_chunk, grad
@@ -494,13 +549,13 @@ class _LogProbEntropy(torch.autograd.Function):
             out = grad[s:e] if grad.dtype == cdt else p
             torch.mul(p, factor, out=out)
             if g_logp is not None:
-                out.scatter_add_(1, column[s:e, None], onehot[s:e].to(out.dtype))
+                out.scatter_add_(1, column[s:e, None], onehot[s:e, None].to(out.dtype))
             if out is p:
                 grad[s:e].copy_(p)
-        if restricted is not None:
-            sp, sp_x, m_u, s_u, h_u = restricted
-            assert g_lp_u is not None
-            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, g_lp_u, g_h_u, tau)
+        if ctx.restricted is not None:
+            sp, sp_x, m_u, s_u, h_u = ctx.restricted
+            assert terms.g_lp_u is not None
+            coef = _support.coefficients(sp, sp_x, m_u, s_u, h_u, terms.g_lp_u, terms.g_h_u, tau)
             _support.sparse_grad(grad, sp, coef)
         return (grad, *nones)
 
