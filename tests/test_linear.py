@@ -388,3 +388,21 @@ def test_default_linear_chunk_rows() -> None:
 
     assert default_linear_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
     assert default_linear_chunk_rows(10**9) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 3, None])
+def test_a_row_sure_of_its_target_gets_exactly_zero_gradient(chunk: int | None) -> None:
+    """With one vocabulary entry every log-prob and entropy is 0 and so is every
+    gradient: exactly, only if backward recomputes bit for bit the logits forward took
+    the max and the sum of (a matmul of another shape rounds differently)."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(40, 5, generator=gen) * 4).requires_grad_(True)
+    weight = torch.randn(1, 5, generator=gen).requires_grad_(True)
+    logp, entropy = linear_log_probs_and_entropy(
+        hidden, weight, torch.zeros(40, dtype=torch.int64), with_entropy=True, temperature=0.5,
+        chunk_size=chunk,
+    )
+    torch.autograd.backward((logp * torch.randn(40, generator=gen)).sum() + entropy.sum())
+    assert not logp.any() and not entropy.any()
+    assert hidden.grad is not None and weight.grad is not None
+    assert not hidden.grad.any() and not weight.grad.any()

@@ -1,13 +1,16 @@
 """Log-probs and entropy straight from the final hidden states and the LM-head weight.
 
-``logits = hidden @ weight.T`` is never built whole. Forward computes each row chunk's
-logits, reduces them to the per-row statistics of ``_logprob`` (its chunk kernels,
-compiled where ``CPSLICE_COMPILE`` says so) and drops them; ``_logprob.finish`` (one
-all-gather of the ``[k, T]`` statistics) gives the global ``M``, ``log S``, log-probs
-and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
-Backward walks ``[rows, V_block]`` tiles, vocabulary block by vocabulary block:
-each tile's logits are recomputed, turned into the tile's logit gradient ``G`` (the
-same kernels as ``_logprob``'s backward) and multiplied out at once:
+``logits = hidden @ weight.T`` is never built whole. Both passes walk ``[rows,
+V_block]`` tiles (``_tiles``). Forward computes each tile's logits, reduces them to the
+per-row statistics of ``_logprob`` (its chunk kernels, compiled where
+``CPSLICE_COMPILE`` says so), merges those of a row's vocabulary blocks (``_merge``)
+and drops the logits; ``_logprob.finish`` (one all-gather of the ``[k, T]``
+statistics) gives the global ``M``, ``log S``, log-probs and entropy, exactly as
+``log_probs_and_entropy`` on the materialized logits. Backward walks the same tiles
+vocabulary block by vocabulary block: each tile's logits are recomputed by the same
+matmul, so bit for bit those the statistics came from (a row sure of its target gets
+a gradient of exactly 0), turned into the tile's logit gradient ``G`` (the same
+kernels as ``_logprob``'s backward) and multiplied out at once:
 
     d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
     d weight[block] = sum over tiles of G.T @ hidden[rows]   (written once per block)
@@ -23,6 +26,7 @@ tile unless the full entropy is asked for, and their gradient reaches ``d hidden
 and each block of ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, cast, overload
 
@@ -62,14 +66,13 @@ from ._types import AnyShare, HeadWeight, Hidden, PerRow, Share, Targets
 _all_reduce: Callable[..., object] = dist.all_reduce
 
 # Rows per chunk when chunk_size is None: one float32 [rows, V_local] block holds about
-# this many bytes. Larger than the logits path's chunks (CHUNK_BYTES, CPU_CHUNK_BYTES):
-# each chunk runs a [rows, H] x [H, V_local] matmul, and a matmul of few rows is slow
-# (measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one
-# whole matmul, 256-row chunks 1.2x). Forward and backward each hold about three such
-# blocks at a time.
+# this many bytes; a tile (_tiles) holds half as many elements. Larger than the logits
+# path's chunks (CHUNK_BYTES, CPU_CHUNK_BYTES): each tile runs a matmul, and a matmul
+# of few rows is slow (measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks
+# 3.1x the time of one whole matmul, 256-row chunks 1.2x).
 LINEAR_CHUNK_BYTES = 32 * 2**20
 TILE_ROWS = 2048
-"""Backward tiles span at least this many rows (all rows if fewer): see ``_tiles``."""
+"""Tiles span at least this many rows (all rows if fewer): see ``_tiles``."""
 ELEMENT_BYTES = 16 * 2**20
 """Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
 
@@ -138,8 +141,8 @@ def _check_linear(
 
 
 def _tiles(rows: int, vocab: int, chunk: int) -> tuple[int, int]:
-    """``(rows, columns)`` of a backward tile: half as many elements as one forward
-    chunk (``chunk * vocab``; a backward tile holds more buffers: its logits, its
+    """``(rows, columns)`` of a tile, forward and backward: half as many elements as one
+    chunk of ``chunk`` rows (``chunk * vocab``; a backward tile holds its logits, its
     gradient and the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows
     (all of them if fewer), so that a tile's weight-gradient block sums many rows in
     one matmul."""
@@ -211,13 +214,24 @@ class _LinearLogProbEntropy(torch.autograd.Function):
                 stats[2] = torch.where(owned, sp_x[sp_x.numel() - rows :], 0.0)
                 if with_entropy:
                     stats[3] = 0.0
-        compiled_chunk = _kernels.compiled_chunk_rows(vocab, hidden.dtype, hidden.device)
-        for s, e in _pieces(runs, chunk):
-            logits = torch.mm(hidden[s:e], weight.t())
-            stats[:, s:e] = _local_stats(
-                logits, column[s:e], owned[s:e], tau, with_entropy, e - s, compiled_chunk
-            )
-            del logits
+        tile_rows, tile_cols = _tiles(rows, vocab, chunk)
+        pieces = _pieces(runs, tile_rows)
+        compiled_chunk = _kernels.compiled_chunk_rows(tile_cols, hidden.dtype, hidden.device)
+        blocks = _blocks(vocab, tile_cols)
+        for s, e in pieces:
+            merged = None
+            for v0, v1 in blocks:
+                # the same [rows, V_block] tiles, by the same matmuls, as backward: its
+                # recomputed logits are these bit for bit, so the gradient's p and the
+                # forward's max and sum agree (a row sure of its target gets exactly 0)
+                x = torch.mm(hidden[s:e], weight[v0:v1].t())
+                own_b = owned[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
+                col_b = torch.where(own_b, column[s:e] - v0, 0)
+                part = _local_stats(x, col_b, own_b, tau, with_entropy, e - s, compiled_chunk)
+                del x
+                merged = part if merged is None else _merge(torch.stack([merged, part]), tau, with_entropy)
+            assert merged is not None
+            stats[:, s:e] = merged
         big_m, log_s, log_p, entropy, restricted = finish(
             stats, sp_part, targets, world * vocab, tau, with_entropy, tp_group
         )
@@ -226,7 +240,7 @@ class _LinearLogProbEntropy(torch.autograd.Function):
             ctx, (hidden, weight, targets), big_m, log_s, entropy, entropy_grad, restricted,
             entropy_over_support, tau, rank * vocab,
         )
-        ctx.chunk, ctx.tp_group = chunk, tp_group
+        ctx.chunk, ctx.tp_group, ctx.pieces = chunk, tp_group, pieces
         return log_p, entropy
 
     @staticmethod
@@ -256,7 +270,9 @@ class _LinearLogProbEntropy(torch.autograd.Function):
         acc_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
         tile_rows, tile_cols = _tiles(rows, vocab, chunk)
-        pieces = _pieces([(0, rows)] if runs is None else runs, tile_rows)
+        # forward's tiles (see there) that hold a row needing the dense pass
+        need = [(0, rows)] if runs is None else runs
+        pieces = [(s, e) for s, e in ctx.pieces if any(lo < e and s < hi for lo, hi in need)]
         sp_blocks = None
         if ctx.restricted is not None:
             sp, sp_x, m_u, s_u, h_u = ctx.restricted
@@ -316,6 +332,23 @@ class _LinearLogProbEntropy(torch.autograd.Function):
                 # hidden is the same on every TP rank; its gradient is the sum of the shards'.
                 _all_reduce(grad_h, group=tp_group)
         return grad_h, grad_w, *none
+
+
+def _merge(parts: Tensor, tau: float, with_entropy: bool) -> Tensor:
+    """``[k, n]``: the statistics of ``_local_stats`` over the union of the vocabulary
+    blocks whose statistics ``parts`` (``[B, k, n]``) holds: the max, the sum of exp
+    relative to it (rescaled as ``_combine`` rescales the shards'), the owned target
+    logit (at most one block owns it) and, with entropy, the sum of exp * exponent. A
+    row that is -inf in every block keeps ``_local_stats``' ``(-inf, 0, ., 0)``."""
+    m, s = parts[:, 0], parts[:, 1]
+    big_m = m.amax(0)
+    delta = (m - torch.where(big_m == -math.inf, 0.0, big_m)) / tau
+    scale = torch.exp(delta)
+    merged = [big_m, (scale * s).sum(0), parts[:, 2].sum(0)]
+    if with_entropy:
+        # a block with S = 0 (all -inf) adds nothing; delta * S would be -inf * 0
+        merged.append(torch.where(s > 0, scale * (parts[:, 3] + delta * s), 0.0).sum(0))
+    return torch.stack(merged)
 
 
 def _eager_tile(
@@ -438,10 +471,11 @@ def linear_log_probs_and_entropy(
         targets, with_entropy, entropy_grad, temperature, tp_group, support,
             entropy_over: as ``log_probs_and_entropy`` (a support's rows are the ``T``
             rows of ``hidden``; each set element's logit is ``hidden[t] . weight[id]``).
-        chunk_size: rows per forward chunk; None picks
-            ``default_linear_chunk_rows(V_local)``: one float32 ``[rows, V_local]``
-            block within 32 MiB. Backward tiles hold half as many elements, over at
-            least ``TILE_ROWS`` rows (all rows if fewer).
+        chunk_size: sizes the tiles, forward and backward: each holds half the
+            elements of ``chunk_size`` rows of ``V_local`` columns, over at least
+            ``TILE_ROWS`` rows (all rows if fewer). None picks
+            ``default_linear_chunk_rows(V_local)``: ``chunk_size`` rows of float32
+            within 32 MiB.
 
     Returns:
         ``(log_probs, entropy)`` as ``log_probs_and_entropy`` on the materialized logits
@@ -450,12 +484,12 @@ def linear_log_probs_and_entropy(
         ``weight``'s gradient is this shard's; ``hidden``'s is the *full* gradient,
         summed over the TP group, so everything below the head gets correct gradients.
         Memory beyond the inputs and their gradients: ``[T]`` statistics and a few
-        ``[chunk, V_local]`` blocks (the chunk's logits and work buffers) in forward;
-        in backward a few tiles, a float32 ``[T, H]`` sum of the hidden gradient
-        (bfloat16/float16 inputs) and one float32 ``[V_block, H]`` block of the
-        weight gradient at a time, never a float32 ``[V_local, H]`` copy; with a
-        support ``O(K + T)`` more and ``[n, H]`` pieces of its elements. Backward
-        recomputes the logits (one more matmul).
+        tiles (a tile's logits and work buffers) in forward; in backward a few
+        tiles, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
+        inputs) and one float32 ``[V_block, H]`` block of the weight gradient at a
+        time, never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
+        more and ``[n, H]`` pieces of its elements. Backward recomputes the logits
+        (one more matmul).
 
     Collectives: with ``tp_group``, one ``all_gather`` of the ``[k, T]`` statistics in
     forward (as ``log_probs_and_entropy``) and, when ``hidden`` needs a gradient, one
