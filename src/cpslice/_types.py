@@ -1,4 +1,4 @@
-"""Shape aliases and the checked-at-run-time argument types, in one place.
+"""Shape aliases, the public functions' argument types and the compute dtype, in one place.
 
 mypy sees every jaxtyping alias as plain ``torch.Tensor``; in debug mode
 (``CPSLICE_DEBUG=1``) beartype checks dtype and shape, with dimension names
@@ -6,10 +6,14 @@ bound across the arguments and the result of one call.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex
+from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex, TypeAlias
 
+import torch
 from jaxtyping import Float, Int64, Shaped
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ._support import Support
 
 # Per-position tensors of one rank: dimension 0 is the local length ``t``.
 Values = Float[Tensor, "t *rest"]
@@ -32,22 +36,39 @@ HeadWeight = Float[Tensor, "v h"]
 QkvFormat = Literal["thd", "bshd"]
 CpMode = Literal["none", "zigzag", "allgather"]
 Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
+EntropyOver = Literal["full", "support"]
 
+# The public functions' arguments, for the type checker: what a caller may pass. At run
+# time (debug mode's beartype) each is ``object``: the function's own validation
+# (``_checks``) refuses a wrong one with a TypeError or LayoutError that names the
+# argument, the sample and the rule, where a beartype error raised first would say less.
+# So every entry point accepts the same integers (int, numpy integers, anything with
+# ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1.
 if TYPE_CHECKING:
-    Lengths = Sequence[SupportsIndex]
+    TensorArg = Tensor
     IntArg = SupportsIndex
     RealArg = SupportsFloat
+    ChunkArg = SupportsIndex | None
+    Lengths = Sequence[SupportsIndex]
     # ``cu_seqlens_padded``: a list of ints or an integer tensor, on any device.
     Boundaries = Sequence[SupportsIndex] | Tensor
     FormatArg = QkvFormat
     ModeArg = CpMode
+    EntropyOverArg = EntropyOver
+    SupportArg: TypeAlias = "Support | None"
+    # ``Support.from_responses``: per sample, a 1-D integer tensor or a list of ints.
+    IdsArg = Sequence[Tensor] | Sequence[Sequence[SupportsIndex]]
+    # The reducers': per-sample shares and whole masks, and the denominators.
+    Shares = Sequence[Share]
+    Masks = Sequence[AnyShare]
+    Denominators = Tensor | Sequence[SupportsFloat] | None
 else:
-    # At run time these arguments are checked by Layout's own validation, whose
-    # LayoutError names the sample, the value and the rule; a beartype error
-    # raised first would say less.
-    Lengths = object
-    IntArg = object
-    RealArg = object
-    Boundaries = object
-    FormatArg = object
-    ModeArg = object
+    TensorArg = IntArg = RealArg = ChunkArg = Lengths = Boundaries = object
+    FormatArg = ModeArg = EntropyOverArg = SupportArg = IdsArg = object
+    Shares = Masks = Denominators = object
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype cpslice computes and accumulates in for inputs of ``dtype``: float64 for
+    float64, float32 for every other dtype (bfloat16 and float16 sums would stall)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
