@@ -99,7 +99,7 @@ def _bandwidth(device: str) -> float:
 def _logprob_floor(device: str) -> None:
     """Eager and compiled kernels against the bandwidth floor: one read of the logits in
     forward, one read and one gradient write in backward, at T = 32768, V = 151936 / tp."""
-    from cpslice import _kernels
+    from cpslice._vocab import kernels as _kernels
 
     bw = _bandwidth(device)
     print(f"device copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -384,7 +384,7 @@ def test_response_from_hidden_refuses_and_keeps_the_entropy_none() -> None:
 
 
 def test_default_linear_chunk_rows() -> None:
-    from cpslice._linear import default_linear_chunk_rows
+    from cpslice._vocab.hidden import default_linear_chunk_rows
 
     assert default_linear_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
     assert default_linear_chunk_rows(10**9) == 1

@@ -72,7 +72,7 @@ def _run_cases(group: Any, tp: int, tp_rank: int, calls: dict[str, int]) -> int:
 def _worker(rank: int, world: int) -> list[tuple[int, int]]:
     import torch.distributed as dist
 
-    from cpslice import _linear, _logprob
+    from cpslice._vocab import hidden, stats
 
     calls = {"all_gather": 0, "all_reduce": 0}
 
@@ -83,8 +83,8 @@ def _worker(rank: int, world: int) -> list[tuple[int, int]]:
 
         return call
 
-    _logprob._all_gather = counted("all_gather", _logprob._all_gather)
-    _linear._all_reduce = counted("all_reduce", _linear._all_reduce)
+    stats._all_gather = counted("all_gather", stats._all_gather)
+    hidden._all_reduce = counted("all_reduce", hidden._all_reduce)
     done = [(tp, _run_cases(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     dist.barrier()
     return done

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from cpslice import LayoutError, log_probs_and_entropy
-from cpslice._logprob import _apply, default_chunk_rows
+from cpslice._vocab.engine import Options
+from cpslice._vocab.kernels import default_chunk_rows
+from cpslice._vocab.logits import apply
 from tests.checked import refused
 
 PROPS = settings(max_examples=40, deadline=None)
@@ -282,7 +284,7 @@ def test_caller_logits_never_modified_non_contiguous() -> None:
 def test_out_of_range_target_off_the_cpu_check_is_nan() -> None:
     # The eager check runs only for CPU targets; past it (as on a GPU) the row is NaN.
     logits = torch.randn(3, 5)
-    logp, entropy = _apply(logits, torch.tensor([0, 5, -1]), True, True, 1.0, None, 2)
+    logp, entropy = apply(logits, torch.tensor([0, 5, -1]), Options(True, True, 1.0, None, 2, None, False))
     assert not math.isnan(float(logp[0]))
     assert math.isnan(float(logp[1])) and math.isnan(float(logp[2]))
     assert entropy is not None and torch.isfinite(entropy).all()

@@ -96,16 +96,16 @@ def _run_cases(group: Any, tp: int, tp_rank: int, calls: list[int]) -> int:
 def _worker(rank: int, world: int) -> list[tuple[int, int]]:
     import torch.distributed as dist
 
-    from cpslice import _logprob
+    from cpslice._vocab import stats
 
     calls: list[int] = []
-    real = _logprob._all_gather
+    real = stats._all_gather
 
     def counting(*args: Any, **kwargs: Any) -> object:
         calls.append(1)
         return real(*args, **kwargs)
 
-    _logprob._all_gather = counting
+    stats._all_gather = counting
     done = [(tp, _run_cases(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     if world == 4:
         # The compiled kernels on the same ranks (raises on a mismatch).
@@ -127,17 +127,17 @@ def _all_paths(rank: int, world: int) -> dict[str, list[tuple[int, int]]]:
     """Every vocabulary-parallel check on one spawned world (a spawn costs ~15 s here):
     the logits path, the logits path under supports (test_support), and the hidden-state
     path (test_linear_tp), each counting its own collectives."""
-    from cpslice import _linear, _logprob
+    from cpslice._vocab import hidden, stats
 
     from .test_linear_tp import _worker as linear_worker
     from .test_support import _tp_worker as support_worker
 
-    real = (_logprob._all_gather, _linear._all_reduce)
+    real = (stats._all_gather, hidden._all_reduce)
     out = {}
     for name, worker in (("logprob", _worker), ("support", support_worker),
                          ("linear", linear_worker)):
         out[name] = worker(rank, world)
-        _logprob._all_gather, _linear._all_reduce = real
+        stats._all_gather, hidden._all_reduce = real
     return out
 
 

@@ -150,7 +150,7 @@ def test_float64_and_bfloat16(case: dict[str, Any]) -> None:
 
 def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every row has a set: without entropy no chunk of the full vocabulary is read."""
-    from cpslice import _logprob
+    from cpslice._vocab import kernels
 
     gen = torch.Generator().manual_seed(3)
     t, v = 9, 50
@@ -158,14 +158,14 @@ def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch:
     targets = torch.randint(0, v, (t,), generator=gen)
     sets = [torch.randperm(v, generator=gen)[: 1 + r % 5].tolist() for r in range(t)]
     pieces: list[list[tuple[int, int]]] = []
-    real = _logprob._pieces
+    real = kernels.pieces
 
     def spy(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
         out = real(runs, chunk)
         pieces.append(out)
         return out
 
-    monkeypatch.setattr(_logprob, "_pieces", spy)
+    monkeypatch.setattr(kernels, "pieces", spy)
     for chunk in (1, 2, 4):
         pieces.clear()
         check({"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
@@ -263,16 +263,16 @@ def _run_tp(group: Any, tp: int, tp_rank: int, calls: list[int]) -> int:
 def _tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
     import torch.distributed as dist
 
-    from cpslice import _logprob
+    from cpslice._vocab import stats
 
     calls: list[int] = []
-    real = _logprob._all_gather
+    real = stats._all_gather
 
     def counting(*args: Any, **kwargs: Any) -> object:
         calls.append(1)
         return real(*args, **kwargs)
 
-    _logprob._all_gather = counting
+    stats._all_gather = counting
     done = [(tp, _run_tp(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
     # an id beyond tp_size * V_local is refused before any collective
     with pytest.raises(LayoutError, match=rf"support row 0: id {world * 3} is outside"):
@@ -479,8 +479,9 @@ print("ok")
 def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() -> None:
     """On a device the range check would cost a sync: the row's log-prob is NaN instead
     (the kernel is called directly here, past the CPU check)."""
-    from cpslice._logprob import _apply
+    from cpslice._vocab.engine import Options
+    from cpslice._vocab.logits import apply
 
     logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])
-    lp, _ = _apply(logits, targets, False, True, 1.0, None, 2, csr([[1], [9], []]), False)
+    lp, _ = apply(logits, targets, Options(False, True, 1.0, None, 2, csr([[1], [9], []]), False))
     assert not bool(lp[1].isfinite()) and bool(lp[[0, 2]].isfinite().all())

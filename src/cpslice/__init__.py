@@ -22,9 +22,6 @@ from ._extract import extract_responses as extract_responses
 from ._extract import extraction_strategy as extraction_strategy
 from ._extract import shard_responses as shard_responses
 from ._layout import Layout as Layout
-from ._linear import linear_log_probs_and_entropy as linear_log_probs_and_entropy
-from ._linear import response_log_probs_from_hidden as response_log_probs_from_hidden
-from ._logprob import log_probs_and_entropy as log_probs_and_entropy
 from ._pack import ResponseRows as ResponseRows
 from ._pack import pack as pack
 from ._pack import response_rows as response_rows
@@ -35,8 +32,11 @@ from ._reduce import sample_means as sample_means
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
 from ._response import response_log_probs as response_log_probs
+from ._response import response_log_probs_from_hidden as response_log_probs_from_hidden
 from ._support import Support as Support
 from ._types import Strategy as Strategy
+from ._vocab.hidden import linear_log_probs_and_entropy as linear_log_probs_and_entropy
+from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
 
 if _hook is not None:
     _hook.uninstall()

@@ -36,7 +36,8 @@ def strategy(layout: Layout) -> Strategy:
     return "none-thd" if layout.qkv_format == "thd" else "none-bshd"
 
 
-def _excl_cumsum(x: Tensor) -> Tensor:
+def exclusive_cumsum(x: Tensor) -> Tensor:
+    """``[0, x_0, x_0 + x_1, ...]``: where each of back-to-back pieces of sizes ``x`` starts."""
     return torch.cumsum(x, 0) - x
 
 
@@ -48,7 +49,7 @@ def _lengths(layout: Layout) -> tuple[Tensor, Tensor]:
 
 def packed_offsets(layout: Layout) -> Tensor:
     """``off_i = L_0 + ... + L_{i-1}``: where sample ``i`` starts when samples are concatenated."""
-    return _excl_cumsum(_lengths(layout)[0])
+    return exclusive_cumsum(_lengths(layout)[0])
 
 
 def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
@@ -57,7 +58,7 @@ def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
     responses back to back: ``R_0 + ... + R_{i-1} + p - (P_i - 1)``."""
     total, response = _lengths(layout)
     base = response - total + 1  # -(P_i - 1)
-    return base + _excl_cumsum(response) if concatenated else base
+    return base + exclusive_cumsum(response) if concatenated else base
 
 
 def _extent(layout: Layout) -> Tensor:
@@ -156,18 +157,18 @@ def runs(layout: Layout, length: int) -> Runs:
     total, _ = _lengths(layout)
     extent = _extent(layout)  # W_i: every rule reads it where a sample's extent goes
     if layout.cp_mode == "none":  # thd and bshd alike: rows of W_i, back to back
-        return Runs(1, _excl_cumsum(extent), torch.zeros_like(total), total, extent)
+        return Runs(1, exclusive_cumsum(extent), torch.zeros_like(total), total, extent)
     c, r = layout.cp_size, layout.cp_rank
     if layout.cp_mode == "zigzag":
         chunk = torch.div(extent, 2 * c, rounding_mode="floor")
-        block = _excl_cumsum(2 * chunk)
+        block = exclusive_cumsum(2 * chunk)
         local = torch.stack([block, block + chunk], 1)
         start = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1)
         size = torch.minimum(chunk.unsqueeze(1), (total.unsqueeze(1) - start).clamp_min(0))
         width = torch.repeat_interleave(chunk, 2)
         return Runs(2, local.reshape(-1), start.reshape(-1), size.reshape(-1), width)
     # allgather: the stream of padded samples, cut into pieces of `length`.
-    offset = _excl_cumsum(extent)
+    offset = exclusive_cumsum(extent)
     lo = offset.clamp_min(r * length)
     hi = (offset + total).clamp_max((r + 1) * length)
     end = (offset + extent).clamp_max((r + 1) * length)
@@ -203,7 +204,7 @@ class Selection(NamedTuple):
     def expand(self, first: Tensor) -> Tensor:
         """``first[run] + 0, 1, ..., run_count[run] - 1`` for every run, concatenated."""
         total = int(self.rows.numel())
-        step = torch.repeat_interleave(first - _excl_cumsum(self.run_count), self.run_count)
+        step = torch.repeat_interleave(first - exclusive_cumsum(self.run_count), self.run_count)
         return step + torch.arange(total, dtype=_I64)
 
 
@@ -215,7 +216,7 @@ def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor) -> Selection:
     count = (torch.minimum(rs.start + rs.length, hi_r) - first).clamp_min(0)
     first_row = rs.local + (first - rs.start)
     total = int(count.sum())
-    shift = _excl_cumsum(count)
+    shift = exclusive_cumsum(count)
     arange = torch.arange(total, dtype=_I64)
     rows = torch.repeat_interleave(first_row - shift, count, output_size=total) + arange
     positions = torch.repeat_interleave(first - shift, count, output_size=total) + arange

@@ -10,7 +10,7 @@ would otherwise stall where the spacing of bfloat16 numbers exceeds each addend.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -22,18 +22,9 @@ from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
 from ._plan import resolve_length, response_base, selection
-from ._types import AnyShare, Share
+from ._types import Denominators, Masks, Shares, compute_dtype
 
 _I64 = torch.int64
-
-if TYPE_CHECKING:
-    Shares = Sequence[Share]
-    Masks = Sequence[AnyShare]
-    Denominators = Tensor | Sequence[float] | None
-else:
-    # Checked by the reducers themselves, whose TypeError/LayoutError names the
-    # argument and the sample; a checker error raised first would say less.
-    Shares = Masks = Denominators = object
 
 PerSample = Float[Tensor, " n"]
 Scalar = Float[Tensor, ""]
@@ -61,11 +52,6 @@ def _index(layout: Layout, device: torch.device) -> _Index:
     return _Index(
         list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device)
     )
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 values, float32 for every other floating dtype."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_shares(values: object, layout: Layout) -> list[Tensor]:
@@ -146,7 +132,7 @@ def _sums(values: object, loss_masks: object, layout: Layout) -> _Sums:
         empty = torch.zeros(0)
         return _Sums(empty, empty, empty.dtype)
     dtype = shares[0].dtype
-    acc = accumulation_dtype(dtype)
+    acc = compute_dtype(dtype)
     device = shares[0].device
     index = _index(layout, device)
     flat = torch.cat(shares).to(acc)

@@ -1,25 +1,11 @@
-"""Per-row token sets (top-p / top-k replay) and their sparse arithmetic.
+"""Per-row token sets (top-p / top-k replay): the ``Support`` record, built from a layout.
 
-A row ``t`` with a non-empty set ``S_t`` takes its log-prob (and, on request, its
-entropy) under ``softmax(logits / tau)`` restricted to ``U_t = S_t + {target_t}``.
-Everything here costs ``O(K + T)`` for ``K = sum |S_t|``: the logits are read at the
-set's ids (one gather), never masked or copied. The rows of ``U_t`` are the ``K`` set
-elements plus one *candidate* per row, the target, which counts only where it is not
-already in ``S_t``. On each TP shard the restricted max and sum of exp over the ids it
-owns are combined across shards exactly like the full-vocabulary statistics (see
-``_logprob``), in the same all-gather. With ``q`` the restricted distribution, ``H_u``
-its entropy and ``log q_t`` the target's log-prob, the gradient w.r.t. a logit ``x_j``
-of ``U_t`` is
-
-    d log q_t / d x_j = (onehot_j - q_j) / tau
-    d H_u / d x_j     = -q_j (log q_j + H_u) / tau
-
-and zero outside ``U_t``: a scatter of ``O(K + T)`` values into the gradient.
+A ``Support`` is the layout side of the sets: which ids each local row keeps, in CSR
+form, checked once and read by the vocabulary functions' token-set driver
+(``_vocab.sparse``), which does their arithmetic.
 """
 
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,24 +13,10 @@ from torch import Tensor
 from . import _checks as checks
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, response_base, selection
+from ._plan import exclusive_cumsum, resolve_length, response_base, selection
+from ._types import IdsArg, TensorArg
 
 _I64 = torch.int64
-# As in _logprob: exp() of anything below is 0; clamping turns 0 * -inf into 0.
-_FLOOR = -1.0e4
-
-if TYPE_CHECKING:
-    TensorArg = Tensor
-    IdsArg = Sequence[Tensor] | Sequence[Sequence[int]]
-else:
-    # Checked by the constructors, whose errors name the argument, the row and the
-    # rule; a beartype error raised first would say less.
-    TensorArg = object
-    IdsArg = object
-
-
-def _excl_cumsum(x: Tensor) -> Tensor:
-    return torch.cumsum(x, 0) - x
 
 
 def _first_duplicate(ids: Tensor, row: Tensor) -> int | None:
@@ -187,12 +159,12 @@ class Support:
                 raise LayoutError(f"sample {i}: ids[{i}] is on {x.device}, ids[0] on {device}")
         id_len = torch.tensor([x.numel() for x in id_list], dtype=_I64)
         flat_off = torch.cat(off_list) if off_list else torch.zeros(0, dtype=_I64)
-        starts = _excl_cumsum(resp + 1)
+        starts = exclusive_cumsum(resp + 1)
         ends = starts + resp
         _check_offsets(flat_off, starts, ends, id_len, resp)
         flat_ids = torch.cat(id_list) if id_list else torch.zeros(0, dtype=_I64)
         # global[j]: where flat_off[j]'s set starts in flat_ids
-        glob = flat_off + torch.repeat_interleave(_excl_cumsum(id_len), resp + 1)
+        glob = flat_off + torch.repeat_interleave(exclusive_cumsum(id_len), resp + 1)
         _check_ids(flat_ids.to("cpu"), glob, starts, ends, resp)
         length = resolve_length(layout)
         sel = selection(layout, length, "response")
@@ -204,7 +176,7 @@ class Support:
         per_row = torch.zeros(length, dtype=_I64).index_put_((rows,), count)
         local_off = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(per_row, 0)])
         total = int(local_off[-1])
-        take = torch.repeat_interleave(lo - _excl_cumsum(count), count, output_size=total)
+        take = torch.repeat_interleave(lo - exclusive_cumsum(count), count, output_size=total)
         take = take + torch.arange(total, dtype=_I64)
         out = cls.__new__(cls)
         setattr_ = object.__setattr__
@@ -299,6 +271,11 @@ def _check_ids(flat_ids: Tensor, glob: Tensor, starts: Tensor, ends: Tensor, res
         )
 
 
+def host_offsets(support: Support) -> Tensor:
+    """The CPU copy of ``support.offsets`` its constructor read (no further device sync)."""
+    return support._host_offsets
+
+
 def check_support(support: object, rows: int, vocab_total: int, what: str = "logits") -> Support:
     """The support given to a log-prob function, checked against the ``[T]`` rows of
     ``what`` and the vocabulary (ids on the CPU only, where it costs no device sync)."""
@@ -319,7 +296,7 @@ def check_support(support: object, rows: int, vocab_total: int, what: str = "log
         bad = (ids >= vocab_total).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
-            row = int(torch.searchsorted(support._host_offsets, torch.tensor(k), right=True)) - 1
+            row = int(torch.searchsorted(host_offsets(support), torch.tensor(k), right=True)) - 1
             raise LayoutError(
                 f"support row {row}: id {int(ids[k])} is outside the vocabulary "
                 f"[0, {vocab_total}) ({bad.numel()} such ids)"
@@ -327,141 +304,11 @@ def check_support(support: object, rows: int, vocab_total: int, what: str = "log
     return support
 
 
-def dense_runs(need: Tensor, gap: int) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` covering every row where ``need`` (CPU bool ``[T]``) is
-    True; runs closer than ``gap`` rows are merged, so that a chunked pass over them
-    takes about as many chunks as the rows need."""
-    rows = need.numel()
-    if rows == 0 or bool(need.all()):
-        return [(0, rows)] if rows else []
-    edge = torch.nn.functional.pad(need.to(torch.int8), (1, 1)).diff()
-    starts, ends = (edge == 1).nonzero()[:, 0], (edge == -1).nonzero()[:, 0]
-    if starts.numel() == 0:
-        return []
-    keep = torch.ones_like(starts, dtype=torch.bool)
-    keep[1:] = starts[1:] - ends[:-1] >= gap
-    last = torch.ones_like(keep)
-    last[:-1] = keep[1:]
-    return list(zip(starts[keep].tolist(), ends[last].tolist()))
-
-
-class Sparse(NamedTuple):
-    """One call's restricted sets on one shard: ``E = K + T`` elements (the set ids,
-    then one target candidate per row); ``row``/``col`` locate each in the local logits
-    (``col`` 0 where not owned), ``member`` says it counts on this shard, ``is_target``
-    that it is the row's target; ``has_set`` is ``[T]``, ``host_has_set`` its CPU copy;
-    ``bad_row`` marks rows holding an id outside the vocabulary (their log-prob is NaN:
-    on a device, where checking would cost a sync, as for targets)."""
-
-    row: Tensor
-    col: Tensor
-    member: Tensor
-    is_target: Tensor
-    has_set: Tensor
-    host_has_set: Tensor
-    bad_row: Tensor
-
-
-def plan(support: Support, targets: Tensor, offset: int, vocab: int, vocab_total: int) -> Sparse:
-    """The elements of every row's ``S_t + {target_t}`` that the shard ``[offset,
-    offset + vocab)`` of ``[0, vocab_total)`` owns. ``O(K + T)``, no device sync."""
-    device = targets.device
-    rows = targets.numel()
-    ids = support.ids.to(device, non_blocking=True)
-    offsets = support.offsets.to(device, non_blocking=True)
-    counts = offsets.diff()
-    set_row = torch.repeat_interleave(
-        torch.arange(rows, device=device), counts, output_size=ids.numel()
-    )
-    has_set = counts > 0
-    hit = ids == targets[set_row]
-    in_set = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, hit.to(_I64)) > 0
-    arange = torch.arange(rows, device=device)
-    row = torch.cat([set_row, arange])
-    gid = torch.cat([ids, targets])
-    outside = ((ids < 0) | (ids >= vocab_total)).to(_I64)
-    bad_row = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, outside) > 0
-    local = gid - offset
-    owned = (local >= 0) & (local < vocab)
-    counted = torch.cat([torch.ones_like(hit), has_set & ~in_set])
-    return Sparse(
-        row,
-        torch.where(owned, local, 0),
-        owned & counted,
-        torch.cat([hit, torch.ones_like(has_set)]),
-        has_set,
-        support._host_offsets.diff() > 0,
-        bad_row,
-    )
-
-
-def sparse_stats(logits: Tensor, sp: Sparse, tau: float, with_entropy: bool, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``([k, T] statistics, [E] gathered logits)``: ``stats_of`` the logits at the
-    elements' ids (one gather)."""
-    x = logits[sp.row, sp.col].to(cdt)
-    return stats_of(x, sp, logits.shape[0], tau, with_entropy), x
-
-
-def stats_of(x: Tensor, sp: Sparse, rows: int, tau: float, with_entropy: bool) -> Tensor:
-    """``[k, T]``: from the ``[E]`` logits ``x`` of the elements, this shard's restricted
-    max, sum of exp relative to it and, with entropy, sum of exp * exponent (``k`` 3,
-    else 2). Rows without a set get the placeholders ``(0, 1, 0)``, the same on every
-    shard."""
-    xm = torch.where(sp.member, x, -math.inf)
-    m = torch.full((rows,), -math.inf, dtype=x.dtype, device=x.device)
-    m = m.scatter_reduce(0, sp.row, xm, "amax")
-    shift = torch.where(m == -math.inf, 0.0, m)
-    d = (xm - shift[sp.row]) / tau
-    if with_entropy:
-        d = d.clamp(min=_FLOOR)
-    e = torch.where(sp.member, torch.exp(d), 0.0)
-    stats = torch.zeros((3 if with_entropy else 2, rows), dtype=x.dtype, device=x.device)
-    stats[0] = torch.where(sp.has_set, m, 0.0)
-    stats[1].index_add_(0, sp.row, e)
-    stats[1] = torch.where(sp.has_set, stats[1], 1.0)
-    if with_entropy:
-        stats[2].index_add_(0, sp.row, e * d)
-    return stats
-
-
-def coefficients(
-    sp: Sparse,
-    x: Tensor,
-    big_m: Tensor,
-    log_s: Tensor,
-    entropy: Tensor | None,
-    g_lp: Tensor,
-    g_h: Tensor | None,
-    tau: float,
-) -> Tensor:
-    """``[E]``: the gradient w.r.t. each element's logit ``x`` of the restricted rows
-    (zero where the element does not count on this shard); ``g_lp``, ``g_h`` are the
-    upstream gradients of the restricted log-prob and entropy, zero on rows they do not
-    apply to."""
-    r = sp.row
-    log_q = (x - big_m[r]) / tau - log_s[r]
-    glp = g_lp[r]
-    if g_h is not None and entropy is not None:
-        log_q = log_q.clamp(min=_FLOOR)
-        q = torch.exp(log_q)
-        coef = -q * (glp + g_h[r] * (log_q + entropy[r]))
-    else:
-        coef = -torch.exp(log_q) * glp
-    coef = torch.where(sp.is_target, coef + glp, coef) / tau
-    return torch.where(sp.member, coef, 0.0)
-
-
-def sparse_grad(grad: Tensor, sp: Sparse, coef: Tensor) -> None:
-    """Add the elements' gradient ``coef`` (``coefficients``) into ``grad`` (``[T,
-    V_local]``, contiguous). One ``index_add_`` of ``E`` values."""
-    grad.view(-1).index_add_(0, sp.row * grad.shape[1] + sp.col, coef.to(grad.dtype))
-
-
 def take_rows(support: Support, rows: Tensor) -> Support:
     """The sets of the given rows (CPU int64 indices into ``support``'s rows, in any
     order), as a ``Support`` over ``len(rows)`` rows: for a function that computes only
     some rows (the response rows of ``response_log_probs_from_hidden``)."""
-    host = support._host_offsets
+    host = host_offsets(support)
     counts = host.diff()[rows]
     offsets = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(counts, 0)])
     k = int(offsets[-1])

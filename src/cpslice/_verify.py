@@ -436,9 +436,9 @@ def _rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
     if config.compile:
-        from . import _kernels
+        from ._vocab import kernels
 
-        _kernels.mode = "1"
+        kernels.mode = "1"
     where = {"case": -1, "cp_rank": -1}
     try:
         dist.init_process_group(

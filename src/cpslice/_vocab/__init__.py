@@ -1,0 +1,24 @@
+"""The vocabulary engine: per-row softmax statistics over a (tensor-parallel) vocabulary,
+from logits computed tile by tile, with gradients.
+
+One core and three drivers. The core defines the arithmetic of a row once; each driver
+computes its tiles of logits its own way and hands them to it:
+
+- ``stats``: the per-row statistics (``RowStats``: max, sum of exp, the picked ids'
+  logits, the entropy's sum), how blocks and TP shards merge (``merge``; the shards'
+  after one all-gather, ``combine``), the results (``Totals``), the gradient's per-row
+  terms (``RowGrad``), ``FLOOR``;
+- ``kernels``: the dense kernels over one ``[n, V]`` tile, eager or compiled
+  (``CPSLICE_COMPILE``): statistics forward, the gradient backward;
+- ``engine``: what every driver shares around its tiles: a call's ``Options``, the
+  all-gather and each row's result (``finish``), the ``Saved`` record, the backward's
+  ``row_terms``;
+- ``args``: the vocabulary functions' argument checks;
+- drivers: ``logits`` (row chunks of the logits: ``log_probs_and_entropy``),
+  ``hidden`` (``[rows, V_block]`` matmul tiles of ``hidden @ weight.T``:
+  ``linear_log_probs_and_entropy``), and ``sparse`` (the gathered elements of each
+  row's token set, ``Support``), which the other two call for rows with a set.
+
+Each public function's ``torch.autograd.Function`` is a thin shell over the driver's
+module-level ``forward`` and ``backward``.
+"""

@@ -1,0 +1,164 @@
+"""The vocabulary functions' argument checks, on ``_checks``' rules: a wrong kind is a
+``TypeError``, a wrong shape, value or range a ``LayoutError``; every message names the
+argument, the values and the rule. All run before any collective."""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _checks as checks
+from .._cache import boundary
+from .._errors import LayoutError
+from .._support import Support, check_support
+
+
+def chunk_size(value: object) -> int | None:
+    """``chunk_size``: None, or rows per chunk >= 1."""
+    if value is None:
+        return None
+    chunk = checks.integer("chunk_size", value)
+    if chunk < 1:
+        raise LayoutError(
+            f"chunk_size={chunk} is not allowed: it must be >= 1 (rows per "
+            "chunk), or None for the default (about CHUNK_BYTES of work buffers)"
+        )
+    return chunk
+
+
+def _targets_kind(value: object) -> Tensor:
+    targets_ = checks.tensor("targets", value, "a torch.Tensor [T] of int64 token ids")
+    if targets_.dtype != torch.int64:
+        raise TypeError(
+            f"targets has dtype {targets_.dtype}; pass int64 token ids (targets.long())"
+        )
+    return targets_
+
+
+def _targets_fit(shape: tuple[int, ...], device: torch.device, rows: int, at: torch.device, what: str) -> None:
+    if shape != (rows,):
+        raise LayoutError(
+            f"targets has shape {shape} but {what} has {rows} rows; targets "
+            f"must be [T] = [{rows}], one token id per row"
+        )
+    if device != at:
+        raise LayoutError(
+            f"targets is on {device} but {what} on {at}; put them on "
+            "the same device"
+        )
+
+
+def logits_and_targets(logits: object, targets: object) -> tuple[Tensor, Tensor]:
+    """``[T, V_local]`` floating-point logits with at least one column and ``[T]`` int64
+    token ids on their device."""
+    logits_ = checks.tensor("logits", logits, "a torch.Tensor [T, V_local]")
+    if not logits_.is_floating_point():
+        raise TypeError(
+            f"logits has dtype {logits_.dtype}; pass floating-point logits (float32 or "
+            "bfloat16; float16 and float64 are accepted too)"
+        )
+    targets_ = _targets_kind(targets)
+    if logits_.dim() != 2:
+        raise LayoutError(
+            f"logits has shape {tuple(logits_.shape)}; it must be 2-D [T, V_local] "
+            "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
+        )
+    if logits_.shape[1] == 0:
+        raise LayoutError(
+            f"logits has shape {tuple(logits_.shape)}: 0 vocabulary columns; a vocabulary "
+            "shard needs at least one"
+        )
+    _targets_fit(tuple(targets_.shape), targets_.device, logits_.shape[0], logits_.device, "logits")
+    return logits_, targets_
+
+
+def head_and_targets(hidden: object, weight: object, targets: object) -> tuple[Tensor, Tensor, Tensor]:
+    """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype on
+    one device, and ``[T]`` int64 token ids on it."""
+    hidden_, weight_ = head(hidden, weight)
+    rows = hidden_.shape[0]
+    if isinstance(targets, Tensor):
+        # the shape of int64 ids before the kind of other ones, the device of any
+        shape = tuple(targets.shape) if targets.dtype == torch.int64 else (rows,)
+        _targets_fit(shape, targets.device, rows, hidden_.device, "hidden")
+    return hidden_, weight_, _targets_kind(targets)
+
+
+def head(hidden: object, weight: object) -> tuple[Tensor, Tensor]:
+    """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype,
+    on one device."""
+    checked = []
+    for name, given, shape in (("hidden", hidden, "[T, H]"), ("weight", weight, "[V_local, H]")):
+        x = checks.tensor(name, given, f"a torch.Tensor {shape}")
+        if not x.is_floating_point():
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; pass floating-point tensors (float32 or "
+                "bfloat16; float16 and float64 are accepted too)"
+            )
+        if x.dim() != 2:
+            raise LayoutError(
+                f"{name} has shape {tuple(x.shape)}; it must be 2-D {shape}"
+                + (" (flatten the batch first: hidden.reshape(-1, hidden.shape[-1]))"
+                   if name == "hidden" else "")
+            )
+        checked.append(x)
+    hidden_, weight_ = checked
+    if hidden_.dtype != weight_.dtype:
+        raise TypeError(
+            f"hidden has dtype {hidden_.dtype} but weight {weight_.dtype}; pass both in the "
+            "same dtype (the LM head's matmul runs in it)"
+        )
+    if weight_.shape[0] == 0:
+        raise LayoutError(
+            f"weight has shape {tuple(weight_.shape)}: 0 vocabulary rows; a vocabulary "
+            "shard needs at least one"
+        )
+    if hidden_.shape[1] != weight_.shape[1]:
+        raise LayoutError(
+            f"hidden has shape {tuple(hidden_.shape)} and weight {tuple(weight_.shape)}: "
+            f"the hidden sizes {hidden_.shape[1]} and {weight_.shape[1]} must agree "
+            "(logits = hidden @ weight.T)"
+        )
+    if weight_.device != hidden_.device:
+        raise LayoutError(
+            f"weight is on {weight_.device} but hidden on {hidden_.device}; put them on the "
+            "same device"
+        )
+    return hidden_, weight_
+
+
+def tp_world(tp_group: dist.ProcessGroup | None) -> int:
+    """The TP group's size (1 without one); refuses a group this process is not in."""
+    if tp_group is None:
+        return 1
+    if dist.get_rank(tp_group) < 0:
+        raise LayoutError("this process is not a member of tp_group")
+    return dist.get_world_size(tp_group)
+
+
+@boundary  # data-dependent (nonzero): not for a compiled caller to trace
+def in_vocabulary(targets: Tensor, vocab_total: int) -> None:
+    """On the CPU, where it costs no device sync, refuse a target outside the vocabulary."""
+    if targets.device.type != "cpu" or targets.numel() == 0:
+        return
+    bad = ((targets < 0) | (targets >= vocab_total)).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise LayoutError(
+            f"targets[{i}] = {int(targets[i])} is outside the vocabulary [0, {vocab_total}) "
+            f"({bad.numel()} such rows); padding rows need an id in range too, e.g. 0"
+        )
+
+
+def sets(
+    support: object, entropy_over: object, rows: int, vocab_total: int, what: str = "logits"
+) -> Support | None:
+    """``support`` checked against the ``rows`` of ``what`` and the vocabulary (see
+    ``_support.check_support``), after ``entropy_over``."""
+    if entropy_over not in ("full", "support"):
+        raise LayoutError(
+            f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "
+            "vocabulary) or 'support' (over each row's set plus its target)"
+        )
+    if support is None:
+        return None
+    return check_support(support, rows, vocab_total, what)

@@ -1,0 +1,132 @@
+"""What every vocabulary driver shares around its tiles: a call's settings, the one
+all-gather and the choice of each row's result (forward), the state saved for backward,
+and the per-row gradient terms (backward).
+
+A driver (``logits``, ``hidden``) computes this shard's dense ``RowStats`` its own way
+and, with a support, the sets' (``sparse``); ``finish`` turns them into the results and
+the ``Saved`` record its backward reads; ``row_terms`` turns the upstream gradients and
+that record into the ``RowGrad`` its kernels apply, and the sets' share of them.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._support import Support
+from .sparse import Elements, Restricted, Split, split
+from .stats import RowGrad, RowStats, Shard, combine, row_grad
+
+
+class Options(NamedTuple):
+    """A call's settings, everything but its tensors: ``tau`` the temperature; ``chunk_size``
+    rows per chunk (None: the driver's default); ``support`` per-row sets, with
+    ``over_support`` the entropy of rows with a set taken over the set."""
+
+    with_entropy: bool
+    entropy_grad: bool
+    tau: float
+    tp_group: dist.ProcessGroup | None
+    chunk_size: int | None
+    support: Support | None
+    over_support: bool
+
+    @property
+    def dense_entropy(self) -> bool:
+        """Whether every row, those with a set included, needs the full vocabulary's
+        entropy (and so the full pass)."""
+        return self.with_entropy and not self.over_support
+
+
+class Sets(NamedTuple):
+    """A driver's sets on this shard: the elements, their ``[E]`` logits (compute dtype)
+    and their restricted ``RowStats``."""
+
+    elements: Elements
+    logits: Tensor
+    stats: RowStats
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a forward leaves for its backward besides the tensors it saves with
+    ``save_for_backward`` (its inputs and, when its gradient is wanted, the entropy): this
+    shard, each row's global ``max`` and ``log_sum`` (``M``, ``log S``), the sets'
+    ``Restricted`` record, the call's options, and ``dense_rows``, the rows its dense pass
+    read (None: all)."""
+
+    shard: Shard
+    max: Tensor
+    log_sum: Tensor
+    restricted: Restricted | None
+    options: Options
+    dense_rows: list[tuple[int, int]] | None
+
+
+def finish(
+    dense: RowStats,
+    sets: Sets | None,
+    ids: Tensor,
+    shard: Shard,
+    options: Options,
+    dense_rows: list[tuple[int, int]] | None,
+) -> tuple[Tensor, Tensor | None, Saved]:
+    """From this shard's statistics: the one all-gather (``stats.combine``), then the
+    log-probs of ``ids`` (``[T, k]``, or ``[T]`` for ``[T]`` targets) and the entropy (None
+    without it), rows with a set taking their restricted ones (the entropy only when
+    computed over the set), NaN where an id (or a set's) is outside the vocabulary; and
+    the ``Saved`` record."""
+    parts = [dense] if sets is None else [dense, sets.stats]
+    totals = combine(parts, options.tau, shard.group)
+    log_p, entropy = totals[0].log_probs, totals[0].entropy
+    valid = (ids >= 0) & (ids < shard.total)
+    restricted = None
+    if sets is not None:
+        restricted = Restricted(sets.elements, sets.logits, totals[1])
+        has_set = sets.elements.has_set
+        log_p = torch.where(has_set[:, None], totals[1].log_probs, log_p)
+        if totals[1].entropy is not None:
+            assert entropy is not None
+            entropy = torch.where(has_set, totals[1].entropy, entropy)
+        valid = valid & ~(sets.elements.bad_row if ids.dim() == 1 else sets.elements.bad_row[:, None])
+    saved = Saved(shard, totals[0].max, totals[0].log_sum, restricted, options, dense_rows)
+    # a fresh [T] for [T] targets, not a view of [T, 1]: an output modified in place
+    # must not be a view made inside a Function
+    log_p = log_p[:, 0] if ids.dim() == 1 else log_p
+    return torch.where(valid, log_p, math.nan), entropy, saved
+
+
+def row_terms(
+    saved: Saved,
+    ids: Tensor,
+    entropy: Tensor | None,
+    g_lp: Tensor | None,
+    g_entropy: Tensor | None,
+    gap: int,
+) -> tuple[RowGrad, Split]:
+    """The dense pass's ``RowGrad`` on this shard and the sets' ``Split`` of the upstream
+    gradients (``g_lp`` shaped as ``ids``, ``[T, k]`` or ``[T]``, or None; ``g_entropy``
+    ``[T]`` or None); ``entropy`` is
+    the saved one (None when its gradient was not wanted); ``gap`` merges the dense runs
+    closer than it (``sparse.dense_runs``)."""
+    opts = saved.options
+    if ids.dim() == 1:
+        ids = ids[:, None]
+        g_lp = None if g_lp is None else g_lp[:, None]
+    if entropy is None:
+        g_entropy = None
+    column, held = saved.shard.columns(ids)
+    g = torch.zeros(ids.shape, dtype=saved.max.dtype, device=ids.device) if g_lp is None else (
+        g_lp.to(saved.max.dtype)
+    )
+    parts = split(saved.restricted, g, g_entropy, opts.over_support, gap)
+    # H may be a placeholder where a row's set took its entropy gradient
+    h = None if parts.g_entropy is None else entropy
+    row = row_grad(
+        parts.g_lp, parts.g_entropy, h, opts.tau, column, held,
+        with_hot=g_lp is not None, placeholders=saved.restricted is not None,
+    )
+    return row, parts

@@ -1,0 +1,458 @@
+"""The hidden-state driver: log-probs and entropy straight from the final hidden states
+and the LM-head weight, ``logits = hidden @ weight.T`` never built whole.
+
+Its tiles are ``[rows, V_block]`` matmul tiles (``Tiles``), walked the same way forward
+and backward. Forward computes each tile's logits, reduces them with ``kernels.stats``,
+merges a row's vocabulary blocks (``stats.merge``, as TP shards merge) and drops the
+logits; ``engine.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
+log-probs and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
+Backward walks the same tiles vocabulary block by vocabulary block: each tile's logits
+are recomputed by the same matmul, so bit for bit those the statistics came from (a row
+sure of its target gets a gradient of exactly 0), turned into the tile's logit gradient
+``G`` by ``kernels.grad`` and multiplied out at once:
+
+    d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
+    d weight[block] = sum over tiles of G.T @ hidden[rows]   (written once per block)
+
+so the weight gradient is summed over the rows by matmuls (their own float32
+accumulation for bfloat16) and stored once: no float32 ``[V_local, H]`` accumulator
+(``_Sum``). Memory beyond the inputs and their gradients is ``O(T)`` statistics, the
+``[T, H]`` hidden-gradient sum (the gradient itself in float32) and a few tiles.
+
+A support restricts rows to their sets as on the logits path: each set element's logit
+is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no tile unless the
+full entropy is asked for, and their gradient reaches ``d hidden`` and each block of
+``d weight`` as ``O(K H)`` index-adds in float32.
+"""
+
+import operator
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, cast, overload
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _checks as checks
+from .._types import (
+    ChunkArg,
+    EntropyOverArg,
+    HeadWeight,
+    Hidden,
+    PerRow,
+    RealArg,
+    SupportArg,
+    TensorArg,
+    compute_dtype,
+)
+from . import args, kernels
+from .engine import Options, Saved, Sets, finish, row_terms
+from .sparse import Elements, dense_runs, element_grad, elements, set_stats
+from .stats import RowGrad, RowStats, merge, placeholders, shard_of
+
+# Module-level, so that a test can count the collectives.
+_all_reduce: Callable[..., object] = dist.all_reduce
+
+LINEAR_CHUNK_BYTES = 32 * 2**20
+"""Rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
+about this many bytes; a tile (``Tiles``) holds half as many elements. Larger than the
+logits path's chunks: each tile runs a matmul, and a matmul of few rows is slow
+(measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
+matmul, 256-row chunks 1.2x)."""
+TILE_ROWS = 2048
+"""Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
+ELEMENT_BYTES = 16 * 2**20
+"""Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
+
+
+def default_linear_chunk_rows(vocab: int) -> int:
+    """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
+    within ``LINEAR_CHUNK_BYTES``; at least one row."""
+    return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+def _blocks(size: int, block: int) -> list[tuple[int, int]]:
+    return [(s, min(s + block, size)) for s in range(0, size, block)]
+
+
+class Tiles(NamedTuple):
+    """The ``[rows, columns]`` tiles of both passes: half as many elements as one chunk of
+    ``chunk`` rows (``chunk * V_local``; a backward tile holds its logits, its gradient and
+    the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows (all of them if
+    fewer), so that a tile's weight-gradient block sums many rows in one matmul."""
+
+    rows: int
+    columns: int
+
+    @classmethod
+    def of(cls, rows: int, vocab: int, chunk: int) -> "Tiles":
+        tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
+        return cls(tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows))))
+
+    def blocks(self, vocab: int) -> list[tuple[int, int]]:
+        """The vocabulary blocks ``[v0, v1)``."""
+        return _blocks(vocab, self.columns)
+
+    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
+        """The kernels' chunks on one tile of ``rows`` rows: the whole tile at once eagerly,
+        the compiled kernels' rows for its block width."""
+        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
+
+
+def _element_rows(width: int) -> int:
+    """Support elements per piece: one float32 ``[n, width]`` product within
+    ``ELEMENT_BYTES``."""
+    return max(1, ELEMENT_BYTES // (4 * max(width, 1)))
+
+
+def _element_logits(hidden: Tensor, weight: Tensor, el: Elements, cdt: torch.dtype) -> Tensor:
+    """``[E]``: the logit of each support element, ``hidden[row] . weight[col]``, rounded
+    to the inputs' dtype as the materialized head's logits are; ``[n, H]`` pieces."""
+    x = torch.empty(el.row.numel(), dtype=cdt, device=hidden.device)
+    for s, e in _blocks(el.row.numel(), _element_rows(hidden.shape[1])):
+        prod = hidden[el.row[s:e]].to(cdt) * weight[el.col[s:e]].to(cdt)
+        x[s:e] = prod.sum(1).to(hidden.dtype).to(cdt)
+    return x
+
+
+def _in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
+    """``row`` on the tile columns ``[v0, v1)``: the picked ids held there, by their column
+    in the block."""
+    inside = held & (row.column >= v0) & (row.column < v1)
+    hot = None if row.hot is None else torch.where(inside, row.hot, 0.0)
+    return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
+
+
+def _rows(row: RowGrad, s: int, e: int) -> RowGrad:
+    return RowGrad(
+        None if row.a is None else row.a[s:e], row.b[s:e],
+        None if row.hot is None else row.hot[s:e], row.column[s:e],
+    )
+
+
+def forward(
+    hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
+) -> tuple[Tensor, Tensor | None, Saved]:
+    """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
+    it) and what the backward needs; ``options.chunk_size`` is set."""
+    assert options.chunk_size is not None
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    shard = shard_of(options.tp_group, vocab)
+    cdt = compute_dtype(hidden.dtype)
+    picked_ids = ids[:, None] if ids.dim() == 1 else ids
+    column, held = shard.columns(picked_ids)
+    tiles = Tiles.of(rows, vocab, options.chunk_size)
+    with_h = options.with_entropy
+    dense = placeholders(rows, column.shape[1], cdt, hidden.device, with_h)
+    sets = None
+    runs: list[tuple[int, int]] = [(0, rows)]
+    if options.support is not None:
+        el = elements(options.support, ids, shard)
+        x_el = _element_logits(hidden, weight, el, cdt)
+        if not options.dense_entropy:
+            # rows with a set need no logits row: their log-prob (and entropy) is sparse;
+            # their target logit is their candidate element's, the last T elements
+            runs = dense_runs(~el.host_has_set, options.chunk_size)
+            dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
+        with_set_h = with_h and options.over_support
+        sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
+    blocks = tiles.blocks(vocab)
+    work = kernels.Workspace()
+    for s, e in kernels.pieces(runs, tiles.rows):
+        chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
+        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
+        parts = _two_slots(dense, e - s)
+        for b, (v0, v1) in enumerate(blocks):
+            # the same [rows, V_block] tiles, by the same matmuls, as backward: its
+            # recomputed logits are these bit for bit, so the gradient's p and the
+            # forward's max and sum agree (a row sure of its target gets exactly 0)
+            x = torch.mm(hidden[s:e], weight[v0:v1].t())
+            slot = min(b, 1)
+            part = parts.map(operator.itemgetter(slot))
+            kernels.stats(x, options.tau, part, chunks=chunks, work=work)
+            inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
+            at = torch.where(inside, column[s:e] - v0, 0)
+            part.picked.copy_(torch.where(inside, x.gather(1, at).to(cdt), 0.0))
+            del x
+            if slot:
+                _write(parts, 0, merge(parts, options.tau))
+        _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
+    return finish(dense, sets, ids, shard, options, runs)
+
+
+def _two_slots(like: RowStats, rows: int) -> RowStats:
+    """New ``[2, rows, ...]`` buffers for the fields of ``like``."""
+    return like.map(lambda f: f.new_empty((2, rows, *f.shape[1:])))
+
+
+def _write(into: RowStats, at: int | slice, stats: RowStats) -> None:
+    """``into[at] = stats``, field by field."""
+    for field, value in zip(into, stats):
+        if field is not None and value is not None:
+            field[at] = value
+
+
+class _Sum:
+    """A sum in the compute dtype, rounded once into ``out``: ``out`` itself (zeroed) when
+    it has the compute dtype, else a float32 sum copied into it by ``done``. The matmuls
+    run in the inputs' dtype, as the materialized head's would."""
+
+    def __init__(self, out: Tensor, cdt: torch.dtype) -> None:
+        self.out = out
+        self.acc = out.zero_() if out.dtype == cdt else torch.zeros(out.shape, dtype=cdt, device=out.device)
+
+    def add_mm(self, s: int, e: int, a: Tensor, b: Tensor) -> None:
+        """Rows ``[s, e)`` of the sum ``+= a @ b``."""
+        if self.acc.dtype == a.dtype:
+            self.acc[s:e].addmm_(a, b)
+        else:
+            self.acc[s:e].add_(torch.mm(a, b))
+
+    def index_add(self, index: Tensor, values: Tensor) -> None:
+        self.acc.index_add_(0, index, values)
+
+    def done(self) -> Tensor:
+        if self.acc is not self.out:
+            self.out.copy_(self.acc)
+        return self.out
+
+
+class _ByBlock(NamedTuple):
+    """Support elements sorted by their local column, with each vocabulary block's
+    range among them (host ints, one read of ``V_local / V_block + 1`` values)."""
+
+    col: Tensor
+    row: Tensor
+    coef: Tensor
+    bounds: list[int]
+
+    @classmethod
+    def of(cls, el: Elements, coef: Tensor, vocab: int, block: int) -> "_ByBlock":
+        """The elements that count on this shard, by vocabulary block (those that do not
+        sort past the last block)."""
+        key = torch.where(el.member, el.col, vocab)
+        order = torch.argsort(key)
+        edges = torch.tensor([*range(0, vocab, block), vocab], device=key.device)
+        bounds = torch.searchsorted(key[order], edges).tolist()
+        return cls(el.col[order], el.row[order], coef[order], bounds)
+
+    def add(self, acc: _Sum, i: int, v0: int, hidden: Tensor) -> None:
+        """Add the elements of block ``i`` (its first column ``v0``) into its weight
+        gradient: ``coef * hidden[row]`` at each column."""
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        cdt = acc.acc.dtype
+        for s, e in _blocks(hi - lo, _element_rows(hidden.shape[1])):
+            part = self.coef[lo + s : lo + e, None] * hidden[self.row[lo + s : lo + e]].to(cdt)
+            acc.index_add(self.col[lo + s : lo + e] - v0, part)
+
+
+def backward(
+    hidden: Hidden, weight: HeadWeight, ids: Tensor, entropy: Tensor | None, saved: Saved,
+    g_lp: Tensor | None, g_entropy: Tensor | None, want_hidden: bool, want_weight: bool,
+) -> tuple[Hidden | None, HeadWeight | None]:
+    """The gradients w.r.t. ``hidden`` (the full one: one all-reduce under TP) and
+    ``weight`` (this shard's), where wanted."""
+    opts = saved.options
+    assert opts.chunk_size is not None
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    dtype, cdt = hidden.dtype, compute_dtype(hidden.dtype)
+    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, opts.chunk_size)
+    held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
+    tiles = Tiles.of(rows, vocab, opts.chunk_size)
+    # forward's tiles that hold a row needing the dense pass
+    need = [(0, rows)] if parts.runs is None else parts.runs
+    pieces = [
+        (s, e) for s, e in kernels.pieces(saved.dense_rows or [(0, rows)], tiles.rows)
+        if any(lo < e and s < hi for lo, hi in need)
+    ]
+    acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
+    grad_w = torch.empty_like(weight) if want_weight else None
+    by_block = None
+    if saved.restricted is not None:
+        el = saved.restricted.elements
+        assert parts.set_lp is not None
+        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.tau)
+        if acc_h is not None:
+            for s, e in _blocks(coef.numel(), _element_rows(hidden.shape[1])):
+                acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(cdt))
+        if grad_w is not None:
+            by_block = _ByBlock.of(el, coef, vocab, tiles.columns)
+    g_buf = torch.empty(tiles.rows * tiles.columns if pieces else 0, dtype=dtype, device=hidden.device)
+    work = kernels.Workspace()
+    for i, (v0, v1) in enumerate(tiles.blocks(vocab)):
+        w_b = weight[v0:v1]
+        acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
+        row_b = _in_block(row, held, v0, v1)
+        for s, e in pieces:
+            x = torch.mm(hidden[s:e], w_b.t())
+            g = g_buf[: x.numel()].view(x.shape)
+            kernels.grad(
+                x, saved.max[s:e], saved.log_sum[s:e], opts.tau, _rows(row_b, s, e), g,
+                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
+            )
+            del x
+            if acc_h is not None:
+                acc_h.add_mm(s, e, g, w_b)
+            if acc_w is not None:
+                acc_w.add_mm(0, v1 - v0, g.t(), hidden[s:e])
+        if acc_w is not None:
+            if by_block is not None:
+                by_block.add(acc_w, i, v0, hidden)
+            acc_w.done()
+    grad_h = None
+    if acc_h is not None:
+        grad_h = acc_h.done()
+        if opts.tp_group is not None:
+            # hidden is the same on every TP rank; its gradient is the sum of the shards'.
+            _all_reduce(grad_h, group=opts.tp_group)
+    return grad_h, grad_w
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """A thin shell over ``forward`` and ``backward``, as ``logits._LogProbs``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
+    ) -> tuple[Tensor, PerRow | None]:
+        log_p, entropy, saved = forward(hidden, weight, ids, options)
+        keep = entropy is not None and options.entropy_grad
+        ctx.save_for_backward(hidden, weight, ids, entropy if keep else None)
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        if entropy is not None and not keep:
+            ctx.mark_non_differentiable(entropy)
+        return log_p, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, g_lp: Tensor | None, g_entropy: PerRow | None
+    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (want_h or want_w):
+            return None, None, None, None
+        hidden, weight, ids, entropy = ctx.saved_tensors
+        grads = backward(hidden, weight, ids, entropy, ctx.saved, g_lp, g_entropy, want_h, want_w)
+        return *grads, None, None
+
+
+# torch leaves Function.apply untyped; typed once here, at the boundary.
+apply = cast(
+    Callable[[Tensor, Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LinearLogProbs.apply
+)
+
+
+@overload
+def linear_log_probs_and_entropy(
+    hidden: TensorArg,
+    weight: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: Literal[False] = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, None]: ...
+@overload
+def linear_log_probs_and_entropy(
+    hidden: TensorArg,
+    weight: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: Literal[True],
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow]: ...
+@overload
+def linear_log_probs_and_entropy(
+    hidden: TensorArg,
+    weight: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow | None]: ...
+def linear_log_probs_and_entropy(
+    hidden: TensorArg,
+    weight: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow | None]:
+    """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
+    the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states (after the final norm), the same on every
+            TP rank (megatron's output layer input without sequence parallelism).
+            float32 or bfloat16 (float16, float64 accepted); saved for backward by
+            reference.
+        weight: ``[V_local, H]`` this TP rank's shard of the LM-head weight (rank ``r``
+            holds token ids ``[r * V_local, (r + 1) * V_local)``; a tied embedding's
+            shard too), the dtype of ``hidden``; saved for backward by reference.
+        targets, with_entropy, entropy_grad, temperature, tp_group, support,
+            entropy_over: as ``log_probs_and_entropy`` (a support's rows are the ``T``
+            rows of ``hidden``; each set element's logit is ``hidden[t] . weight[id]``).
+        chunk_size: sizes the tiles, forward and backward: each holds half the
+            elements of ``chunk_size`` rows of ``V_local`` columns, over at least
+            ``TILE_ROWS`` rows (all rows if fewer). None picks
+            ``default_linear_chunk_rows(V_local)``: ``chunk_size`` rows of float32
+            within 32 MiB.
+
+    Returns:
+        ``(log_probs, entropy)`` as ``log_probs_and_entropy`` on the materialized logits
+        (each ``[T]`` float32, float64 for float64 inputs; the statistics accumulate in
+        float32 for bfloat16/float16). Differentiable w.r.t. ``hidden`` and ``weight``:
+        ``weight``'s gradient is this shard's; ``hidden``'s is the *full* gradient,
+        summed over the TP group, so everything below the head gets correct gradients.
+        Memory beyond the inputs and their gradients: ``[T]`` statistics and a few
+        tiles (a tile's logits and work buffers) in forward; in backward a few
+        tiles, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
+        inputs) and one float32 ``[V_block, H]`` block of the weight gradient at a
+        time, never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
+        more and ``[n, H]`` pieces of its elements. Backward recomputes the logits
+        (one more matmul).
+
+    Collectives: with ``tp_group``, one ``all_gather`` of the ``[k, T]`` statistics in
+    forward (as ``log_probs_and_entropy``) and, when ``hidden`` needs a gradient, one
+    ``all_reduce`` of the ``[T, H]`` hidden gradient in backward (as megatron's
+    ``copy_to_tensor_model_parallel_region``); every rank of the group must run backward
+    through the results, T = 0 too. Without ``tp_group``, no communication.
+
+    Raises:
+        TypeError: hidden or weight not a floating-point tensor, or of different dtypes;
+            as ``log_probs_and_entropy`` for targets, temperature and chunk_size.
+        LayoutError: hidden or weight not 2-D, weight with 0 rows, hidden sizes that
+            disagree, tensors on different devices, targets not ``[T]``; as
+            ``log_probs_and_entropy`` otherwise. Raised before any collective.
+    """
+    hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    total = args.tp_world(tp_group) * weight_.shape[0]
+    args.in_vocabulary(targets_, total)
+    support_ = args.sets(support, entropy_over, hidden_.shape[0], total, "hidden")
+    if chunk is None:
+        chunk = default_linear_chunk_rows(weight_.shape[0])
+    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
+    return apply(hidden_, weight_, targets_, options)

@@ -1,0 +1,450 @@
+"""The dense kernels over a tile of logits: statistics forward, gradient backward.
+
+A tile ``x`` is ``[n, V]`` logits of any float dtype (a row chunk of the logits, a
+``[rows, V_block]`` matmul tile); the arithmetic runs in ``compute_dtype``. ``stats``
+writes each row's ``m``, ``S`` and ``A`` into a ``stats.RowStats`` (the driver picks the
+logits at the picked ids, one gather);
+``grad`` writes each row's gradient ``p * (a log p + b)`` plus the one-hot terms of its
+picked ids (``stats.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both
+always do their job: with the compiled kernels where ``CPSLICE_COMPILE`` and the tile
+allow, else with the eager loop, chunk by chunk (``Chunks``).
+
+The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
+into one fused loop each (one read of the logits forward, one read and one write
+backward), with ``inv_tau`` the inverse temperature as a 0-d tensor (a multiply where the
+eager loop divides: within an ulp, and a vector division costs as much as the exp):
+
+- ``chunk_stats(x, inv_tau) -> (m, S, A)``, ``d = (x - m) / tau`` clamped at ``FLOOR``
+  (an all -inf row has ``m = -inf`` and ``S = A = 0``);
+- ``chunk_grad(x, m, log_s, inv_tau, a, b, out)`` writes ``p * (a * log p + b)``, ``log p
+  = (x - m) / tau - log_s`` clamped at ``FLOOR``. The picked ids' columns are not in the
+  loop (a per-column compare costs a third of it): ``grad`` overwrites those entries
+  afterwards with ``stats.pick_grad``, also rounded once.
+
+They run over all rows of a tile with a *fixed* chunk shape: full chunks of ``C`` rows,
+the tail as one more chunk of ``C`` rows ending at the last row (overlapping the
+previous chunk, whose rows it recomputes to the same values), and for fewer than ``C``
+rows the largest power of two ``<=`` the rows in the same way. A new ``T`` therefore
+compiles nothing new; each (kernel, dtype, V, chunk rows, strides, device type) is
+compiled once per process, in a code object of its own so that dynamo's per-function
+recompile limit never silently turns a variant eager. ``chunk_stats`` always computes
+``A`` (with or without entropy: one variant, the extra multiply-add is free in a fused
+loop). The compiled functions carry no jaxtyping annotations and are excluded from the
+debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch code.
+"""
+
+import ctypes
+import functools
+import math
+import os
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast, no_type_check
+
+import torch
+from torch import Tensor
+
+from .._types import compute_dtype
+from .stats import FLOOR, RowGrad, RowStats, pick_grad
+
+MODES = ("auto", "1", "0")
+
+CHUNK_BYTES = 64 * 2**20
+CPU_CHUNK_BYTES = 8 * 2**20
+"""Eager row chunks are sized so that the two work buffers of one chunk hold about this
+many bytes together (at least one row). On the CPU a chunk small enough to stay in the
+last-level cache makes the several elementwise passes over it cheap (measured: 8 MiB is
+1.4x faster than 64 MiB at T=4096, V=32768); on an accelerator larger chunks amortize
+the per-kernel launch cost (measured on an H200: 64 MiB within 10% of 1 GiB chunks,
+8 MiB 5x slower)."""
+CPU_COMPILED_CHUNK_BYTES = 32 * 2**20
+COMPILED_CHUNK_BYTES = 2**30
+"""Rows per compiled chunk: ``[C, V]`` of the compute dtype within these bytes (CPU /
+other devices), rounded down to a power of two. A compiled chunk needs no work buffer,
+so the size only trades per-call overhead (and, on a GPU, occupancy) against the
+redundant overlap of the tail chunk: on a GPU a chunk of a few hundred rows of a large
+vocabulary would leave most of the device idle (one row per program)."""
+AUTO_MIN_ELEMENTS = 2**22
+"""In ``auto``, the compiled kernels run only for tiles of at least this many elements
+(about 16 MiB of float32 logits): below it the eager kernels cost little and a first
+compile (seconds) would not pay for itself."""
+BACKEND = "inductor"
+"""The ``torch.compile`` backend; tests of the chunk plumbing may set ``aot_eager``."""
+
+
+def compile_mode() -> str:
+    """``CPSLICE_COMPILE``: ``auto`` (unset or empty too), ``1`` or ``0``.
+
+    Raises:
+        ValueError: any other value; the message lists the valid ones.
+    """
+    value = os.environ.get("CPSLICE_COMPILE", "") or "auto"
+    if value not in MODES:
+        raise ValueError(
+            f"CPSLICE_COMPILE={value!r} is not valid; use one of: unset or '' or 'auto' "
+            "(compiled kernels when the work is large enough and the compiler works), "
+            "'1' (always compiled; an error if torch.compile fails), '0' (never)"
+        )
+    return value
+
+
+mode = compile_mode()
+"""Read once, at import. Tests may assign another of ``MODES``."""
+_broken: str | None = None  # the first compile failure in auto mode, after its warning
+_compiled: dict[tuple[object, ...], Callable[..., Any]] = {}
+_ready: set[tuple[object, ...]] = set()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=compute_dtype(dtype)).element_size()
+
+
+def default_chunk_rows(
+    vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> int:
+    """Rows per eager chunk when ``chunk_size`` is None: two ``[rows, vocab]`` work buffers
+    of the compute dtype within ``CPU_CHUNK_BYTES`` on the CPU and ``CHUNK_BYTES`` on any
+    other device; at least one row."""
+    budget = CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else CHUNK_BYTES
+    return max(1, budget // (2 * max(vocab, 1) * _itemsize(dtype)))
+
+
+def compiled_chunk_rows(
+    vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> int:
+    """Rows ``C`` of a compiled chunk: ``[C, vocab]`` of the compute dtype within
+    ``CPU_COMPILED_CHUNK_BYTES`` on the CPU, ``COMPILED_CHUNK_BYTES`` elsewhere, rounded
+    down to a power of two; at least 1."""
+    budget = CPU_COMPILED_CHUNK_BYTES if torch.device(device).type == "cpu" else COMPILED_CHUNK_BYTES
+    rows = max(1, budget // (max(vocab, 1) * _itemsize(dtype)))
+    return 1 << (rows.bit_length() - 1)
+
+
+class Chunks(NamedTuple):
+    """Rows per chunk of the eager loop and of the compiled kernels."""
+
+    eager: int
+    compiled: int
+
+
+def chunks_for(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: torch.device) -> Chunks:
+    """``chunk_size`` rows for both when given, else ``default_chunk_rows`` and
+    ``compiled_chunk_rows`` of ``[*, vocab]`` tiles."""
+    if chunk_size is not None:
+        return Chunks(chunk_size, chunk_size)
+    return Chunks(default_chunk_rows(vocab, dtype, device), compiled_chunk_rows(vocab, dtype, device))
+
+
+def chunk_starts(rows: int, chunk: int) -> tuple[int, list[int]]:
+    """``(c, starts)``: the fixed chunk rows used for ``rows`` rows (``chunk``, or for
+    fewer rows the largest power of two ``<= rows``) and the first row of each chunk;
+    the last chunk ends at ``rows`` and may overlap the one before it."""
+    if rows <= 0:
+        return chunk, []
+    c = chunk if rows >= chunk else 1 << (rows.bit_length() - 1)
+    starts = list(range(0, rows - c + 1, c))
+    if starts[-1] + c < rows:
+        starts.append(rows - c)
+    return c, starts
+
+
+def pieces(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
+    """The chunks of ``chunk`` rows of each run of rows ``[lo, hi)``."""
+    return [(s, min(s + chunk, hi)) for lo, hi in runs for s in range(lo, hi, chunk)]
+
+
+Runs = list[tuple[int, int]] | None
+"""Row ranges ``[lo, hi)`` a pass reads, ascending and disjoint; None: every row."""
+
+
+def _covers(runs: Runs, rows: int) -> bool:
+    return runs is None or sum(hi - lo for lo, hi in runs) == rows
+
+
+class Workspace:
+    """The eager loop's two work buffers of the compute dtype, made on first use at the
+    largest size asked of them and reused for every chunk (and tile) of one pass."""
+
+    def __init__(self) -> None:
+        self._flat: tuple[Tensor, Tensor] | None = None
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        n = shape[0] * shape[1]
+        if self._flat is None or self._flat[0].numel() < n:
+            self._flat = (torch.empty(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
+        return self._flat[0][:n].view(shape), self._flat[1][:n].view(shape)
+
+
+@no_type_check
+def chunk_stats(x, inv_tau):
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(cdt)
+    m = xf.amax(1)
+    shift = torch.where(m == -math.inf, 0.0, m)
+    d = ((xf - shift[:, None]) * inv_tau).clamp(min=FLOOR)
+    p = torch.exp(d)
+    return m, p.sum(1), (p * d).sum(1)
+
+
+@no_type_check
+def chunk_grad(x, m, log_s, inv_tau, a, b, out):
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    d = ((x.to(cdt) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
+    p = torch.exp(d)
+    out.copy_((p * (a[:, None] * d + b[:, None])).to(out.dtype))
+
+
+HUGE_PAGE = 2**21
+MADV_HUGEPAGE = 14
+ADVISE_MIN_BYTES = 32 * 2**20
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` on Linux, else None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], fn)
+
+
+def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, zero: bool) -> Tensor:
+    """A new (zeroed if ``zero``) tensor for the backward's ``[T, V_local]`` gradient.
+
+    A fresh CPU buffer of hundreds of MiB is new memory from the kernel: its first
+    write takes one page fault per 4 KiB page, which at ``T = 4096, V = 32768`` costs
+    more than the fused gradient kernel itself. On Linux a CPU buffer of at least
+    ``ADVISE_MIN_BYTES`` is therefore advised as transparent huge pages (``madvise
+    MADV_HUGEPAGE`` on its 2 MiB-aligned interior) before it is touched: 512 times
+    fewer faults where the system's THP setting is ``madvise`` or ``always``, nothing
+    where it is ``never``. Advice only: the memory, its size and its contents are what
+    ``torch.empty`` gave, and the advice leaves with the memory when it is freed."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = out.numel() * out.element_size()
+    madvise = _madvise() if out.device.type == "cpu" and nbytes >= ADVISE_MIN_BYTES else None
+    if madvise is not None:
+        start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        end = (out.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, MADV_HUGEPAGE)  # a refusal (EINVAL) changes nothing
+    return out.zero_() if zero else out
+
+
+def use_compiled(x: Tensor) -> bool:
+    """Whether ``stats``/``grad`` run the compiled kernels on this tile: always in mode
+    ``1``; never in ``0``; in ``auto`` when no compile has failed, the tile is
+    contiguous and holds at least ``AUTO_MIN_ELEMENTS`` elements."""
+    if mode == "0" or x.shape[0] == 0:
+        return False
+    if mode == "1":
+        return True
+    return (
+        _broken is None
+        and x.is_contiguous()
+        and x.numel() >= AUTO_MIN_ELEMENTS
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with a code object of its own: dynamo keeps its cache, and its
+    recompile limit, per code object, so each variant gets exactly one entry."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _kernel(fn: Callable[..., Any], x: Tensor) -> tuple[tuple[object, ...], Callable[..., Any]]:
+    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, BACKEND)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = torch.compile(_own_code(fn), backend=BACKEND, dynamic=False, fullgraph=True)
+        _compiled[key] = compiled
+    return key, compiled
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost cause of a compile failure, on one line (dynamo wraps a backend's
+    error in a BackendCompilerFailed with several lines of advice)."""
+    inner = getattr(error, "inner_exception", None) or error.__cause__
+    if isinstance(inner, BaseException) and inner is not error:
+        return _reason(inner)
+    first = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0] if first else ''}"
+
+
+def _call(fn: Callable[..., Any], x: Tensor, *args: object) -> tuple[bool, object]:
+    """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape;
+    ``(False, None)`` if its first call (the compilation) failed in ``auto``, which
+    warns once and turns ``auto`` eager."""
+    global _broken
+    key, compiled = _kernel(fn, x)
+    if key in _ready:
+        return True, compiled(x, *args)
+    try:
+        result = compiled(x, *args)
+    except Exception as error:
+        if mode == "1":
+            raise RuntimeError(
+                f"CPSLICE_COMPILE=1 but torch.compile of cpslice's {fn.__name__} failed for "
+                f"{x.dtype} [{x.shape[0]}, {x.shape[1]}] logits on {x.device.type} "
+                f"({_reason(error)}); set CPSLICE_COMPILE=auto (falls back "
+                "to eager) or 0"
+            ) from error
+        _broken = _reason(error)
+        warnings.warn(
+            f"cpslice: torch.compile of the log-prob kernels failed ({_broken}); using the "
+            "eager kernels from now on (CPSLICE_COMPILE=0 skips compiling, =1 makes this "
+            "an error)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False, None
+    _ready.add(key)
+    return True, result
+
+
+def _compiled_stats(x: Tensor, tau: float, chunk: int, out: RowStats) -> bool:
+    """``m``, ``S``, ``A`` of every row into ``out`` by the compiled ``chunk_stats``; False
+    (``out`` not fully written) if it failed to compile (in ``auto``)."""
+    inv_tau = torch.full((), 1.0 / tau, dtype=out.max.dtype, device=x.device)
+    c, starts = chunk_starts(x.shape[0], chunk)
+    for s in starts:
+        ok, result = _call(chunk_stats, x[s : s + c], inv_tau)
+        if not ok:
+            return False
+        m, total, a = cast(tuple[Tensor, Tensor, Tensor], result)
+        out.max[s : s + c], out.sum[s : s + c] = m, total
+        if out.ent is not None:
+            out.ent[s : s + c] = a
+    return True
+
+
+def _eager_stats(
+    x: Tensor, tau: float, chunk: int, runs: list[tuple[int, int]], work: Workspace, out: RowStats
+) -> None:
+    vocab = x.shape[1]
+    m, s, a = out.max, out.sum, out.ent
+    for lo, hi in runs:
+        m[lo:hi] = x[lo:hi].amax(1)
+    # A row all -inf contributes S = 0 (and A = 0), not NaN.
+    shift = torch.where(m == -math.inf, 0.0, m)
+    for lo, hi in pieces(runs, chunk):
+        buf, expd = work.take((hi - lo, vocab), m.dtype, x.device)
+        d = torch.sub(x[lo:hi], shift[lo:hi, None], out=buf)
+        if tau != 1.0:
+            d.div_(tau)
+        if a is not None:
+            d.clamp_(min=FLOOR)
+        p = torch.exp(d, out=expd)
+        torch.sum(p, 1, out=s[lo:hi])
+        if a is not None:
+            torch.sum(p.mul_(d), 1, out=a[lo:hi])
+
+
+def stats(
+    x: Tensor,
+    tau: float,
+    out: RowStats,
+    *,
+    chunks: Chunks,
+    runs: Runs = None,
+    work: Workspace | None = None,
+) -> None:
+    """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the rows of ``runs``
+    of the tile ``x`` into ``out`` (``[n]`` fields of the compute dtype; the other rows are
+    left as they are, e.g. ``stats.placeholders``). The compiled kernels read every row, so
+    they run only when ``runs`` covers them all."""
+    if _covers(runs, x.shape[0]) and use_compiled(x) and _compiled_stats(x, tau, chunks.compiled, out):
+        return
+    _eager_stats(x, tau, chunks.eager, [(0, x.shape[0])] if runs is None else runs, work or Workspace(), out)
+
+
+def _compiled_grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, row: RowGrad, chunk: int, out: Tensor
+) -> bool:
+    """``chunk_grad`` of every row into ``out``, then the picked ids' entries; False (``out``
+    not fully written) if the kernel failed to compile (in ``auto``)."""
+    rows, vocab = x.shape
+    inv_tau = torch.full((), 1.0 / tau, dtype=row.b.dtype, device=x.device)
+    a = torch.zeros_like(row.b) if row.a is None else row.a
+    c, starts = chunk_starts(rows, chunk)
+    for s in starts:
+        e = s + c
+        ok, _ = _call(chunk_grad, x[s:e], big_m[s:e], log_s[s:e], inv_tau, a[s:e], row.b[s:e], out[s:e])
+        if not ok:
+            return False
+    if row.hot is not None:
+        entry = pick_grad(x.gather(1, row.column), big_m, log_s, tau, row, vocab)
+        # the entries of the contiguous ``out`` by their flat index: a scatter_ into a
+        # bfloat16 tensor takes a slow path that costs as much as the kernel
+        flat = torch.arange(rows, device=out.device)[:, None] * vocab + row.column
+        out.view(-1).index_put_((flat.view(-1),), entry.view(-1).to(out.dtype))
+    return True
+
+
+def _probs_and_factor(
+    d: Tensor, log_s: Tensor, tau: float, a: Tensor | None, b: Tensor, expd: Tensor
+) -> tuple[Tensor, Tensor]:
+    """From ``d = x - M`` of a chunk (overwritten), ``p`` (into ``expd``) and the factor
+    ``a log p + b`` (in ``d``, or ``b``'s column without entropy)."""
+    if tau != 1.0:
+        d.div_(tau)
+    d.sub_(log_s[:, None])
+    if a is not None:
+        d.clamp_(min=FLOOR)
+    p = torch.exp(d, out=expd)
+    factor = b[:, None] if a is None else d.mul_(a[:, None]).add_(b[:, None])
+    return p, factor
+
+
+def _eager_grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, row: RowGrad, chunk: int,
+    runs: list[tuple[int, int]], work: Workspace, out: Tensor,
+) -> None:
+    vocab = x.shape[1]
+    cdt = row.b.dtype
+    for s, e in pieces(runs, chunk):
+        buf, expd = work.take((e - s, vocab), cdt, x.device)
+        d = torch.sub(x[s:e], big_m[s:e, None], out=buf)
+        a = None if row.a is None else row.a[s:e]
+        p, factor = _probs_and_factor(d, log_s[s:e], tau, a, row.b[s:e], expd)
+        # Write the float result straight into the gradient when the dtypes agree;
+        # otherwise round once, after the one-hot terms are in.
+        target = out[s:e] if out.dtype == cdt else p
+        torch.mul(p, factor, out=target)
+        if row.hot is not None:
+            target.scatter_add_(1, row.column[s:e], row.hot[s:e].to(target.dtype))
+        if target is p:
+            out[s:e].copy_(p)
+
+
+def grad(
+    x: Tensor,
+    big_m: Tensor,
+    log_s: Tensor,
+    tau: float,
+    row: RowGrad,
+    out: Tensor,
+    *,
+    chunks: Chunks,
+    runs: Runs = None,
+    work: Workspace | None = None,
+) -> None:
+    """Write the gradient of the rows of ``runs`` of the tile ``x`` into ``out`` (``[n, V]``,
+    contiguous, its dtype; rows outside ``runs`` are left as they are): ``p * (a log p +
+    b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``. The
+    compiled kernels write every row, so they run only when ``runs`` covers them all."""
+    if _covers(runs, x.shape[0]) and use_compiled(x):
+        if _compiled_grad(x, big_m, log_s, tau, row, chunks.compiled, out):
+            return
+    _eager_grad(
+        x, big_m, log_s, tau, row, chunks.eager, [(0, x.shape[0])] if runs is None else runs,
+        work or Workspace(), out,
+    )

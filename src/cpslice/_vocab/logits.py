@@ -1,0 +1,225 @@
+"""The logits driver: log-probs and entropy from this rank's ``[T, V_local]`` logits.
+
+Its tiles are row chunks of the logits themselves (``kernels.stats`` forward,
+``kernels.grad`` backward, compiled where ``CPSLICE_COMPILE`` says so); only ``[T]``
+statistics cross ranks (``engine.finish``: one all-gather under TP), and the backward
+recomputes ``p`` chunk by chunk from the saved logits and the global ``M`` and ``log S``,
+writing the gradient once into one ``[T, V_local]`` buffer, with no communication.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, cast, overload
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _checks as checks
+from .._types import ChunkArg, EntropyOverArg, Logits, PerRow, RealArg, SupportArg, TensorArg, compute_dtype
+from . import args, kernels
+from .engine import Options, Saved, Sets, finish, row_terms
+from .sparse import dense_runs, element_grad, elements, scatter_grad, set_stats
+from .stats import placeholders, shard_of
+
+
+def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
+    """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
+    it) and what the backward needs."""
+    rows, vocab = logits.shape
+    shard = shard_of(options.tp_group, vocab)
+    chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
+    picked_ids = ids[:, None] if ids.dim() == 1 else ids
+    column, held = shard.columns(picked_ids)
+    el = None if options.support is None else elements(options.support, ids, shard)
+    runs = None
+    if el is not None and not options.dense_entropy:
+        # rows with a set need no full pass: their log-prob (and entropy) is sparse
+        runs = dense_runs(~el.host_has_set, chunks.eager)
+    cdt = compute_dtype(logits.dtype)
+    dense = placeholders(rows, column.shape[1], cdt, logits.device, options.with_entropy)
+    kernels.stats(logits, options.tau, dense, chunks=chunks, runs=runs)
+    dense = dense._replace(picked=torch.where(held, logits.gather(1, column).to(cdt), 0.0))
+    sets = None
+    if el is not None:
+        x = logits[el.row, el.col].to(cdt)
+        with_h = options.with_entropy and options.over_support
+        sets = Sets(el, x, set_stats(x, el, dense.picked, options.tau, with_h))
+    return finish(dense, sets, ids, shard, options, runs)
+
+
+def backward(
+    logits: Logits, ids: Tensor, entropy: Tensor | None, saved: Saved,
+    g_lp: Tensor | None, g_entropy: Tensor | None,
+) -> Logits:
+    """The gradient w.r.t. ``logits``: one new ``[T, V_local]`` buffer, written once."""
+    opts = saved.options
+    rows, vocab = logits.shape
+    chunks = kernels.chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
+    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
+    covered = parts.runs is None or sum(hi - lo for lo, hi in parts.runs) == rows
+    grad = kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
+    kernels.grad(
+        logits, saved.max, saved.log_sum, opts.tau, row, grad, chunks=chunks, runs=parts.runs
+    )
+    if saved.restricted is not None:
+        assert parts.set_lp is not None
+        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.tau)
+        scatter_grad(grad, saved.restricted.elements, coef)
+    return grad
+
+
+class _LogProbs(torch.autograd.Function):
+    """A thin shell over ``forward`` and ``backward``: the inputs and (when its gradient
+    is wanted) the entropy through ``save_for_backward``, the rest as one ``Saved``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Logits, ids: Tensor, options: Options
+    ) -> tuple[Tensor, PerRow | None]:
+        log_p, entropy, saved = forward(logits, ids, options)
+        keep = entropy is not None and options.entropy_grad
+        ctx.save_for_backward(logits, ids, entropy if keep else None)
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        if entropy is not None and not keep:
+            ctx.mark_non_differentiable(entropy)
+        return log_p, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, g_lp: Tensor | None, g_entropy: PerRow | None
+    ) -> tuple[Logits | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        logits, ids, entropy = ctx.saved_tensors
+        return backward(logits, ids, entropy, ctx.saved, g_lp, g_entropy), None, None
+
+
+# torch leaves Function.apply untyped; typed once here, at the boundary.
+apply = cast(Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LogProbs.apply)
+
+
+@overload
+def log_probs_and_entropy(
+    logits: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: Literal[False] = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, None]: ...
+@overload
+def log_probs_and_entropy(
+    logits: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: Literal[True],
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow]: ...
+@overload
+def log_probs_and_entropy(
+    logits: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow | None]: ...
+def log_probs_and_entropy(
+    logits: TensorArg,
+    targets: TensorArg,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+) -> tuple[PerRow, PerRow | None]:
+    """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
+    temperature)`` over the full (possibly tensor-parallel) vocabulary.
+
+    Args:
+        logits: ``[T, V_local]`` float32 or bfloat16 (float16, float64 accepted), this
+            rank's vocabulary shard: TP rank ``r`` holds token ids
+            ``[r * V_local, (r + 1) * V_local)``, all shards of equal size. Never
+            modified; saved for backward by reference (do not modify it in place
+            before backward).
+        targets: ``[T]`` int64 *global* token ids; a target in another rank's shard
+            takes its logit from that rank. Padding rows need some id in range.
+        with_entropy: also return the entropy of each row's distribution.
+        entropy_grad: with False the entropy is a detached metric (no gradient,
+            nothing saved for it).
+        temperature: finite, > 0; the logits are divided by it.
+        tp_group: the tensor-parallel group the vocabulary is split over; None means
+            the whole vocabulary is local.
+        chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
+            ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
+            resident), 64 MiB elsewhere. With the compiled kernels
+            (``CPSLICE_COMPILE``, see ``_vocab.kernels``) it is their fixed chunk's rows;
+            None picks ``[C, V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
+        support: per-row token sets (top-p / top-k replay), the same on every rank of
+            ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under
+            the softmax restricted to ``S_t`` plus its target (a target outside the
+            set still gets a finite log-prob); its gradient is zero outside that set.
+            A row with an empty set is unrestricted. ``O(K)`` work on those rows: the
+            logits are gathered at the set's ids, never masked or copied.
+        entropy_over: ``"full"`` (default): the entropy over the whole vocabulary,
+            one full pass over every row. ``"support"``: rows with a set take the
+            entropy of their restricted distribution, with no full pass over them.
+
+    Returns:
+        ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
+        which are computed in float64; every other dtype in float32), entropy None
+        unless ``with_entropy``. Differentiable w.r.t. ``logits``. Memory: beyond the
+        logits, only ``[T]`` statistics and the chunk work buffers in forward, and
+        in backward the one ``[T, V_local]`` gradient (dtype of logits); with a
+        support, ``O(K + T)`` more. Rows with a set skip the chunked full pass unless
+        the full entropy is asked for.
+
+    Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor
+    in forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
+    ``entropy_over="support"``), entered by every rank whatever its inputs or sets
+    (T = 0 too); ``T``, ``with_entropy``, ``entropy_over`` and whether a support is
+    given must agree across the group. Backward enters none. Without ``tp_group``,
+    no communication.
+
+    Raises:
+        TypeError: logits not a floating-point tensor, targets not an int64 tensor,
+            temperature not a real number, chunk_size not an integer.
+        LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
+            different devices, temperature not finite and > 0, chunk_size < 1, a CPU
+            target outside ``[0, tp_size * V_local)`` (checked only on the CPU, where
+            it costs no device sync; elsewhere that row's log-prob is NaN), a support
+            over another number of rows or with a CPU id outside the vocabulary (on
+            a device such a row's log-prob is NaN),
+            ``entropy_over`` not ``"full"`` or ``"support"``. Raised before any
+            collective. (``support`` not a ``Support``: TypeError.)
+
+    A row whose logits are all -inf, or hold NaN or +inf, gives NaN; single -inf
+    logits (masked tokens) are fine.
+    """
+    logits_, targets_ = args.logits_and_targets(logits, targets)
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    total = args.tp_world(tp_group) * logits_.shape[1]
+    args.in_vocabulary(targets_, total)
+    support_ = args.sets(support, entropy_over, logits_.shape[0], total)
+    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
+    return apply(logits_, targets_, options)

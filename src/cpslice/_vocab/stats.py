@@ -1,0 +1,241 @@
+"""The arithmetic of one row: softmax statistics, how they merge, and the gradient's terms.
+
+For a row of logits ``x`` over some of the vocabulary's columns (a chunk of the
+logits, a ``[rows, V_block]`` tile of ``hidden @ weight.T``, one TP shard, a token
+set) and temperature ``tau``, the statistics relative to their own max ``m``, with
+``d = (x - m) / tau``, are
+
+    S = sum exp(d)        A = sum exp(d) * d        and the logits at the row's picked ids
+
+(``RowStats``). Statistics of disjoint columns merge exactly (``merge``): with the
+union's max ``M`` and ``delta_b = (m_b - M) / tau``,
+
+    S = sum_b e^delta_b S_b        A = sum_b e^delta_b (A_b + delta_b S_b)
+
+so vocabulary blocks and TP shards combine alike (the shards' after one all-gather,
+``combine``). From the merged statistics of the whole vocabulary (``totals``):
+
+    log p_j = (x_j - M) / tau - log S        H = log S - A / S
+
+and the gradient of ``sum_j g_j log p_j + g_H H`` w.r.t. a logit ``x_c`` of the row is
+(``RowGrad``)
+
+    p_c * (a log p_c + b) + sum of g_j / tau over the picked ids j at column c,
+    a = -g_H / tau,   b = -(sum_j g_j + g_H H) / tau.
+
+Everything is computed in ``compute_dtype`` (float32; float64 for float64 inputs).
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+FLOOR = -1.0e4
+"""``exp`` of anything below this is exactly 0 in float32 and float64. Clamping ``d`` there
+changes no ``p`` and no ``p * log p``, but turns the ``0 * (-inf)`` of a masked (-inf)
+logit into ``0 * finite = 0`` in the entropy sums."""
+
+_Gather = Callable[..., object]
+# all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.13).
+_all_gather: _Gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Shard(NamedTuple):
+    """This rank's piece of the vocabulary: global ids ``[offset, offset + size)`` of
+    ``[0, size * world)`` (all shards of equal size), and the TP group (None: no TP)."""
+
+    rank: int
+    world: int
+    size: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.size
+
+    @property
+    def total(self) -> int:
+        """The full vocabulary, all shards."""
+        return self.world * self.size
+
+    def columns(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """For global ``ids`` (any shape): their column in this shard (0 where it does not
+        hold them) and whether it holds them."""
+        local = ids - self.offset
+        held = (local >= 0) & (local < self.size)
+        return torch.where(held, local, 0), held
+
+
+def shard_of(tp_group: dist.ProcessGroup | None, size: int) -> Shard:
+    """The ``Shard`` of ``size`` columns this rank holds of ``tp_group``'s vocabulary."""
+    if tp_group is None:
+        return Shard(0, 1, size, None)
+    return Shard(dist.get_rank(tp_group), dist.get_world_size(tp_group), size, tp_group)
+
+
+class RowStats(NamedTuple):
+    """Per-row statistics of logits over some of the vocabulary's columns (see the module
+    docstring): ``max`` ``m`` (-inf where every column is -inf), ``sum`` ``S`` (0 there),
+    ``picked`` ``[..., T, k]`` the logits at each row's ``k`` picked ids where these
+    columns hold them (else 0), ``ent`` ``A`` (None without entropy). Fields of merged
+    parts (``merge``) carry a leading dimension."""
+
+    max: Tensor
+    sum: Tensor
+    picked: Tensor
+    ent: Tensor | None
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "RowStats":
+        """``fn`` of every field (a None ``ent`` stays None): a slice, a view, a new buffer."""
+        return RowStats(fn(self.max), fn(self.sum), fn(self.picked), None if self.ent is None else fn(self.ent))
+
+
+def placeholders(
+    rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
+) -> RowStats:
+    """New statistics of ``rows`` rows holding the placeholders ``(0, 1, 0, 0)``: they merge
+    to nothing wrong and are the same on every shard, for rows whose pass is skipped
+    (their results come from a set). A pass then writes the rows it reads."""
+    return RowStats(
+        torch.zeros(rows, dtype=dtype, device=device),
+        torch.ones(rows, dtype=dtype, device=device),
+        torch.zeros((rows, k), dtype=dtype, device=device),
+        torch.zeros(rows, dtype=dtype, device=device) if with_entropy else None,
+    )
+
+
+def merge(parts: RowStats, tau: float) -> RowStats:
+    """The statistics over the union of the disjoint columns of ``parts`` (each field with
+    a leading dimension of the parts): the max, the rescaled sums, the picked logits (at
+    most one part holds each). A row that is -inf in every part keeps ``(-inf, 0, ., 0)``."""
+    big = parts.max.amax(0)
+    delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
+    scale = torch.exp(delta)
+    ent = None
+    if parts.ent is not None:
+        # a part with S = 0 (all -inf) adds nothing; delta * S would be -inf * 0
+        ent = torch.where(parts.sum > 0, scale * (parts.ent + delta * parts.sum), 0.0).sum(0)
+    return RowStats(big, (scale * parts.sum).sum(0), parts.picked.sum(0), ent)
+
+
+class Totals(NamedTuple):
+    """A row's results over the whole vocabulary (or its restricted set): ``max`` ``M``,
+    ``log_sum`` ``log S``, ``log_probs`` ``[T, k]`` of the picked ids, ``entropy`` ``[T]``
+    or None."""
+
+    max: Tensor
+    log_sum: Tensor
+    log_probs: Tensor
+    entropy: Tensor | None
+
+
+def totals(stats: RowStats, tau: float) -> Totals:
+    """``Totals`` from the merged statistics of the whole vocabulary."""
+    log_s = torch.log(stats.sum)
+    log_p = (stats.picked - stats.max[:, None]) / tau - log_s[:, None]
+    entropy = None if stats.ent is None else log_s - stats.ent / stats.sum
+    return Totals(stats.max, log_s, log_p, entropy)
+
+
+def _rows(stats: RowStats, with_picked: bool) -> list[Tensor]:
+    """The ``[T]`` rows of ``stats`` that travel in the all-gather."""
+    rows = [stats.max, stats.sum]
+    if with_picked:
+        rows += list(stats.picked.t())
+    return rows + ([] if stats.ent is None else [stats.ent])
+
+
+def combine(
+    parts: Sequence[RowStats], tau: float, group: dist.ProcessGroup | None
+) -> list[Totals]:
+    """``Totals`` of each of ``parts`` (this shard's statistics of the same rows, e.g. the
+    full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
+    Every part after the first shares the first's picked logits (they are not sent
+    again). Collectives: one ``all_gather`` of ``[r, T]`` with ``group``, else none."""
+    first = parts[0]
+    k = first.picked.shape[1]
+    local = torch.stack([r for i, p in enumerate(parts) for r in _rows(p, i == 0)])
+    if group is None:
+        gathered = local[None]
+    else:
+        world = dist.get_world_size(group)
+        # the concatenation form [W * r, T]: gloo refuses the stacked [W, r, T]
+        flat = local.new_empty((world * local.shape[0], local.shape[1]))
+        _all_gather(flat, local, group=group)
+        gathered = flat.view(world, *local.shape)
+    picked = gathered[:, 2 : 2 + k].transpose(1, 2)
+    out, at = [], 2 + k
+    for i, p in enumerate(parts):
+        m, s = (gathered[:, 0], gathered[:, 1]) if i == 0 else (gathered[:, at], gathered[:, at + 1])
+        if i:
+            at += 2
+        ent = None
+        if p.ent is not None:
+            ent = gathered[:, at]
+            at += 1
+        out.append(totals(merge(RowStats(m, s, picked, ent), tau), tau))
+    return out
+
+
+class RowGrad(NamedTuple):
+    """The per-row terms of the logits' gradient on one shard (module docstring): the
+    coefficients ``a`` (None without an entropy gradient) and ``b``, and ``hot`` ``[T, k]``,
+    ``g_j / tau`` at each picked id's ``column`` ``[T, k]`` where this shard holds it
+    (else 0; None without a log-prob gradient)."""
+
+    a: Tensor | None
+    b: Tensor
+    hot: Tensor | None
+    column: Tensor
+
+
+def row_grad(
+    g_lp: Tensor,
+    g_entropy: Tensor | None,
+    entropy: Tensor | None,
+    tau: float,
+    column: Tensor,
+    held: Tensor,
+    *,
+    with_hot: bool,
+    placeholders: bool = False,
+) -> RowGrad:
+    """``RowGrad`` from the upstream gradients ``g_lp`` ``[T, k]`` and ``g_entropy`` ``[T]``
+    (None: none) and the saved entropy. With ``placeholders``, a row whose ``g_entropy`` is
+    0 adds no ``g_H H`` term even where ``H`` is not finite (a placeholder)."""
+    g_sum = g_lp.sum(1)
+    hot = torch.where(held, g_lp / tau, 0.0) if with_hot else None
+    if g_entropy is None:
+        return RowGrad(None, -g_sum / tau, hot, column)
+    assert entropy is not None
+    g_h = g_entropy.to(g_lp.dtype)
+    h_term = g_h * entropy
+    if placeholders:
+        h_term = torch.where(g_h != 0, h_term, 0.0)
+    return RowGrad(-g_h / tau, -(g_sum + h_term) / tau, hot, column)
+
+
+def pick_grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, grad: RowGrad, vocab: int
+) -> Tensor:
+    """``[T, k]``: the whole gradient at each picked id's column of a ``[T, vocab]`` tile
+    (``x`` ``[T, k]`` the logits there), the one-hot terms of every picked id at that
+    column included, in the compute dtype: the entries a kernel that leaves the one-hot
+    terms out must overwrite."""
+    b = grad.b[:, None]
+    d = ((x.to(b.dtype) - big_m[:, None]) / tau - log_s[:, None]).clamp(min=FLOOR)
+    factor = b if grad.a is None else grad.a[:, None] * d + b
+    value = torch.exp(d) * factor
+    if grad.hot is None:
+        return value
+    if grad.hot.shape[1] == 1:
+        return value + grad.hot
+    # ids repeated in a row: every copy's entry holds the one-hot terms of all copies
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    _, copy = torch.unique(rows * vocab + grad.column, return_inverse=True)
+    hot = grad.hot.new_zeros(x.numel()).index_add_(0, copy.view(-1), grad.hot.reshape(-1))
+    return value + hot[copy]
