@@ -254,7 +254,8 @@ def test_redistribute_at_cp_size_1_needs_no_process_group() -> None:
 def test_error_tests_pass_unchecked() -> None:
     """The error tests again, in a fresh interpreter with run-time checking off: only
     cpslice's own exception type and message pass there, so none of its checks can be
-    deleted behind the checker's back."""
+    deleted behind the checker's back; and the argument kinds every entry point accepts
+    (test_arguments), which must be the same with checking on and off."""
     if not CHECKED:
         pytest.skip("this is the unchecked run")
     root = Path(__file__).resolve().parent.parent
@@ -267,7 +268,8 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
          "tests/test_linear.py::test_refusals",
          "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
-         "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path"],
+         "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",
+         "tests/test_arguments.py"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
