@@ -25,6 +25,8 @@ AnyShare = Shaped[Tensor, "_r *rest"]
 # lengths, and neither binds a dimension name to the other.
 Share1D = Float[Tensor, " _r"]
 Mask = Shaped[Tensor, " _R"]
+# A teacher's per-token top-k of one sample: [R_i, k] log-probs or ids.
+TopK = Shaped[Tensor, "_r _k"]
 Rows = Int64[Tensor, " m"]
 Logits = Float[Tensor, "t v"]
 PerRow = Float[Tensor, " t"]
@@ -37,6 +39,8 @@ QkvFormat = Literal["thd", "bshd"]
 CpMode = Literal["none", "zigzag", "allgather"]
 Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
 EntropyOver = Literal["full", "support"]
+Divergence = Literal["forward", "reverse", "jsd"]
+Tail = Literal["bin", "renormalize"]
 
 # The public functions' arguments, for the type checker: what a caller may pass. At run
 # time (debug mode's beartype) each is ``object``: the function's own validation
@@ -55,6 +59,8 @@ if TYPE_CHECKING:
     FormatArg = QkvFormat
     ModeArg = CpMode
     EntropyOverArg = EntropyOver
+    DivergenceArg = Divergence
+    TailArg = Tail
     SupportArg: TypeAlias = "Support | None"
     # ``Support.from_responses``: per sample, a 1-D integer tensor or a list of ints.
     IdsArg = Sequence[Tensor] | Sequence[Sequence[SupportsIndex]]
@@ -64,7 +70,7 @@ if TYPE_CHECKING:
     Denominators = Tensor | Sequence[SupportsFloat] | None
 else:
     TensorArg = IntArg = RealArg = ChunkArg = Lengths = Boundaries = object
-    FormatArg = ModeArg = EntropyOverArg = SupportArg = IdsArg = object
+    FormatArg = ModeArg = EntropyOverArg = DivergenceArg = TailArg = SupportArg = IdsArg = object
     Shares = Masks = Denominators = object
 
 

@@ -25,62 +25,86 @@ def chunk_size(value: object) -> int | None:
     return chunk
 
 
-def _targets_kind(value: object) -> Tensor:
-    targets_ = checks.tensor("targets", value, "a torch.Tensor [T] of int64 token ids")
-    if targets_.dtype != torch.int64:
-        raise TypeError(
-            f"targets has dtype {targets_.dtype}; pass int64 token ids (targets.long())"
-        )
-    return targets_
+def _ids_kind(name: str, value: object, what: str) -> Tensor:
+    ids = checks.tensor(name, value, f"a torch.Tensor {what} of int64 token ids")
+    if ids.dtype != torch.int64:
+        raise TypeError(f"{name} has dtype {ids.dtype}; pass int64 token ids ({name}.long())")
+    return ids
 
 
-def _targets_fit(shape: tuple[int, ...], device: torch.device, rows: int, at: torch.device, what: str) -> None:
-    if shape != (rows,):
+def _ids_fit(
+    name: str, shape: tuple[int, ...], device: torch.device, rows: int, at: torch.device, what: str
+) -> None:
+    """``[T]`` for ``targets``, ``[T, k]`` (``k >= 1``) for any other ``name``; on ``at``."""
+    if name == "targets" and shape != (rows,):
         raise LayoutError(
-            f"targets has shape {shape} but {what} has {rows} rows; targets "
+            f"{name} has shape {shape} but {what} has {rows} rows; {name} "
             f"must be [T] = [{rows}], one token id per row"
+        )
+    if name != "targets" and (len(shape) != 2 or shape[0] != rows or shape[1] < 1):
+        raise LayoutError(
+            f"{name} has shape {shape} but {what} has {rows} rows; {name} must be [T, k] = "
+            f"[{rows}, k], k >= 1 token ids per row"
         )
     if device != at:
         raise LayoutError(
-            f"targets is on {device} but {what} on {at}; put them on "
+            f"{name} is on {device} but {what} on {at}; put them on "
             "the same device"
         )
 
 
-def logits_and_targets(logits: object, targets: object) -> tuple[Tensor, Tensor]:
-    """``[T, V_local]`` floating-point logits with at least one column and ``[T]`` int64
-    token ids on their device."""
-    logits_ = checks.tensor("logits", logits, "a torch.Tensor [T, V_local]")
-    if not logits_.is_floating_point():
+def _logits_kind(value: object) -> Tensor:
+    logits = checks.tensor("logits", value, "a torch.Tensor [T, V_local]")
+    if not logits.is_floating_point():
         raise TypeError(
-            f"logits has dtype {logits_.dtype}; pass floating-point logits (float32 or "
+            f"logits has dtype {logits.dtype}; pass floating-point logits (float32 or "
             "bfloat16; float16 and float64 are accepted too)"
         )
-    targets_ = _targets_kind(targets)
-    if logits_.dim() != 2:
+    return logits
+
+
+def _logits_shape(logits: Tensor) -> None:
+    if logits.dim() != 2:
         raise LayoutError(
-            f"logits has shape {tuple(logits_.shape)}; it must be 2-D [T, V_local] "
+            f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
             "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
         )
-    if logits_.shape[1] == 0:
+    if logits.shape[1] == 0:
         raise LayoutError(
-            f"logits has shape {tuple(logits_.shape)}: 0 vocabulary columns; a vocabulary "
+            f"logits has shape {tuple(logits.shape)}: 0 vocabulary columns; a vocabulary "
             "shard needs at least one"
         )
-    _targets_fit(tuple(targets_.shape), targets_.device, logits_.shape[0], logits_.device, "logits")
+
+
+def logits(value: object) -> Tensor:
+    """``[T, V_local]`` floating-point logits with at least one column."""
+    logits_ = _logits_kind(value)
+    _logits_shape(logits_)
+    return logits_
+
+
+def logits_and_targets(logits: object, targets: object, name: str = "targets") -> tuple[Tensor, Tensor]:
+    """``logits`` and int64 token ids on their device: ``[T]`` targets, or ``[T, k]`` ids with
+    ``name="ids"``."""
+    logits_ = _logits_kind(logits)
+    targets_ = _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]")
+    _logits_shape(logits_)
+    _ids_fit(name, tuple(targets_.shape), targets_.device, logits_.shape[0], logits_.device, "logits")
     return logits_, targets_
 
 
-def head_and_targets(hidden: object, weight: object, targets: object) -> tuple[Tensor, Tensor, Tensor]:
+def head_and_targets(
+    hidden: object, weight: object, targets: object, name: str = "targets"
+) -> tuple[Tensor, Tensor, Tensor]:
     """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype on
-    one device, and ``[T]`` int64 token ids on it."""
+    one device, and int64 token ids on it (``[T]`` targets, or ``[T, k]`` with ``name="ids"``)."""
     hidden_, weight_ = head(hidden, weight)
     rows = hidden_.shape[0]
     if isinstance(targets, Tensor):
         # the shape of int64 ids before the kind of other ones, the device of any
-        shape = tuple(targets.shape) if targets.dtype == torch.int64 else (rows,)
-        _targets_fit(shape, targets.device, rows, hidden_.device, "hidden")
-    return hidden_, weight_, _targets_kind(targets)
+        shape = tuple(targets.shape) if targets.dtype == torch.int64 else (rows,) if name == "targets" else (rows, 1)
+        _ids_fit(name, shape, targets.device, rows, hidden_.device, "hidden")
+    return hidden_, weight_, _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]")
 
 
 def head(hidden: object, weight: object) -> tuple[Tensor, Tensor]:
@@ -136,17 +160,27 @@ def tp_world(tp_group: dist.ProcessGroup | None) -> int:
 
 
 @boundary  # data-dependent (nonzero): not for a compiled caller to trace
-def in_vocabulary(targets: Tensor, vocab_total: int) -> None:
-    """On the CPU, where it costs no device sync, refuse a target outside the vocabulary."""
+def in_vocabulary(targets: Tensor, vocab_total: int, name: str = "targets") -> None:
+    """On the CPU, where it costs no device sync, refuse an id outside the vocabulary
+    (``[T]`` targets or ``[T, k]`` ids)."""
     if targets.device.type != "cpu" or targets.numel() == 0:
         return
     bad = ((targets < 0) | (targets >= vocab_total)).nonzero()
     if bad.numel():
-        i = int(bad[0, 0])
+        at = ", ".join(str(int(i)) for i in bad[0])
+        what = "rows" if targets.dim() == 1 else "ids"
         raise LayoutError(
-            f"targets[{i}] = {int(targets[i])} is outside the vocabulary [0, {vocab_total}) "
-            f"({bad.numel()} such rows); padding rows need an id in range too, e.g. 0"
+            f"{name}[{at}] = {int(targets[tuple(bad[0])])} is outside the vocabulary [0, {vocab_total}) "
+            f"({bad.shape[0]} such {what}); padding rows need an id in range too, e.g. 0"
         )
+
+
+def k_best(value: object) -> int:
+    """``k`` of a top-k: an integer >= 1 (the vocabulary bounds it too, checked later)."""
+    k = checks.integer("k", value)
+    if k < 1:
+        raise LayoutError(f"k={k} is not allowed: it must be >= 1 (ids per row)")
+    return k
 
 
 def sets(

@@ -24,7 +24,8 @@ from .stats import RowGrad, RowStats, Shard, combine, row_grad
 class Options(NamedTuple):
     """A call's settings, everything but its tensors: ``tau`` the temperature; ``chunk_size``
     rows per chunk (None: the driver's default); ``support`` per-row sets, with
-    ``over_support`` the entropy of rows with a set taken over the set."""
+    ``over_support`` the entropy of rows with a set taken over the set; ``rows`` the rows
+    to compute."""
 
     with_entropy: bool
     entropy_grad: bool
@@ -33,6 +34,9 @@ class Options(NamedTuple):
     chunk_size: int | None
     support: Support | None
     over_support: bool
+    rows: Tensor | None = None
+    """CPU bool ``[T]``: the rows to compute (None: all). The others get no dense pass,
+    results that are not to be read, and no gradient."""
 
     @property
     def dense_entropy(self) -> bool:
@@ -80,7 +84,7 @@ def finish(
     computed over the set), NaN where an id (or a set's) is outside the vocabulary; and
     the ``Saved`` record."""
     parts = [dense] if sets is None else [dense, sets.stats]
-    totals = combine(parts, options.tau, shard.group)
+    totals, _ = combine(parts, options.tau, shard.group)
     log_p, entropy = totals[0].log_probs, totals[0].entropy
     valid = (ids >= 0) & (ids < shard.total)
     restricted = None
@@ -111,7 +115,7 @@ def row_terms(
     gradients (``g_lp`` shaped as ``ids``, ``[T, k]`` or ``[T]``, or None; ``g_entropy``
     ``[T]`` or None); ``entropy`` is
     the saved one (None when its gradient was not wanted); ``gap`` merges the dense runs
-    closer than it (``sparse.dense_runs``)."""
+    closer than it (``kernels.runs_of``)."""
     opts = saved.options
     if ids.dim() == 1:
         ids = ids[:, None]

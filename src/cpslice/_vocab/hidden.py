@@ -40,15 +40,16 @@ from .._types import (
     EntropyOverArg,
     HeadWeight,
     Hidden,
+    IntArg,
     PerRow,
     RealArg,
     SupportArg,
     TensorArg,
     compute_dtype,
 )
-from . import args, kernels
+from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
-from .sparse import Elements, dense_runs, element_grad, elements, set_stats
+from .sparse import Elements, element_grad, elements, set_stats
 from .stats import RowGrad, RowStats, merge, placeholders, shard_of
 
 # Module-level, so that a test can count the collectives.
@@ -131,38 +132,36 @@ def _rows(row: RowGrad, s: int, e: int) -> RowGrad:
     )
 
 
-def forward(
-    hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
-) -> tuple[Tensor, Tensor | None, Saved]:
-    """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
-    it) and what the backward needs; ``options.chunk_size`` is set."""
+def _dense_pass(
+    hidden: Hidden,
+    weight: HeadWeight,
+    column: Tensor,
+    held: Tensor,
+    dense: RowStats,
+    runs: list[tuple[int, int]],
+    options: Options,
+    best: int | None = None,
+) -> topk.Candidates | None:
+    """Fill the rows of ``runs`` of ``dense`` (the picked ids' ``column``/``held`` ``[T, k]``
+    included) from the tiles of ``hidden @ weight.T``; with ``best``, also return each
+    row's ``best`` largest logits and their global ids (rows outside ``runs``: none)."""
     assert options.chunk_size is not None
     rows, vocab = hidden.shape[0], weight.shape[0]
-    shard = shard_of(options.tp_group, vocab)
-    cdt = compute_dtype(hidden.dtype)
-    picked_ids = ids[:, None] if ids.dim() == 1 else ids
-    column, held = shard.columns(picked_ids)
+    cdt = dense.max.dtype
     tiles = Tiles.of(rows, vocab, options.chunk_size)
-    with_h = options.with_entropy
-    dense = placeholders(rows, column.shape[1], cdt, hidden.device, with_h)
-    sets = None
-    runs: list[tuple[int, int]] = [(0, rows)]
-    if options.support is not None:
-        el = elements(options.support, ids, shard)
-        x_el = _element_logits(hidden, weight, el, cdt)
-        if not options.dense_entropy:
-            # rows with a set need no logits row: their log-prob (and entropy) is sparse;
-            # their target logit is their candidate element's, the last T elements
-            runs = dense_runs(~el.host_has_set, options.chunk_size)
-            dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
-        with_set_h = with_h and options.over_support
-        sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
     blocks = tiles.blocks(vocab)
+    width = 0 if best is None else min(best, vocab)
+    found = topk.Candidates(
+        torch.empty((rows, width), dtype=cdt, device=hidden.device),
+        torch.zeros((rows, width), dtype=torch.int64, device=hidden.device),
+    )
+    first_id = shard_of(options.tp_group, vocab).offset
     work = kernels.Workspace()
     for s, e in kernels.pieces(runs, tiles.rows):
         chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
         # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
         parts = _two_slots(dense, e - s)
+        running: topk.Candidates | None = None
         for b, (v0, v1) in enumerate(blocks):
             # the same [rows, V_block] tiles, by the same matmuls, as backward: its
             # recomputed logits are these bit for bit, so the gradient's p and the
@@ -174,11 +173,60 @@ def forward(
             inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
             at = torch.where(inside, column[s:e] - v0, 0)
             part.picked.copy_(torch.where(inside, x.gather(1, at).to(cdt), 0.0))
+            if best is not None:
+                tile = topk.of_tile(x, first_id + v0, best, cdt)
+                running = tile if running is None else topk.merge(running, tile, best)
             del x
             if slot:
                 _write(parts, 0, merge(parts, options.tau))
         _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
+        if running is not None:
+            found.values[s:e], found.ids[s:e] = running
+    return None if best is None else found
+
+
+def forward(
+    hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
+) -> tuple[Tensor, Tensor | None, Saved]:
+    """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
+    it) and what the backward needs; ``options.chunk_size`` is set."""
+    assert options.chunk_size is not None
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    shard = shard_of(options.tp_group, vocab)
+    cdt = compute_dtype(hidden.dtype)
+    column, held = shard.columns(ids[:, None] if ids.dim() == 1 else ids)
+    dense = placeholders(rows, column.shape[1], cdt, hidden.device, options.with_entropy)
+    sets = None
+    runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
+    if options.support is not None:
+        el = elements(options.support, ids, shard)
+        x_el = _element_logits(hidden, weight, el, cdt)
+        if not options.dense_entropy:
+            # rows with a set need no logits row: their log-prob (and entropy) is sparse;
+            # their target logit is their candidate element's, the last T elements
+            runs = kernels.runs_of(~el.host_has_set, options.chunk_size)
+            dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
+        with_set_h = options.with_entropy and options.over_support
+        sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
+    _dense_pass(hidden, weight, column, held, dense, runs, options)
     return finish(dense, sets, ids, shard, options, runs)
+
+
+def topk_forward(
+    hidden: Hidden, weight: HeadWeight, k: int, options: Options
+) -> tuple[Tensor, Tensor, Saved]:
+    """The ``[T, k]`` largest log-probs, descending, their ``[T, k]`` global ids, and what
+    the backward (``backward`` at those ids) needs."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    shard = shard_of(options.tp_group, vocab)
+    cdt = compute_dtype(hidden.dtype)
+    none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
+    dense = placeholders(rows, 0, cdt, hidden.device, with_entropy=False)
+    everything = [(0, rows)]
+    found = _dense_pass(hidden, weight, none, none.bool(), dense, everything, options, best=k)
+    assert found is not None
+    log_p, ids, totals = topk.choose(dense, found, k, shard, options.tau)
+    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, everything)
 
 
 def _two_slots(like: RowStats, rows: int) -> RowStats:
@@ -338,10 +386,39 @@ class _LinearLogProbs(torch.autograd.Function):
         return *grads, None, None
 
 
+class _LinearTopK(torch.autograd.Function):
+    """``topk_forward``, differentiable like ``torch.topk``: the gradient of the chosen
+    entries is ``backward`` at the chosen ids."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Hidden, weight: HeadWeight, k: int, options: Options
+    ) -> tuple[Tensor, Tensor]:
+        log_p, ids, saved = topk_forward(hidden, weight, k, options)
+        ctx.save_for_backward(hidden, weight, ids)
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(ids)
+        return log_p, ids
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, g_lp: Tensor | None, g_ids: None
+    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (want_h or want_w):
+            return None, None, None, None
+        hidden, weight, ids = ctx.saved_tensors
+        grads = backward(hidden, weight, ids, None, ctx.saved, g_lp, None, want_h, want_w)
+        return *grads, None, None
+
+
 # torch leaves Function.apply untyped; typed once here, at the boundary.
 apply = cast(
     Callable[[Tensor, Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LinearLogProbs.apply
 )
+apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]], _LinearTopK.apply)
 
 
 @overload
@@ -456,3 +533,76 @@ def linear_log_probs_and_entropy(
         chunk = default_linear_chunk_rows(weight_.shape[0])
     options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
     return apply(hidden_, weight_, targets_, options)
+
+
+def linear_log_probs_at(
+    hidden: TensorArg,
+    weight: TensorArg,
+    ids: TensorArg,
+    *,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+) -> Tensor:
+    """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
+    V_local]`` logits: the hidden-state path's tiles, forward and backward.
+
+    Args:
+        hidden, weight, temperature, tp_group, chunk_size: as
+            ``linear_log_probs_and_entropy``.
+        ids: ``[T, k]`` int64 global token ids, as ``log_probs_at``'s.
+
+    Returns:
+        ``[T, k]`` float32 (float64 for float64 inputs), as ``log_probs_at`` on the
+        materialized logits; differentiable w.r.t. ``hidden`` (the full gradient, summed
+        over the TP group) and ``weight`` (this shard's).
+
+    Collectives: with ``tp_group``, one ``all_gather`` of ``[2 + k, T]`` in forward and,
+    when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]`` in backward.
+
+    Raises:
+        TypeError, LayoutError: as ``linear_log_probs_and_entropy`` for hidden and weight,
+            as ``log_probs_at`` for ids. Raised before any collective.
+    """
+    hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    total = args.tp_world(tp_group) * weight_.shape[0]
+    args.in_vocabulary(ids_, total, "ids")
+    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
+    log_p, _ = apply(hidden_, weight_, ids_, Options(False, False, tau, tp_group, chunk, None, False))
+    return log_p
+
+
+def linear_topk_log_probs(
+    hidden: TensorArg,
+    weight: TensorArg,
+    k: IntArg,
+    *,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+) -> tuple[Tensor, Tensor]:
+    """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
+    V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
+    blocks; the teacher's top-k straight from its hidden states.
+
+    Returns:
+        ``(log_probs, ids)``, each ``[T, k]``, as ``topk_log_probs`` on the materialized
+        logits; differentiable w.r.t. ``hidden`` and ``weight`` at the chosen entries.
+
+    Collectives: with ``tp_group``, one ``all_gather`` in forward (candidates and
+    statistics) and, when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]``
+    in backward.
+
+    Raises:
+        TypeError, LayoutError: as ``linear_log_probs_and_entropy`` for hidden and weight,
+            as ``topk_log_probs`` for ``k``. Raised before any collective.
+    """
+    hidden_, weight_ = args.head(hidden, weight)
+    k_ = args.k_best(k)
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    topk.check_k(k_, args.tp_world(tp_group) * weight_.shape[0], compute_dtype(hidden_.dtype))
+    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
+    return apply_topk(hidden_, weight_, k_, Options(False, False, tau, tp_group, chunk, None, False))

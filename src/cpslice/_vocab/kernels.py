@@ -159,6 +159,24 @@ Runs = list[tuple[int, int]] | None
 """Row ranges ``[lo, hi)`` a pass reads, ascending and disjoint; None: every row."""
 
 
+def runs_of(need: Tensor, gap: int) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` covering every row where ``need`` (CPU bool ``[T]``) is
+    True; runs closer than ``gap`` rows are merged, so that a chunked pass over them
+    takes about as many chunks as the rows need."""
+    rows = need.numel()
+    if rows == 0 or bool(need.all()):
+        return [(0, rows)] if rows else []
+    edge = torch.nn.functional.pad(need.to(torch.int8), (1, 1)).diff()
+    starts, ends = (edge == 1).nonzero()[:, 0], (edge == -1).nonzero()[:, 0]
+    if starts.numel() == 0:
+        return []
+    keep = torch.ones_like(starts, dtype=torch.bool)
+    keep[1:] = starts[1:] - ends[:-1] >= gap
+    last = torch.ones_like(keep)
+    last[:-1] = keep[1:]
+    return list(zip(starts[keep].tolist(), ends[last].tolist()))
+
+
 def _covers(runs: Runs, rows: int) -> bool:
     return runs is None or sum(hi - lo for lo, hi in runs) == rows
 

@@ -16,10 +16,20 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _checks as checks
-from .._types import ChunkArg, EntropyOverArg, Logits, PerRow, RealArg, SupportArg, TensorArg, compute_dtype
-from . import args, kernels
+from .._types import (
+    ChunkArg,
+    EntropyOverArg,
+    IntArg,
+    Logits,
+    PerRow,
+    RealArg,
+    SupportArg,
+    TensorArg,
+    compute_dtype,
+)
+from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
-from .sparse import dense_runs, element_grad, elements, scatter_grad, set_stats
+from .sparse import element_grad, elements, scatter_grad, set_stats
 from .stats import placeholders, shard_of
 
 
@@ -32,10 +42,10 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     picked_ids = ids[:, None] if ids.dim() == 1 else ids
     column, held = shard.columns(picked_ids)
     el = None if options.support is None else elements(options.support, ids, shard)
-    runs = None
+    runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
     if el is not None and not options.dense_entropy:
         # rows with a set need no full pass: their log-prob (and entropy) is sparse
-        runs = dense_runs(~el.host_has_set, chunks.eager)
+        runs = kernels.runs_of(~el.host_has_set, chunks.eager)
     cdt = compute_dtype(logits.dtype)
     dense = placeholders(rows, column.shape[1], cdt, logits.device, options.with_entropy)
     kernels.stats(logits, options.tau, dense, chunks=chunks, runs=runs)
@@ -57,16 +67,29 @@ def backward(
     rows, vocab = logits.shape
     chunks = kernels.chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
-    covered = parts.runs is None or sum(hi - lo for lo, hi in parts.runs) == rows
+    runs = saved.dense_rows if parts.runs is None else parts.runs
+    covered = runs is None or sum(hi - lo for lo, hi in runs) == rows
     grad = kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
-    kernels.grad(
-        logits, saved.max, saved.log_sum, opts.tau, row, grad, chunks=chunks, runs=parts.runs
-    )
+    kernels.grad(logits, saved.max, saved.log_sum, opts.tau, row, grad, chunks=chunks, runs=runs)
     if saved.restricted is not None:
         assert parts.set_lp is not None
         coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.tau)
         scatter_grad(grad, saved.restricted.elements, coef)
     return grad
+
+
+def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tensor, Saved]:
+    """The ``[T, k]`` largest log-probs, descending, their ``[T, k]`` global ids, and what
+    the backward (``backward`` at those ids) needs."""
+    rows, vocab = logits.shape
+    shard = shard_of(options.tp_group, vocab)
+    cdt = compute_dtype(logits.dtype)
+    chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
+    dense = placeholders(rows, 0, cdt, logits.device, with_entropy=False)
+    kernels.stats(logits, options.tau, dense, chunks=chunks)
+    local = topk.of_tile(logits, shard.offset, k, cdt)
+    log_p, ids, totals = topk.choose(dense, local, k, shard, options.tau)
+    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, None)
 
 
 class _LogProbs(torch.autograd.Function):
@@ -97,8 +120,31 @@ class _LogProbs(torch.autograd.Function):
         return backward(logits, ids, entropy, ctx.saved, g_lp, g_entropy), None, None
 
 
+class _TopK(torch.autograd.Function):
+    """``topk_forward``, differentiable like ``torch.topk``: the gradient of the chosen
+    entries is ``backward`` at the chosen ids."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Logits, k: int, options: Options) -> tuple[Tensor, Tensor]:
+        log_p, ids, saved = topk_forward(logits, k, options)
+        ctx.save_for_backward(logits, ids)
+        ctx.saved = saved
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(ids)
+        return log_p, ids
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_lp: Tensor | None, g_ids: None) -> tuple[Logits | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        logits, ids = ctx.saved_tensors
+        return backward(logits, ids, None, ctx.saved, g_lp, None), None, None
+
+
 # torch leaves Function.apply untyped; typed once here, at the boundary.
 apply = cast(Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LogProbs.apply)
+apply_topk = cast(Callable[[Tensor, int, Options], tuple[Tensor, Tensor]], _TopK.apply)
 
 
 @overload
@@ -223,3 +269,90 @@ def log_probs_and_entropy(
     support_ = args.sets(support, entropy_over, logits_.shape[0], total)
     options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
     return apply(logits_, targets_, options)
+
+
+def log_probs_at(
+    logits: TensorArg,
+    ids: TensorArg,
+    *,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+) -> Tensor:
+    """``log_softmax(logits / temperature)`` over the full (possibly tensor-parallel)
+    vocabulary, at ``k`` given ids per row: a student's log-probs at its teacher's top-k.
+
+    Args:
+        logits: ``[T, V_local]`` as ``log_probs_and_entropy``'s (never modified; saved for
+            backward by reference).
+        ids: ``[T, k]`` int64 *global* token ids, any ``k >= 1``, repeats allowed; an id in
+            another rank's shard takes its logit from that rank.
+        temperature, tp_group, chunk_size: as ``log_probs_and_entropy``.
+
+    Returns:
+        ``[T, k]`` float32 (float64 for float64 logits), the same on every rank of
+        ``tp_group``; differentiable w.r.t. ``logits`` (a repeated id's entry gathers the
+        gradient of every copy). Memory: ``O(T * k)`` saved beyond the logits, no
+        ``[T, V]`` work buffer (the chunk kernels, compiled where ``CPSLICE_COMPILE``
+        says so), and in backward the one ``[T, V_local]`` gradient.
+
+    Collectives: with ``tp_group``, exactly one ``all_gather`` of ``[2 + k, T]`` in forward
+    (each row's max, sum of exp and the logits at the ids this shard holds), entered by
+    every rank (T = 0 too); backward enters none. Without ``tp_group``, none.
+
+    Raises:
+        TypeError: logits not a floating-point tensor, ids not an int64 tensor; as
+            ``log_probs_and_entropy`` for temperature and chunk_size.
+        LayoutError: logits not 2-D or with 0 columns, ids not ``[T, k]`` with ``k >= 1``,
+            tensors on different devices, a CPU id outside ``[0, tp_size * V_local)``
+            (on a device, where checking would cost a sync, that entry is NaN); as
+            ``log_probs_and_entropy`` otherwise. Raised before any collective.
+    """
+    logits_, ids_ = args.logits_and_targets(logits, ids, "ids")
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    total = args.tp_world(tp_group) * logits_.shape[1]
+    args.in_vocabulary(ids_, total, "ids")
+    log_p, _ = apply(logits_, ids_, Options(False, False, tau, tp_group, chunk, None, False))
+    return log_p
+
+
+def topk_log_probs(
+    logits: TensorArg,
+    k: IntArg,
+    *,
+    temperature: RealArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+) -> tuple[Tensor, Tensor]:
+    """Each row's ``k`` most likely ids over the full (possibly tensor-parallel)
+    vocabulary and their log-probs: the teacher's side of top-k distillation.
+
+    Equal to ``torch.topk(log_softmax(full_logits / temperature), k)`` (ties broken as
+    ``torch.topk`` may), differentiable like it: the gradient reaches the chosen
+    entries through the log-softmax (``log_probs_at`` at the chosen ids).
+
+    Args:
+        logits, temperature, tp_group, chunk_size: as ``log_probs_and_entropy``.
+        k: ids per row, ``1 <= k <=`` the full vocabulary.
+
+    Returns:
+        ``(log_probs, ids)``: ``[T, k]`` float32 (float64 for float64 logits), descending,
+        and ``[T, k]`` int64 global ids, the same on every rank of ``tp_group``.
+
+    Collectives: with ``tp_group``, exactly one ``all_gather`` in forward: each rank's
+    local top-k candidates (values and ids) ride with its row statistics, and the top-k
+    of all candidates is taken; backward enters none.
+
+    Raises:
+        TypeError, LayoutError: as ``log_probs_and_entropy`` for logits, temperature and
+            chunk_size; ``k`` not an integer (TypeError), ``k < 1`` or larger than the
+            vocabulary (LayoutError), a vocabulary of more than 2^24 ids with logits
+            other than float64. Raised before any collective.
+    """
+    logits_ = args.logits(logits)
+    k_ = args.k_best(k)
+    tau = checks.temperature(temperature)
+    chunk = args.chunk_size(chunk_size)
+    topk.check_k(k_, args.tp_world(tp_group) * logits_.shape[1], compute_dtype(logits_.dtype))
+    return apply_topk(logits_, k_, Options(False, False, tau, tp_group, chunk, None, False))

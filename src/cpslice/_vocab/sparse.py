@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .._support import Support, host_offsets
+from .kernels import runs_of
 from .stats import FLOOR, RowStats, Shard, Totals, placeholders
 
 _I64 = torch.int64
@@ -102,24 +103,6 @@ def set_stats(x: Tensor, el: Elements, picked: Tensor, tau: float, with_entropy:
     )
 
 
-def dense_runs(need: Tensor, gap: int) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` covering every row where ``need`` (CPU bool ``[T]``) is
-    True; runs closer than ``gap`` rows are merged, so that a chunked pass over them
-    takes about as many chunks as the rows need."""
-    rows = need.numel()
-    if rows == 0 or bool(need.all()):
-        return [(0, rows)] if rows else []
-    edge = torch.nn.functional.pad(need.to(torch.int8), (1, 1)).diff()
-    starts, ends = (edge == 1).nonzero()[:, 0], (edge == -1).nonzero()[:, 0]
-    if starts.numel() == 0:
-        return []
-    keep = torch.ones_like(starts, dtype=torch.bool)
-    keep[1:] = starts[1:] - ends[:-1] >= gap
-    last = torch.ones_like(keep)
-    last[:-1] = keep[1:]
-    return list(zip(starts[keep].tolist(), ends[last].tolist()))
-
-
 class Restricted(NamedTuple):
     """What the backward needs of one call's sets: the elements, their ``[E]`` logits and
     the restricted ``Totals`` (entropy None unless it was computed)."""
@@ -162,7 +145,7 @@ def split(
         g_entropy = g_entropy.to(g_lp.dtype) - set_h
     runs = None
     if g_entropy is None or entropy_over_support:
-        runs = dense_runs(~el.host_has_set, gap)
+        runs = runs_of(~el.host_has_set, gap)
     return Split(dense_lp, g_entropy, set_lp, set_h, runs)
 
 

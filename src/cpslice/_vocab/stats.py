@@ -149,36 +149,44 @@ def _rows(stats: RowStats, with_picked: bool) -> list[Tensor]:
     return rows + ([] if stats.ent is None else [stats.ent])
 
 
+def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``[W, r, T]``: every shard's ``[r, T]`` rows, by one all-gather over ``group`` (``W`` 1
+    and no communication without one)."""
+    if group is None:
+        return local[None]
+    world = dist.get_world_size(group)
+    # the concatenation form [W * r, T]: gloo refuses the stacked [W, r, T]
+    flat = local.new_empty((world * local.shape[0], local.shape[1]))
+    _all_gather(flat, local, group=group)
+    return flat.view(world, *local.shape)
+
+
 def combine(
-    parts: Sequence[RowStats], tau: float, group: dist.ProcessGroup | None
-) -> list[Totals]:
+    parts: Sequence[RowStats],
+    tau: float,
+    group: dist.ProcessGroup | None,
+    extra: Tensor | None = None,
+) -> tuple[list[Totals], Tensor | None]:
     """``Totals`` of each of ``parts`` (this shard's statistics of the same rows, e.g. the
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
     Every part after the first shares the first's picked logits (they are not sent
-    again). Collectives: one ``all_gather`` of ``[r, T]`` with ``group``, else none."""
+    again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
+    ``[W, r, T]``. Collectives: one ``all_gather`` with ``group``, else none."""
     first = parts[0]
     k = first.picked.shape[1]
-    local = torch.stack([r for i, p in enumerate(parts) for r in _rows(p, i == 0)])
-    if group is None:
-        gathered = local[None]
-    else:
-        world = dist.get_world_size(group)
-        # the concatenation form [W * r, T]: gloo refuses the stacked [W, r, T]
-        flat = local.new_empty((world * local.shape[0], local.shape[1]))
-        _all_gather(flat, local, group=group)
-        gathered = flat.view(world, *local.shape)
+    rows = [r for i, p in enumerate(parts) for r in _rows(p, i == 0)]
+    local = torch.stack(rows if extra is None else [*rows, *extra.to(first.max.dtype)])
+    gathered = all_gather_rows(local, group)
     picked = gathered[:, 2 : 2 + k].transpose(1, 2)
-    out, at = [], 2 + k
+    out, at = [], 0
     for i, p in enumerate(parts):
-        m, s = (gathered[:, 0], gathered[:, 1]) if i == 0 else (gathered[:, at], gathered[:, at + 1])
-        if i:
-            at += 2
+        m, s = gathered[:, at], gathered[:, at + 1]
+        at += 2 + (k if i == 0 else 0)
         ent = None
         if p.ent is not None:
-            ent = gathered[:, at]
-            at += 1
+            ent, at = gathered[:, at], at + 1
         out.append(totals(merge(RowStats(m, s, picked, ent), tau), tau))
-    return out
+    return out, None if extra is None else gathered[:, at:]
 
 
 class RowGrad(NamedTuple):

@@ -1,0 +1,77 @@
+"""The teacher's side of distillation: each row's ``k`` most likely ids over the whole
+(tensor-parallel) vocabulary, and their log-probs.
+
+A driver reduces each of its tiles to the tile's ``k`` largest logits and their global
+ids (``of_tile``), keeping a running best over its vocabulary blocks (``merge``);
+``choose`` sends every shard's candidates with its row statistics in the one all-gather
+(``stats.combine``) and takes the best ``k`` of all shards' candidates. Their log-probs
+are ``(x - M) / tau - log S`` as for any picked ids, so the gradient is that of
+``log_probs_at`` at the chosen ids (the backward of the driver, no communication):
+``torch.topk`` of the full ``log_softmax`` and its gradient into the chosen entries.
+The softmax is monotone in the logits, so the largest logits are the most likely ids.
+"""
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._errors import LayoutError
+from .stats import RowStats, Shard, Totals, combine
+
+EXACT_FLOAT32_IDS = 2**24
+"""Candidate ids travel as floats with the statistics (one all-gather): float32 holds
+every integer below this exactly."""
+
+
+class Candidates(NamedTuple):
+    """Per row, up to ``k`` largest logits (compute dtype), descending, and their global
+    ids (int64)."""
+
+    values: Tensor
+    ids: Tensor
+
+
+def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype) -> Candidates:
+    """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` tile ``x`` whose column
+    0 is global id ``first_id``."""
+    values, columns = torch.topk(x, min(k, x.shape[1]), dim=1)
+    return Candidates(values.to(dtype), columns + first_id)
+
+
+def merge(a: Candidates, b: Candidates, k: int) -> Candidates:
+    """The best ``k`` of two rows of candidates each."""
+    values = torch.cat([a.values, b.values], 1)
+    ids = torch.cat([a.ids, b.ids], 1)
+    best, at = torch.topk(values, min(k, values.shape[1]), dim=1)
+    return Candidates(best, ids.gather(1, at))
+
+
+def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
+    """Refuse a ``k`` the vocabulary cannot fill, and ids a float32 gather would round."""
+    if k > vocab_total:
+        raise LayoutError(
+            f"k={k} is larger than the vocabulary: {vocab_total} ids over all TP shards; "
+            f"k must be <= {vocab_total}"
+        )
+    if dtype != torch.float64 and vocab_total > EXACT_FLOAT32_IDS:
+        raise LayoutError(
+            f"a vocabulary of {vocab_total} ids is beyond what top-k's float32 all-gather "
+            f"carries exactly (ids below {EXACT_FLOAT32_IDS}); pass float64 logits"
+        )
+
+
+def choose(dense: RowStats, local: Candidates, k: int, shard: Shard, tau: float) -> tuple[Tensor, Tensor, Totals]:
+    """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates,
+    descending, after one all-gather of this shard's ``dense`` statistics (without picked
+    ids) and its candidates."""
+    rows, c = local.values.shape
+    extra = torch.cat([local.values.t(), local.ids.t().to(local.values.dtype)])
+    (totals,), gathered = combine([dense], tau, shard.group, extra)
+    assert gathered is not None
+    # [W, c, T] per shard -> [T, W * c]
+    values = gathered[:, :c].permute(2, 0, 1).reshape(rows, -1)
+    ids = gathered[:, c:].permute(2, 0, 1).reshape(rows, -1)
+    best, at = torch.topk(values, k, dim=1)
+    log_p = (best - totals.max[:, None]) / tau - totals.log_sum[:, None]
+    return log_p, ids.gather(1, at).to(torch.int64), totals
