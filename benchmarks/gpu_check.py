@@ -1,6 +1,8 @@
 """On a CUDA machine: the single-process paths on the GPU against a float64 CPU
-reference, then extraction speed and log-prob memory measured there, and the eager and compiled
-log-prob kernels against the bandwidth floor (T = 32768, V = 151936 / tp, tp 1 and 4).
+reference, then extraction speed and log-prob memory measured there, ``log_probs_at`` and
+``topk_log_probs`` against float64, and the eager and compiled kernels of
+``log_probs_and_entropy`` and ``log_probs_at`` against the bandwidth floor (T = 32768, V =
+151936 / tp, tp 1 and 4).
 
 Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` (needs torch with CUDA and
 jaxtyping; no megatron, no process groups).
@@ -8,6 +10,7 @@ jaxtyping; no megatron, no process groups).
 
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -96,13 +99,26 @@ def _bandwidth(device: str) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - start)
 
 
-def _logprob_floor(device: str) -> None:
-    """Eager and compiled kernels against the bandwidth floor: one read of the logits in
-    forward, one read and one gradient write in backward, at T = 32768, V = 151936 / tp."""
+def _entropy_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    lp, ent = cpslice.log_probs_and_entropy(logits, targets, with_entropy=True, temperature=0.9)
+    torch.autograd.backward(lp.sum() + ent.sum())
+    return lp, ent
+
+
+def _at_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    lp = cpslice.log_probs_at(logits, ids, temperature=0.9)
+    torch.autograd.backward(lp.sum())
+    return (lp,)
+
+
+def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+    """Eager and compiled kernels of one path against the bandwidth floor: one read of
+    the logits in forward, one read and one gradient write in backward, at T = 32768,
+    V = 151936 / tp (``log_probs_at``: k = 64 ids per row)."""
     from cpslice._vocab import kernels as _kernels
 
     bw = _bandwidth(device)
-    print(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{name}: device copy bandwidth {bw / 1e9:.0f} GB/s")
     t = 32768
     for tp in (1, 4):
         v = 151936 // tp
@@ -110,6 +126,7 @@ def _logprob_floor(device: str) -> None:
             torch.manual_seed(0)
             logits = (4 * torch.randn(t, v, device=device)).to(dtype).requires_grad_(True)
             targets = torch.randint(0, v, (t,), device=device)
+            ids = torch.randint(0, v, (t, 64), device=device)
             floor = 3 * logits.numel() * logits.element_size() / bw
             got = {}
             for mode in ("0", "1"):
@@ -119,24 +136,44 @@ def _logprob_floor(device: str) -> None:
                     logits.grad = None
                     torch.cuda.synchronize()
                     start = time.perf_counter()
-                    lp, ent = cpslice.log_probs_and_entropy(
-                        logits, targets, with_entropy=True, temperature=0.9
-                    )
-                    torch.autograd.backward(lp.sum() + ent.sum())
+                    outputs = step(logits, targets, ids)
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - start)
                     if i == 0 and mode == "1":
                         print(f"  compiled first call (compile included) {times[0]:.1f} s")
                 assert logits.grad is not None
-                got[mode] = (lp.detach(), ent.detach(), logits.grad)
+                got[mode] = (*(o.detach() for o in outputs), logits.grad)
                 ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
                 print(f"tp {tp} V_local {v} {str(dtype):<15} {'compiled' if mode == '1' else 'eager':<8} "
                       f"{ms:8.2f} ms fwd+bwd, {ms / 1e3 / floor:5.2f}x the floor ({floor * 1e3:.2f} ms)")
             diff = [float((a.float() - b.float()).abs().max()) for a, b in zip(got["0"], got["1"])]
-            print(f"  compiled vs eager max |diff|: log p {diff[0]:.1e}, H {diff[1]:.1e}, grad {diff[2]:.1e}")
+            print("  compiled vs eager max |diff|: " + ", ".join(f"{d:.1e}" for d in diff))
             del logits, got
             torch.cuda.empty_cache()
     _kernels.mode = _kernels.compile_mode()
+
+
+def _check_log_probs_at(device: str) -> None:
+    """``log_probs_at`` and ``topk_log_probs`` on the GPU against float64 on the CPU."""
+    gen = torch.Generator().manual_seed(3)
+    full = 4 * torch.randn(300, 1000, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 1000, (300, 64), generator=gen)
+    x = full.float().to(device).requires_grad_(True)
+    lp = cpslice.log_probs_at(x, ids.to(device), temperature=0.9)
+    torch.autograd.backward(lp.sum())
+    x64 = full.clone().requires_grad_(True)
+    want = torch.log_softmax(x64 / 0.9, -1).gather(1, ids)
+    torch.autograd.backward(want.sum())
+    assert x.grad is not None and x64.grad is not None
+    err = float((lp.detach().cpu().double() - want.detach()).abs().max())
+    gerr = float((x.grad.cpu().double() - x64.grad).abs().max())
+    values, top = cpslice.topk_log_probs(x.detach(), 64, temperature=0.9)
+    ref_v, ref_ids = torch.topk(torch.log_softmax(full / 0.9, -1), 64)
+    terr = float((values.cpu().double() - ref_v).abs().max())
+    same = bool((top.cpu() == ref_ids).all())
+    ok = max(err, gerr, terr) < 1e-4 and same
+    print(f"log_probs_at err {err:.1e} grad err {gerr:.1e}; topk err {terr:.1e} ids "
+          f"{'equal' if same else 'DIFFER'}  {'pass' if ok else 'FAIL'}")
 
 
 def main() -> int:
@@ -145,7 +182,9 @@ def main() -> int:
     _check_layouts(device)
     print(bench_extract.report(bench_extract.run(False, device)))
     _logprob_memory(device)
-    _logprob_floor(device)
+    _check_log_probs_at(device)
+    _kernel_floor(device, "log_probs_and_entropy", _entropy_step)
+    _kernel_floor(device, "log_probs_at (k = 64)", _at_step)
     return 0
 
 

@@ -85,6 +85,30 @@ def hidden_kinds(i: Any, r: Any) -> None:
     assert [s.shape[0] for s in shares] == RESPONSE
 
 
+def distill_kinds(i: Any, r: Any) -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits, hidden, weight = _logits(9), torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    ids = torch.arange(18).view(9, 2) % 7
+    k = i if int(i) <= 7 else 2
+    top, top_ids = cpslice.topk_log_probs(logits, k, temperature=r, chunk_size=i)
+    assert top.shape == (9, int(k))
+    assert cpslice.linear_topk_log_probs(hidden, weight, k, temperature=r, chunk_size=i)[1].shape == (9, int(k))
+    at = cpslice.log_probs_at(logits, ids, temperature=r, chunk_size=i)
+    assert cpslice.linear_log_probs_at(hidden, weight, ids, temperature=r, chunk_size=i).shape == at.shape
+    beta = r if 0 < float(r) < 1 else np.float32(0.25)
+    assert cpslice.topk_divergence(at, at, kind="jsd", beta=beta).shape == (9,)
+    teacher = [top[:2], top[5:6]]
+    teacher_ids = [top_ids[:2], top_ids[5:6]]
+    shares = cpslice.response_distillation(
+        logits, teacher, teacher_ids, _layout(), beta=beta, temperature=r, chunk_size=i
+    )
+    assert [s.shape[0] for s in shares] == RESPONSE
+    shares = cpslice.response_distillation_from_hidden(
+        hidden, weight, teacher, teacher_ids, _layout(), beta=beta, temperature=r, chunk_size=i
+    )
+    assert [s.shape[0] for s in shares] == RESPONSE
+
+
 def support_kinds(i: Any, r: Any) -> None:
     offsets: list[list[Any]] = [[0, 1, 2], [0, np.int64(1)]]
     support = Support.from_responses([[i, np.int64(1)], [np.int32(2)]], offsets, _layout())
@@ -127,6 +151,11 @@ CALLS: dict[str, Callable[..., None]] = {
     "linear_log_probs_and_entropy": hidden_kinds,
     "response_log_probs_from_hidden": hidden_kinds,
     "Support": support_kinds,
+    **dict.fromkeys(
+        ["log_probs_at", "linear_log_probs_at", "topk_log_probs", "linear_topk_log_probs",
+         "topk_divergence", "response_distillation", "response_distillation_from_hidden"],
+        distill_kinds,
+    ),
     "sample_means": reducer_kinds,
     "sum_of_sample_means": reducer_kinds,
     "sum_of_tokens": reducer_kinds,

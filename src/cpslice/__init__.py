@@ -17,6 +17,9 @@ else:
     _hook = None
 
 from ._cache import clear_caches as clear_caches
+from ._distill import response_distillation as response_distillation
+from ._distill import response_distillation_from_hidden as response_distillation_from_hidden
+from ._distill import topk_divergence as topk_divergence
 from ._errors import LayoutError as LayoutError
 from ._extract import extract_responses as extract_responses
 from ._extract import extraction_strategy as extraction_strategy
@@ -36,7 +39,11 @@ from ._response import response_log_probs_from_hidden as response_log_probs_from
 from ._support import Support as Support
 from ._types import Strategy as Strategy
 from ._vocab.hidden import linear_log_probs_and_entropy as linear_log_probs_and_entropy
+from ._vocab.hidden import linear_log_probs_at as linear_log_probs_at
+from ._vocab.hidden import linear_topk_log_probs as linear_topk_log_probs
 from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
+from ._vocab.logits import log_probs_at as log_probs_at
+from ._vocab.logits import topk_log_probs as topk_log_probs
 
 if _hook is not None:
     _hook.uninstall()
@@ -52,9 +59,14 @@ __all__ = [
     "extraction_strategy",
     "gather_responses",
     "linear_log_probs_and_entropy",
+    "linear_log_probs_at",
+    "linear_topk_log_probs",
     "log_probs_and_entropy",
+    "log_probs_at",
     "pack",
     "redistribute",
+    "response_distillation",
+    "response_distillation_from_hidden",
     "response_log_probs",
     "response_log_probs_from_hidden",
     "response_rows",
@@ -63,6 +75,8 @@ __all__ = [
     "shifted_targets",
     "sum_of_sample_means",
     "sum_of_tokens",
+    "topk_divergence",
+    "topk_log_probs",
 ]
 
 def _installed_version() -> str:
