@@ -8,6 +8,8 @@
   tests/test_sample_means.py run those on real gloo ranks).
 - Every relative link of a page points at a file of the repository (and at a heading
   of it, for a ``#anchor``); no page refers to anything outside the repository.
+- The README links every docs page (it is the map), and its API table lists exactly
+  ``cpslice.__all__``, each name once.
 - Every ```text transcript of ``$ cpslice plan ...`` is what that command prints.
 """
 
@@ -17,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+import cpslice
 from cpslice import _cli
 
-from ._docs import PAGES, ROOT, blocks, page_name, run_block
+from ._docs import DOCS, PAGES, ROOT, blocks, page_name, run_block
 
 PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
+README = ROOT / "README.md"
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -54,6 +58,18 @@ def test_links_resolve(page: Path) -> None:
         assert file.is_relative_to(ROOT) and file.exists(), f"{page_name(page)}: {target}"
         if anchor:
             assert anchor in _anchors(file), f"{page_name(page)}: no heading for {target}"
+
+
+def test_the_readme_maps_every_docs_page() -> None:
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in _LINK.findall(README.read_text())}
+    missing = [page_name(p) for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"README.md links no {missing}"
+
+
+def test_the_readme_api_table_is_the_public_api() -> None:
+    text = README.read_text()
+    rows = re.findall(r"^\| `(\w+)[`(]", text[text.index("## The API") :], re.M)
+    assert sorted(rows) == sorted(cpslice.__all__), "one row per public name, each once"
 
 
 PLANS = [body for page in PAGES for body in blocks(page, "text") if body.startswith("$ cpslice plan ")]
