@@ -1,6 +1,6 @@
 """A training step that calls cpslice runs under ``torch.compile`` with the results of
 eager mode, values and gradients; the planning code stays behind its boundaries, so
-the graph breaks are few (the README lists them)."""
+the graph breaks are few (docs/caches-and-compile.md lists them)."""
 
 import os
 import subprocess

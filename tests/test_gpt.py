@@ -4,30 +4,24 @@ samples packed in one row:
 
 - ``response_log_probs`` on the model's logits equals megatron's own
   ``vocab_parallel_cross_entropy``, negated, at the response positions;
-- the hidden-state path (the README's ``lm_head_weight`` + ``policy_log_probs``, run as
-  written there, with ``response_log_probs_from_hidden``) equals the logits path: log-probs,
-  entropy and every parameter's gradient, with separate and with tied embeddings;
+- the hidden-state path (docs/api-guide.md's ``lm_head_weight`` + ``policy_log_probs``,
+  run as written there, with ``response_log_probs_from_hidden``) equals the logits path:
+  log-probs, entropy and every parameter's gradient, with separate and with tied embeddings;
 - three PPO/GRPO-style steps (clipped ratio, entropy bonus, ``sum_of_sample_means``)
   give the same losses at TP 1 and TP 2 from the same initial weights.
 
 All in one spawned run: importing megatron-core costs seconds per process."""
 
-import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ._dist import destroy_megatron, init_megatron, run_distributed
+from ._docs import block_defining
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 
-
-def _readme_functions() -> tuple[Any, Any]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    (block,) = [b for b in blocks if "def lm_head_weight" in b]
-    namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(block, "README.md", "exec"), namespace)
+def _doc_functions() -> tuple[Any, Any]:
+    namespace = block_defining("docs/api-guide.md", "lm_head_weight")
     return namespace["lm_head_weight"], namespace["policy_log_probs"]
 
 
@@ -51,7 +45,7 @@ def _at_tp(tp: int) -> list[float]:
 
     from ._gpt import rollout, tiny_gpt, train
 
-    lm_head_weight, policy_log_probs = _readme_functions()
+    lm_head_weight, policy_log_probs = _doc_functions()
     init_megatron(tp, 1)
     try:
         group = ps.get_tensor_model_parallel_group()

@@ -85,16 +85,18 @@ def test_sdist_holds_its_tests_and_what_they_need(
     for path in ("LICENSE", "CHANGELOG.md", "README.md", "Makefile", "mypy.ini",
                  "requirements-dev.txt", "pyproject.toml"):
         assert (top / path).is_file(), path
-    for folder in ("tests", "typings", "benchmarks"):
-        here = {p.relative_to(ROOT) for p in (ROOT / folder).rglob("*.py*")
+    # docs/: tests/test_docs.py runs every page's examples
+    for folder, files in (("tests", "*.py*"), ("typings", "*.py*"), ("benchmarks", "*.py*"),
+                          ("docs", "*.md")):
+        here = {p.relative_to(ROOT) for p in (ROOT / folder).rglob(files)
                 if "__pycache__" not in p.parts}
-        there = {p.relative_to(top) for p in (top / folder).rglob("*.py*")}
+        there = {p.relative_to(top) for p in (top / folder).rglob(files)}
         assert here <= there, sorted(map(str, here - there))
     # pytest on the unpacked sdist collects every test (nothing fails at import)
     env = {**os.environ, "PYTHONPATH": str(top / "src")}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_end_to_end.py",
-         "tests/test_cli_verify.py", "tests/test_pack.py"],  # every helper of tests/
+         "tests/test_cli_verify.py", "tests/test_pack.py", "tests/test_docs.py"],  # every helper
         cwd=top, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,6 +1,7 @@
-"""The README's "Which Layout is my framework's packing?" recipes, each checked against
-a plain transcription of that framework's packing rule (written from the rule, not from
-the framework's code, and sharing nothing with cpslice._plan or tests/oracle.py):
+"""The recipes of docs/recipes.md ("Which Layout is my framework's packing?"), each
+checked against a plain transcription of that framework's packing rule (written from
+the rule, not from the framework's code, and sharing nothing with cpslice._plan or
+tests/oracle.py):
 on every rank, ``pack`` lays the tokens where the framework puts them, ``shifted_targets``
 gives each row the next token of its sample, and ``extract_responses`` returns exactly
 the rows whose logits predict a response token.
@@ -86,7 +87,7 @@ def test_slime(tp: int, cp: int, seed: int) -> None:
     for rank in range(cp):
         rows = _rank_rows(total, widths, cp, rank)
         rows += [None] * (-len(rows) % (tp * 128))
-        # the README recipe
+        # the docs/recipes.md recipe
         layout = Layout(total, response, cp_mode="zigzag" if cp > 1 else "none",
                         cp_rank=rank, cp_size=cp, local_length=len(rows))
         _check(layout, rows, total, response)
@@ -98,7 +99,7 @@ def test_slime(tp: int, cp: int, seed: int) -> None:
 def test_verl_and_megatron_bridge(tp: int, cp: int, seed: int, fp8: bool) -> None:
     total, response = _lengths(seed)
     widths = _verl_widths(total, tp, cp, fp8)
-    # the README recipe
+    # the docs/recipes.md recipe
     align = tp * cp * 2 if cp > 1 else tp
     for rank in range(cp):
         rows = _rank_rows(total, widths, cp, rank)

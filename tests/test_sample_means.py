@@ -1,5 +1,5 @@
 """sample_means on real gloo process groups against float64 no-CP references, and the
-README's GSPO and OPSM examples under zigzag CP.
+GSPO and OPSM examples of docs/api-guide.md under zigzag CP.
 
 One spawned run of 4 ranks does all the distributed work (cp 4 on the world group,
 cp 2 on two subgroups of 2, zigzag and allgather); each rank builds its local tensor
@@ -9,7 +9,6 @@ its means and gradients; the parent compares them with references computed here.
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -22,6 +21,7 @@ from cpslice._types import CpMode
 from cpslice._verify import edge_lengths, sparse_lengths
 
 from ._dist import run_distributed
+from ._docs import block_defining
 from .oracle import Config, least_length, local_map
 
 WORLD = 4
@@ -31,7 +31,6 @@ MODES: tuple[CpMode, ...] = ("zigzag", "allgather")
 ALIGNED = ("zigzag aligned", "allgather aligned")
 CASES = ("mixed", "denominators", "sparse", "bfloat16", "float16")
 LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-README = Path(__file__).resolve().parents[1] / "README.md"
 VOCAB = 16
 
 
@@ -140,12 +139,8 @@ def _to_samples(cfg: Config, rank: int, local: Tensor) -> list[Tensor]:
 # ---------------------------------------------------------------- the ranks
 
 
-def _readme_functions() -> dict[str, Any]:
-    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-                 if "def gspo_loss" in b)
-    namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(block, "README.md (GSPO, OPSM)", "exec"), namespace)
-    return namespace
+def _doc_functions() -> dict[str, Any]:
+    return block_defining("docs/api-guide.md", "gspo_loss")
 
 
 def _rl_batch(cp: int) -> dict[str, Any]:
@@ -187,7 +182,7 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counted
-    readme = _readme_functions()
+    docs = _doc_functions()
     out: dict[Any, Any] = {}
     for cp in GROUPS:
         group = None if cp == WORLD else subgroups[rank // 2]
@@ -224,12 +219,12 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
                          group=group)
         except LayoutError as e:
             out[cp, "wrong group", rank] = str(e)
-        # the README's examples, zigzag
+        # docs/api-guide.md's examples, zigzag
         batch = _rl_batch(cp)
         layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
                         cp_size=cp)
         for fn in ("gspo_loss", "opsm_loss"):
-            out[cp, "readme", fn, rank] = _rl_loss(readme[fn], batch, layout, group)
+            out[cp, "docs", fn, rank] = _rl_loss(docs[fn], batch, layout, group)
     return out
 
 
@@ -297,14 +292,14 @@ def test_low_precision_means_over_long_responses(
 
 @pytest.mark.parametrize("cp", GROUPS)
 @pytest.mark.parametrize("fn", ["gspo_loss", "opsm_loss"])
-def test_readme_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
+def test_doc_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
     ranks: dict[Any, Any], cp: int, fn: str
 ) -> None:
     batch = _rl_batch(cp)
-    readme = _readme_functions()
-    loss, grads = _rl_loss(readme[fn], batch, Layout(batch["total"], batch["response"]), None)
+    docs = _doc_functions()
+    loss, grads = _rl_loss(docs[fn], batch, Layout(batch["total"], batch["response"]), None)
     for replica in _replicas(cp):
-        parts = [ranks[cp, "readme", fn, r] for r in replica]
+        parts = [ranks[cp, "docs", fn, r] for r in replica]
         assert abs(sum(p[0] for p in parts) - loss) < 1e-10
         for i, want in enumerate(grads):
             total = torch.stack([torch.tensor(p[1][i], dtype=torch.float64)

@@ -1,9 +1,9 @@
 """The layout rules read position by position, for ``cpslice verify``'s expected values.
 
-A second, deliberately plain transcription of the layout rules (README, "The
-layouts"): a loop over every position of every sample, written without the
-vectorized run arithmetic of ``_plan`` and without ``_pack`` or ``_extract``, and
-importing nothing from cpslice. ``verify`` reads its expected response shares,
+A second, deliberately plain transcription of the layout rules (docs/layouts.md): a
+loop over every position of every sample, written without the vectorized run
+arithmetic of ``_plan`` and without ``_pack`` or ``_extract``, and importing nothing
+from cpslice. ``verify`` reads its expected response shares,
 loss weights and gradient rows from here, so that a bug in the layout arithmetic
 shows up as a failing row instead of agreeing with itself.
 

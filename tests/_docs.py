@@ -1,0 +1,42 @@
+"""The documentation's pages and their code blocks, for the tests that run them.
+
+The pages are README.md and every docs/*.md. A fenced block opens with a line of three
+backticks and a language (```python, ```text, ```sh) and closes with three backticks.
+"""
+
+import re
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
+
+_BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+
+
+def page_name(page: Path) -> str:
+    """``README.md`` or ``docs/recipes.md``: the page's path in the repository."""
+    return page.relative_to(ROOT).as_posix()
+
+
+def blocks(page: Path, language: str) -> list[str]:
+    """The bodies of the page's fenced blocks in ``language``, in order."""
+    return [body for lang, body in _BLOCK.findall(page.read_text()) if lang == language]
+
+
+def run_block(source: str, name: str) -> dict[str, Any]:
+    """Execute one block in a fresh namespace, as a reader who copies it would; its
+    namespace. ``name`` is what a traceback calls the block."""
+    namespace: dict[str, Any] = {"__name__": "docs"}
+    exec(compile(source, name, "exec"), namespace)
+    return namespace
+
+
+def block_defining(page: str, function: str) -> dict[str, Any]:
+    """The namespace of the one Python block of ``page`` (e.g. ``docs/api-guide.md``)
+    that defines ``function``, executed; a test then runs the functions as written there.
+    """
+    found = [b for b in blocks(ROOT / page, "python") if f"def {function}(" in b]
+    assert len(found) == 1, f"{page}: {len(found)} Python blocks define {function}, not one"
+    return run_block(found[0], f"{page} (def {function})")
