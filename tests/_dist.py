@@ -10,8 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from cpslice._verify import host_store, join_store
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported untyped
 
 Worker = Callable[..., Any]
 
@@ -20,7 +19,8 @@ def _child(
     fn: Worker, rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
 ) -> None:
     try:
-        dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=world)
+        store = TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         try:
             out.put((rank, True, fn(rank, world, *args)))
         finally:
@@ -39,7 +39,8 @@ def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    store = host_store()  # served from here until the ranks are done
+    # served from here, on a port the system picks and this process holds, until the ranks are done
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
     old = os.environ.get("CPSLICE_DEBUG")
     os.environ["CPSLICE_DEBUG"] = "1"

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from cpslice import Layout, pack
 from cpslice._types import CpMode, QkvFormat
-from cpslice._verify import edge_lengths
+
+from .lengths import edge_lengths
 
 
 @dataclass

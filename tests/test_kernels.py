@@ -221,25 +221,6 @@ def compiled_tp_cases(rank: int, world: int, calls: list[int]) -> None:
     assert _ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
 
 
-def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
-    run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
-    from cpslice import _cli, _verify
-
-    seen: list[_verify.Config] = []
-
-    def fake(config: _verify.Config) -> int:
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(_verify, "verify_main", fake)
-    assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
-    assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
-    assert [c.compile for c in seen] == [True, False]
-    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in _verify.header(seen[0])
-    assert "torch.compile" not in _verify.header(seen[1])
-
-
 def _vma_flags(address: int) -> list[str]:
     """The ``VmFlags`` of this process's mapping that holds ``address``."""
     with open("/proc/self/smaps") as f:

@@ -21,9 +21,9 @@ from cpslice import (
     response_log_probs_from_hidden,
     shard_responses,
 )
-from cpslice._verify import edge_lengths
 from tests.checked import refused
 
+from .lengths import edge_lengths
 from .test_logprob import EPS32, TEMPS
 
 PROPS = settings(max_examples=15, deadline=None)
