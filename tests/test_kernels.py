@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from cpslice import _kernels, log_probs_and_entropy
 
-from .test_logprob import check, reference, tolerance
+from .compare import check_linear, check_logits
+from .reference import reference, tolerance
 
 Use = Callable[..., None]  # use(mode, backend="aot_eager")
 
@@ -128,7 +129,7 @@ def test_compiled_path_matches_float64_reference(dtype: torch.dtype, grad_rtol: 
     use("1")
     for t, chunk, temperature in [(11, 4, 0.7), (6, None, 1.0), (5, 8, 1.7)]:
         logits, targets = _masked_logits(t, 24, dtype, seed=t)
-        check(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
+        check_logits(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
     # 11 rows in chunks of 4 (starts 0, 4, 7); 6 and 5 rows below their chunk: 4 rows.
     assert _ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
@@ -180,11 +181,11 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
     monkeypatch.setattr(_kernels, "AUTO_MIN_ELEMENTS", 0)
     logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
     with pytest.warns(RuntimeWarning, match="torch.compile of the log-prob kernels failed.*no C\\+\\+ compiler"):
-        check(logits, targets, 0.9, 3)
+        check_logits(logits, targets, 0.9, 3)
     assert _kernels._broken is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check(logits, targets, 0.9, 3)  # eager from now on, silently
+        check_logits(logits, targets, 0.9, 3)  # eager from now on, silently
     use("1", broken_backend)
     with pytest.raises(RuntimeError, match="CPSLICE_COMPILE=1 but torch.compile of cpslice's chunk_stats failed"):
         log_probs_and_entropy(logits, targets, chunk_size=3)
@@ -194,7 +195,7 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
 def test_inductor_kernels_match_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
     use("1", "inductor")
     logits, targets = _masked_logits(11, 24, dtype, seed=6)
-    check(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
+    check_logits(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
     assert _ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
 
@@ -263,8 +264,6 @@ def test_hidden_state_path_runs_the_compiled_kernels(
 ) -> None:
     """linear_log_probs_and_entropy through the compiled kernels, forward and backward on
     its [rows, V_block] tiles; values and gradients against the float64 reference."""
-    from .test_linear import check as check_linear
-
     use("1")
     monkeypatch.setattr(_kernels, "_ready", set())  # only this test's kernels count
     monkeypatch.setattr(_kernels, "_compiled", {})

@@ -26,9 +26,9 @@ from cpslice import (
 from tests.checked import refused
 
 from .oracle import Config, local_length
+from .reference import grad_close, linear_support_reference, value_atol
 from .strategies import configs
-from .test_linear import grad_close, value_atol
-from .test_support import Sets, _response_sets, _tp_sets, cases, csr, reference
+from .supports import csr, response_sets, support_cases, tp_sets
 
 H = 5
 
@@ -36,20 +36,6 @@ H = 5
 def _head(t: int, v: int, seed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(t, H, generator=gen) * 1.5).to(dtype), torch.randn(v, H, generator=gen).to(dtype)
-
-
-def _reference(
-    hidden: Tensor, weight: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
-    g_lp: Tensor, g_h: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """test_support's reference on the float64 logits (rounded to the inputs' dtype, as
-    the head's matmul rounds them); its logit gradient carried to hidden and weight."""
-    h, w = hidden.double(), weight.double()
-    logits = h @ w.T
-    if hidden.dtype != torch.float64:
-        logits = logits.to(hidden.dtype).double()
-    logp, ent, grad = reference(logits, targets, sets, temperature, over, g_lp, g_h)
-    return logp, ent, grad @ w, grad.T @ h
 
 
 def check(
@@ -72,7 +58,7 @@ def check(
         loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None and use_h else 0.0)
         torch.autograd.backward(loss)
     g_h = g_h if use_h else torch.zeros(t)
-    ref_lp, ref_h, ref_dh, ref_dw = _reference(
+    ref_lp, ref_h, ref_dh, ref_dw = linear_support_reference(
         hidden, weight, targets, case["sets"], case["temperature"], case["over"], g_lp, g_h
     )
     atol = value_atol(hidden, weight, case["temperature"], value_rel)
@@ -88,14 +74,14 @@ def check(
 
 
 @settings(max_examples=20, deadline=None)
-@given(cases())
+@given(support_cases())
 def test_float64_and_float32_match_the_masked_reference(case: dict[str, Any]) -> None:
     check(case, torch.float64, 1e-12, 1e-9)
     check(case, torch.float32, 2.0**-18, 1e-5)
 
 
 @settings(max_examples=6, deadline=None)
-@given(cases())
+@given(support_cases())
 def test_bfloat16_matches_the_masked_reference_of_its_logits(case: dict[str, Any]) -> None:
     check(case, torch.bfloat16, 2.0**-7, 3e-2)
 
@@ -156,7 +142,7 @@ def test_response_path_takes_the_sets_of_its_rows(cfg: Config, seed: int, over: 
     ``response_log_probs`` on its materialized logits with the same whole-tensor
     support, values and the gradients of hidden and weight."""
     vocab = 30
-    _, ids, offsets = _response_sets(cfg, seed, vocab)
+    _, ids, offsets = response_sets(cfg, seed, vocab)
     gen = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in cfg.total]
     weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64)
@@ -232,7 +218,7 @@ def tp_cases(group: Any, tp: int, tp_rank: int) -> int:
         hidden, weight = _head(t, vocab, seed=900 + i, dtype=torch.float32)
         gen = torch.Generator().manual_seed(950 + i)
         targets = torch.randint(0, vocab, (t,), generator=gen)
-        sets = _tp_sets(i, t, vocab, targets)
+        sets = tp_sets(i, t, vocab, targets)
         g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
         rows = slice(tp_rank * v_local, (tp_rank + 1) * v_local)
         x, w = hidden.clone().requires_grad_(True), weight[rows].clone().requires_grad_(True)
@@ -242,7 +228,7 @@ def tp_cases(group: Any, tp: int, tp_rank: int) -> int:
         )
         torch.autograd.backward((lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None else 0.0))
         g_h = g_h if with_entropy else torch.zeros(t)
-        ref_lp, ref_h, ref_dh, ref_dw = _reference(hidden, weight, targets, sets, temp, over, g_lp, g_h)
+        ref_lp, ref_h, ref_dh, ref_dw = linear_support_reference(hidden, weight, targets, sets, temp, over, g_lp, g_h)
         atol = value_atol(hidden, weight, temp, 2.0**-18)
         torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
         if ent is not None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._dist import tp_groups
-from .test_linear import grad_close, reference, value_atol
+from .reference import grad_close, linear_reference, value_atol
 from .test_linear_support import tp_cases
 
 # (T, H, V_local, temperature, with_entropy, entropy_grad, dtype, chunk_size)
@@ -52,7 +52,7 @@ def _run_cases(group: Any, tp: int, tp_rank: int, calls: dict[str, int]) -> int:
         torch.autograd.backward(loss)
         assert calls == {"all_gather": before["all_gather"] + 1,
                          "all_reduce": before["all_reduce"] + 1}
-        ref_lp, ref_h, ref_dh, ref_dw = reference(
+        ref_lp, ref_h, ref_dh, ref_dw = linear_reference(
             hidden, weight, targets, temp, g_lp, g_h if use_h else torch.zeros(t)
         )
         bf16 = dtype == torch.bfloat16

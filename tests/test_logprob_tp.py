@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ._dist import run_distributed, tp_groups
-from .test_logprob import EPS32, grad_atol, reference, tolerance
+from .reference import EPS32, grad_atol, reference, tolerance
 
 # (T, V_local, temperature, with_entropy, entropy_grad, dtype, chunk_size)
 Case = tuple[int, int, float, bool, bool, str, int | None]
