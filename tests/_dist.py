@@ -285,3 +285,19 @@ def tp_groups(rank: int, world: int) -> list[tuple[Any, int, int]]:
             _TP_GROUPS.append((pairs[rank // 2], 2, rank % 2))
     return list(_TP_GROUPS)
 
+
+@contextmanager
+def counting(module: ModuleType, name: str, log: list[str]) -> Iterator[None]:
+    """Within the block, ``module.name`` (a collective) appends ``name`` to ``log`` and
+    makes the real call; the real one is back after it."""
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return real(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)

@@ -1,6 +1,7 @@
 """Token sets (supports) for the tests: the ``Sets`` of a tensor's rows and their CSR
 ``Support``, a hypothesis strategy of single-process support cases, random sets per
-response token, and the fixed sets of the TP cases."""
+response token, the fixed sets of the TP cases, and the random LM head (hidden size
+``H``) the hidden-state path's support cases run on."""
 
 from typing import Any
 
@@ -13,6 +14,13 @@ from cpslice import Support
 from .oracle import Config
 
 Sets = list[list[int]]
+H = 5
+
+
+def head(t: int, v: int, seed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(hidden [t, H], weight [v, H])``, random from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, H, generator=gen) * 1.5).to(dtype), torch.randn(v, H, generator=gen).to(dtype)
 
 
 def csr(sets: Sets) -> Support:

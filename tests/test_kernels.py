@@ -1,8 +1,7 @@
 """The compiled chunk kernels (cpslice._kernels): CPSLICE_COMPILE, the fixed chunk
 shapes, and log_probs_and_entropy through the compiled path against the float64
-reference, every dtype, with and without TP (``compiled_tp_cases``, run on
-test_logprob_tp's ranks), in debug mode (the pytest plugin; the spawned ranks set
-CPSLICE_DEBUG=1).
+reference, every dtype (with TP: tests/tp_cases.py, on test_logprob_tp's ranks), in
+debug mode (the pytest plugin).
 
 Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same captured
 and functionalized graphs that inductor compiles, without its C++ build (seconds per
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from cpslice import _kernels, log_probs_and_entropy
 
 from .compare import check_linear, check_logits
+from .compiled import ran
 from .reference import reference, tolerance
 
 Use = Callable[..., None]  # use(mode, backend="aot_eager")
@@ -37,11 +37,6 @@ def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Use]:
         monkeypatch.setattr(_kernels, "BACKEND", backend)
 
     yield set_
-
-
-def _ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:
-    """Names of the kernels compiled and run for this backend, dtype and chunk rows."""
-    return {str(k[0]) for k in _kernels._ready if k[1] == dtype and k[2] == rows and k[-1] == backend}
 
 
 def test_compile_mode_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +126,7 @@ def test_compiled_path_matches_float64_reference(dtype: torch.dtype, grad_rtol: 
         logits, targets = _masked_logits(t, 24, dtype, seed=t)
         check_logits(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
     # 11 rows in chunks of 4 (starts 0, 4, 7); 6 and 5 rows below their chunk: 4 rows.
-    assert _ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
@@ -153,7 +148,7 @@ def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
         torch.testing.assert_close(x.grad[keep].double(), ref_grad, rtol=1e-5, atol=1e-6)
         grads.append(x.grad[4])
     assert torch.isnan(grads[0]).all() and torch.isnan(grads[1]).all()
-    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
@@ -196,30 +191,7 @@ def test_inductor_kernels_match_float64_reference(dtype: torch.dtype, grad_rtol:
     use("1", "inductor")
     logits, targets = _masked_logits(11, 24, dtype, seed=6)
     check_logits(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
-    assert _ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
-
-
-def compiled_tp_cases(rank: int, world: int, calls: list[int]) -> None:
-    """Run by test_logprob_tp's ranks at world 4, after the eager cases: two of its cases
-    through the compiled kernels (aot_eager), on TP 4 and on two TP 2 groups. Raises on
-    any mismatch with the float64 reference, or if the compiled path did not run."""
-    import torch.distributed as dist
-
-    from . import test_logprob_tp as tp
-
-    real = tp.CASES
-    mode, backend = _kernels.mode, _kernels.BACKEND
-    _kernels.mode, _kernels.BACKEND = "1", "aot_eager"
-    # No entropy, 6 rows in chunks of 4 (overlapping tail); bfloat16 with entropy, 8 in 3.
-    tp.CASES = [real[3], real[4]]
-    try:
-        assert tp._run_cases(dist.group.WORLD, world, rank, calls) == 2
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        assert tp._run_cases(groups[rank // 2], 2, rank % 2, calls) == 2
-    finally:
-        tp.CASES, _kernels.mode, _kernels.BACKEND = real, mode, backend
-    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
-    assert _ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
+    assert ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def _vma_flags(address: int) -> list[str]:

@@ -1,13 +1,13 @@
 """Support (top-p / top-k replay): log-probs and entropy restricted to per-row token sets,
 against a float64 reference that masks the logits to the set plus the target; values
-and gradients, TP on gloo, Support.from_responses against the oracle, CP invariance,
-and every refusal."""
+and gradients, Support.from_responses against the oracle, CP invariance, and every
+refusal (with TP on gloo: tests/tp_cases.py, run by test_logprob_tp.py)."""
 
 import math
 import os
 import subprocess
 import sys
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 import torch
@@ -18,11 +18,10 @@ from torch import Tensor
 from cpslice import Layout, LayoutError, Support, log_probs_and_entropy, pack, response_log_probs
 from cpslice import shard_responses as cp_shard
 
-from ._dist import tp_groups
 from .oracle import Config, local_length, local_map
 from .reference import EPS32, grad_atol, support_reference, tolerance
 from .strategies import configs
-from .supports import Sets, csr, response_sets, support_cases, tp_sets
+from .supports import Sets, csr, response_sets, support_cases
 
 PROPS = settings(max_examples=20, deadline=None)
 
@@ -119,79 +118,6 @@ def test_masked_logits_in_a_set() -> None:
         check({"logits": logits, "targets": targets, "sets": [[1, 3], [0, 2]],
                "temperature": 0.7, "chunk": 1, "with_entropy": True, "entropy_grad": True,
                "over": over})
-
-
-# ---------------------------------------------------------------------------
-# Tensor parallelism: one spawned world of 4 runs TP 4 and two TP 2 groups.
-
-Over = Literal["full", "support"]
-TP_CASES: list[tuple[int, int, float, bool, Over, int | None]] = [
-    # (T, V_local, temperature, with_entropy, entropy_over, chunk)
-    (7, 5, 0.7, False, "full", 2),
-    (7, 5, 1.0, True, "full", None),
-    (7, 5, 1.3, True, "support", 3),
-    (6, 3, 1.0, True, "support", 1),
-    (0, 4, 1.0, True, "support", None),
-]
-
-
-def _run_tp(group: Any, tp: int, tp_rank: int, calls: list[int]) -> int:
-    done = 0
-    for i, (t, v_local, temp, with_entropy, over, chunk) in enumerate(TP_CASES):
-        vocab = tp * v_local
-        gen = torch.Generator().manual_seed(600 + i)
-        full = torch.randn(t, vocab, generator=gen) * 3
-        targets = torch.randint(0, vocab, (t,), generator=gen)
-        sets = tp_sets(i, t, vocab, targets)
-        g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
-        x = full[:, tp_rank * v_local : (tp_rank + 1) * v_local].clone().requires_grad_(True)
-        n0 = len(calls)
-        lp, h = log_probs_and_entropy(
-            x, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
-            chunk_size=chunk, support=csr(sets), entropy_over=over,
-        )
-        assert len(calls) == n0 + 1, "forward enters exactly one all-gather"
-        loss = (lp * g_lp).sum() + ((h * g_h).sum() if h is not None else 0.0)
-        torch.autograd.backward(loss)
-        assert len(calls) == n0 + 1, "backward enters none"
-        g_h = g_h if with_entropy else torch.zeros(t)
-        ref_lp, ref_h, ref_grad = support_reference(full, targets, sets, temp, over, g_lp, g_h)
-        atol = tolerance(full, temp)
-        torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
-        if h is not None:
-            torch.testing.assert_close(h.double(), ref_h, rtol=0.0, atol=atol)
-        cols = ref_grad[:, tp_rank * v_local : (tp_rank + 1) * v_local]
-        assert x.grad is not None
-        tol = 16 * EPS32
-        torch.testing.assert_close(x.grad.double(), cols, rtol=tol,
-                                   atol=grad_atol(ref_grad, g_lp, g_h, temp, tol))
-        done += 1
-    return done
-
-
-def _tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    import torch.distributed as dist
-
-    from cpslice import _logprob
-
-    calls: list[int] = []
-    real = _logprob._all_gather
-
-    def counting(*args: Any, **kwargs: Any) -> object:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    _logprob._all_gather = counting
-    done = [(tp, _run_tp(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
-    # an id beyond tp_size * V_local is refused before any collective
-    with pytest.raises(LayoutError, match=rf"support row 0: id {world * 3} is outside"):
-        log_probs_and_entropy(torch.zeros(1, 3), torch.tensor([0]), tp_group=dist.group.WORLD,
-                              support=csr([[world * 3]]))
-    dist.barrier()
-    return done
-
-
-# test_logprob_tp.py runs _tp_worker on its spawned world of 4 (TP 4, then TP 2).
 
 
 # ---------------------------------------------------------------------------
