@@ -85,7 +85,7 @@ def test_sdist_holds_its_tests_and_what_they_need(
     for path in ("LICENSE", "CHANGELOG.md", "README.md", "Makefile", "mypy.ini",
                  "requirements-dev.txt", "pyproject.toml"):
         assert (top / path).is_file(), path
-    for folder in ("tests", "typings", "benchmarks"):
+    for folder in ("tests", "typings", "benchmarks", "examples"):
         here = {p.relative_to(ROOT) for p in (ROOT / folder).rglob("*.py*")
                 if "__pycache__" not in p.parts}
         there = {p.relative_to(top) for p in (top / folder).rglob("*.py*")}
