@@ -185,11 +185,13 @@ class _World:
                 deadline = min(deadline, time.monotonic() + GRACE)
         return reports
 
-    def stop(self) -> None:
-        """Tell every rank to leave; kill those still there after a few seconds."""
+    def leave(self) -> None:
+        """Tell every rank to leave (``join`` waits for them)."""
         for inbox in self.inboxes:
             inbox.put(None)
-        end = time.monotonic() + 10
+
+    def join(self, end: float) -> None:
+        """Wait for the ranks until ``end`` (``time.monotonic()``), then kill those left."""
         for p in self.procs:
             p.join(timeout=max(0.0, end - time.monotonic()))
         self.kill()
@@ -246,10 +248,15 @@ def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -
 
 
 def shutdown() -> None:
-    """Stop every world: at exit, so that pytest leaves no process behind (the ranks'
-    own exit runs it too, with no world to stop)."""
-    while _WORLDS:
-        _WORLDS.popitem()[1].stop()
+    """Stop every world, all at once: at exit, so that pytest leaves no process behind
+    (the ranks' own exit runs it too, with no world to stop)."""
+    worlds = list(_WORLDS.values())
+    _WORLDS.clear()
+    for w in worlds:
+        w.leave()
+    end = time.monotonic() + 10
+    for w in worlds:
+        w.join(end)
 
 
 atexit.register(shutdown)
