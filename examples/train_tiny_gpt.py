@@ -3,12 +3,12 @@ its hidden states: no [T, V] logits are ever built.
 
 Two gloo processes, tensor parallel over both (the vocabulary and the layers split in
 two), on the CPU: megatron-core's GPTModel (2 layers, hidden 64, vocabulary 128,
-float32, local layer spec) with the CPU shims of tests/_gpt.py, six samples packed in
-one row (block-diagonal causal mask, position ids restarting per sample). Each step:
-the model's final hidden states -> ``cpslice.response_log_probs_from_hidden`` (the
-response rows only) -> clipped-ratio loss with an entropy bonus
-(``cpslice.sum_of_sample_means``) -> backward -> SGD. Then the same steps at TP 1 from
-the same initial weights, and the difference of the losses.
+float32, local layer spec) with the CPU shims of gpt_cpu.py (next to this file), six
+samples packed in one row (block-diagonal causal mask, position ids restarting per
+sample). Each step: the model's final hidden states ->
+``cpslice.response_log_probs_from_hidden`` (the response rows only) -> clipped-ratio
+loss with an entropy bonus (``cpslice.sum_of_sample_means``) -> backward -> SGD. Then
+the same steps at TP 1 from the same initial weights, and the difference of the losses.
 
 Printed: the loss of every step, the peak memory of one log-prob step (the LM head,
 log-probs, entropy, their backward) on the hidden-state path against the logits path
@@ -19,19 +19,21 @@ Run from the repository root (``make demo`` does): ``python examples/train_tiny_
 """
 
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-# This checkout's cpslice (even where another copy is installed) and tests/_gpt.py.
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+# This checkout's cpslice, even where another copy is installed (gpt_cpu.py, next to this
+# file, is on the path already: Python puts the script's folder first).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # noqa: E402  # public, untyped re-export
+
+from gpt_cpu import rollout, tiny_gpt, train  # noqa: E402
 
 STEPS = 4
 LR = 0.2
@@ -114,7 +116,6 @@ def at_tp(tp: int, ro: Any, layout: Any, report: dict[str, Any]) -> None:
     """Build the model with its weights split over ``tp`` ranks, train it, and (at TP 2)
     measure the memory of one log-prob step."""
     from megatron.core import parallel_state as ps
-    from tests._gpt import tiny_gpt, train
 
     import cpslice
 
@@ -136,13 +137,12 @@ def at_tp(tp: int, ro: Any, layout: Any, report: dict[str, Any]) -> None:
 
 
 def worker(rank: int, world: int, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # the ranks meet at the store main() serves on ``port``
+    store = TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron-core's notes about Transformer Engine and Apex
-    from tests._gpt import rollout
-
     import cpslice
 
     ro = rollout(0)
@@ -156,12 +156,12 @@ def worker(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def main() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # served from here on a port the system picks and this process holds until the
+    # ranks are done: no other program can take it between choosing and binding
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, store.port, out)) for r in range(2)]
     for p in procs:
         p.start()
     reports = dict(out.get(timeout=300) for _ in procs)

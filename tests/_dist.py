@@ -1,94 +1,265 @@
-"""Real torch.distributed gloo process groups for tests: spawned processes, a store
-the parent serves on a port it holds (no race for a free port), and a join timeout
-so that a hang fails the test instead of blocking CI."""
+"""Real torch.distributed gloo worlds for the tests, one per size, shared by the session.
 
+Starting a world is the slow part of a distributed test here (every rank imports torch,
+megatron-core and cpslice in debug mode: many seconds on 2 cores), so each size has one
+persistent world, started on first use: spawned processes that meet at a store the
+parent serves on a port it holds (port 0: no race for a free port). ``run_distributed``
+runs one task on every rank of it, with a timeout so that a hang fails the test instead
+of blocking CI. After each task every rank puts back what a task may have changed for
+the whole process (``_Baseline``), so the next task sees what a fresh world would show
+it; a world in doubt (a hang, a dead rank, an interrupt) is killed, and the next task
+starts a new one. The worlds stop when the session's interpreter exits.
+
+What is not put back is shared on purpose: caches (cpslice's plans and compiled
+kernels, the subgroups of ``tp_groups``), and the GPTModel CPU shims of
+examples/gpt_cpu.py, installed once per process, which replace code paths that only
+run on CUDA. No test here needs a process no other test used; one that does would
+need a world of its own.
+"""
+
+import atexit
 import os
 import queue
+import signal
+import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+from types import ModuleType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from cpslice._verify import host_store, join_store
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported untyped
 
 Worker = Callable[..., Any]
 
+GRACE = 10.0
+"""Seconds the other ranks get to finish a task once a rank raised in it (they may be
+waiting in a collective it skipped; then the world is killed)."""
 
-def _child(
-    fn: Worker, rank: int, world: int, port: int, args: tuple[Any, ...], out: Any
-) -> None:
-    try:
-        dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=world)
-        try:
-            out.put((rank, True, fn(rank, world, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report every failure, the parent re-raises it
-        out.put((rank, False, traceback.format_exc()))
+_CTX = mp.get_context("spawn")
+_MISSING = object()
 
 
-def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
-
-    Children run with ``CPSLICE_DEBUG=1``, so cpslice's run-time checks are on there
-    too. A rank that fails re-raises here with its traceback; ranks that are still
-    running after ``timeout`` seconds (a hang: a rank skipped a collective) are
-    killed and the test fails.
-    """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = host_store()  # served from here until the ranks are done
-    port = store.port
+@contextmanager
+def _debug_mode() -> Iterator[None]:
+    """``CPSLICE_DEBUG=1`` in the environment the ranks start with, so cpslice's
+    run-time checks are on there from their first import of it."""
     old = os.environ.get("CPSLICE_DEBUG")
     os.environ["CPSLICE_DEBUG"] = "1"
     try:
-        procs = [
-            ctx.Process(target=_child, args=(fn, r, world, port, args, out), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
+        yield
     finally:
         if old is None:
             del os.environ["CPSLICE_DEBUG"]
         else:
             os.environ["CPSLICE_DEBUG"] = old
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        import time
 
+
+class _Baseline:
+    """A rank's process-wide state between tasks, put back after each one: the global
+    RNG state, thread count, default dtype, grad mode and environment of the fresh
+    process, and the globals of ``torch.distributed`` and of cpslice's modules as they
+    were when the task started (a task may wrap a collective to count its calls).
+    megatron-core's parallel_state is the task's to destroy (``destroy_megatron``):
+    one left initialized is destroyed here and fails the task."""
+
+    def __init__(self) -> None:
+        self.rng = torch.get_rng_state()
+        self.threads = torch.get_num_threads()
+        self.dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
+        self.environ = dict(os.environ)
+        self.globals: dict[ModuleType, dict[str, Any]] = {}
+
+    def snapshot(self) -> None:
+        """Record the watched modules' globals (once the task's modules are imported)."""
+        loaded: dict[str, object] = dict(sys.modules)  # a blocked import's entry is None
+        watched = [m for name, m in loaded.items()
+                   if isinstance(m, ModuleType) and (name == "torch.distributed" or name.split(".")[0] == "cpslice")]
+        self.globals = {m: dict(vars(m)) for m in watched}
+
+    def restore(self) -> str | None:
+        """Put everything back; what the task left that fails it, if anything."""
+        torch.set_rng_state(self.rng)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(self.grad)
+        if os.environ != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        for module, before in self.globals.items():
+            now = vars(module)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    setattr(module, name, value)
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+            return "the task left megatron-core's parallel_state initialized (call destroy_megatron)"
+        return None
+
+
+def _serve(rank: int, size: int, port: int, inbox: Any, outbox: Any) -> None:
+    """One rank of a world: join it, then run tasks until told to stop (``None``) or
+    the session's process is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's to handle: it kills us
+    store = TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    baseline = _Baseline()
+    parent = os.getppid()
+    while True:
+        try:
+            message = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the session was killed without stopping us
+            continue
+        if message is None:
+            break
+        task, blob = message
+        try:
+            fn, args = ForkingPickler.loads(blob)
+            baseline.snapshot()
+            # pickled here: a result that cannot be pickled fails the task with its
+            # traceback instead of vanishing in the queue's feeder thread
+            report: tuple[bool, Any] = (True, bytes(ForkingPickler.dumps(fn(rank, size, *args))))
+        except BaseException:  # every failure goes to the parent, which re-raises it
+            report = (False, traceback.format_exc())
+        left = baseline.restore()
+        if left is not None and report[0]:
+            report = (False, left)
+        outbox.put((task, rank, *report))
+    dist.destroy_process_group()
+
+
+class _World:
+    """``size`` spawned gloo ranks, each serving the tasks of its own inbox."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        # served from here for the world's life: new_group meets there too
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.inboxes = [_CTX.Queue() for _ in range(size)]
+        self.outbox = _CTX.Queue()
+        self.tasks = 0
+        with _debug_mode():
+            self.procs = [
+                _CTX.Process(target=_serve, args=(r, size, self.store.port, self.inboxes[r], self.outbox),
+                             daemon=True, name=f"rank {r} of the test world of {size}")
+                for r in range(size)
+            ]
+            for p in self.procs:
+                p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Worker, args: tuple[Any, ...], timeout: float) -> dict[int, tuple[bool, Any]]:
+        """Each rank's ``(True, result)`` or ``(False, traceback)``. Raises, leaving the
+        world unusable, when some rank does not finish: a hang, a death, a rank still
+        waiting ``GRACE`` seconds after another one failed."""
+        self.tasks += 1
+        for inbox in self.inboxes:  # pickled per rank: a tensor's shared handle is taken once
+            inbox.put((self.tasks, bytes(ForkingPickler.dumps((fn, args)))))
+        reports: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
-        while len(results) + len(errors) < world:
+        while len(reports) < self.size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"{world - len(results) - len(errors)} of {world} ranks did not finish "
-                    f"within {timeout}s (a hang: some rank skipped a collective?)"
-                )
+                raise _unfinished(self.size - len(reports), self.size, timeout, reports)
             try:
-                rank, ok, value = out.get(timeout=min(left, 1.0))
+                task, rank, ok, value = self.outbox.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                dead = [p for p in self.procs if p.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"a rank died with exit code {dead[0].exitcode}") from None
+                    raise RuntimeError(f"{dead[0].name} died with exit code {dead[0].exitcode}") from None
                 continue
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise AssertionError("\n".join(errors))
-        for p in procs:
-            p.join(timeout=10)
-        return [results[r] for r in range(world)]
-    finally:
-        for p in procs:
+            assert task == self.tasks, "a world that left a task unfinished is never reused"
+            reports[rank] = (ok, ForkingPickler.loads(value) if ok else value)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + GRACE)
+        return reports
+
+    def leave(self) -> None:
+        """Tell every rank to leave (``join`` waits for them)."""
+        for inbox in self.inboxes:
+            inbox.put(None)
+
+    def join(self, end: float) -> None:
+        """Wait for the ranks until ``end`` (``time.monotonic()``), then kill those left."""
+        for p in self.procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5)
+        for q in (*self.inboxes, self.outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+def _unfinished(missing: int, size: int, timeout: float, reports: dict[int, tuple[bool, Any]]) -> Exception:
+    failed = [f"rank {r}:\n{value}" for r, (ok, value) in sorted(reports.items()) if not ok]
+    if failed:
+        return AssertionError("\n".join(failed) + f"\n{missing} of {size} ranks did not finish "
+                              f"within {GRACE}s of that (waiting in a collective it skipped?)")
+    return TimeoutError(f"{missing} of {size} ranks did not finish within {timeout}s "
+                        f"(a hang: some rank skipped a collective?)")
+
+
+_WORLDS: dict[int, _World] = {}
+
+
+def run_distributed(fn: Worker, world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on every rank of the session's gloo world of
+    ``world`` ranks; return each rank's result.
+
+    ``fn`` must be a module-level function (the ranks import it), its arguments and
+    results picklable. The world starts on first use (that time counts towards
+    ``timeout``), its ranks with ``CPSLICE_DEBUG=1``, so cpslice's run-time checks are
+    on there too. A rank that raises re-raises here with its traceback; the world
+    serves the next task if every rank finished this one. Ranks still running after
+    ``timeout`` seconds (a hang: a rank skipped a collective), or a rank that died,
+    fail the test and the world is killed: the next task starts a new one.
+    """
+    current = _WORLDS.get(world)
+    if current is None or not current.alive():
+        if current is not None:
+            current.kill()
+        current = _WORLDS[world] = _World(world)
+    try:
+        reports = current.run(fn, args, timeout)
+    except BaseException:  # a hang, a dead rank, an interrupt: this world is in doubt
+        del _WORLDS[world]
+        current.kill()
+        raise
+    errors = [f"rank {r}:\n{value}" for r, (ok, value) in sorted(reports.items()) if not ok]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [reports[r][1] for r in range(world)]
+
+
+def shutdown() -> None:
+    """Stop every world, all at once: at exit, so that pytest leaves no process behind
+    (the ranks' own exit runs it too, with no world to stop)."""
+    worlds = list(_WORLDS.values())
+    _WORLDS.clear()
+    for w in worlds:
+        w.leave()
+    end = time.monotonic() + 10
+    for w in worlds:
+        w.join(end)
+
+
+atexit.register(shutdown)
 
 
 def init_megatron(tp: int, cp: int) -> None:
@@ -112,11 +283,28 @@ _TP_GROUPS: list[tuple[Any, int, int]] = []
 def tp_groups(rank: int, world: int) -> list[tuple[Any, int, int]]:
     """``(group, tp size, rank in it)`` for the vocabulary-parallel workers: the whole
     world, then, in a world of 4, the two TP-2 subgroups ``[0, 1]`` and ``[2, 3]`` (the
-    rank offset comes from the group rank). Made once per process: every worker of one
-    spawn shares them (``new_group`` is collective and must be entered by all ranks)."""
+    rank offset comes from the group rank). Made once per rank process, and shared by
+    every task it runs (``new_group`` is collective and must be entered by all ranks)."""
     if not _TP_GROUPS:
         _TP_GROUPS.append((dist.group.WORLD, world, rank))
         if world == 4:
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             _TP_GROUPS.append((pairs[rank // 2], 2, rank % 2))
     return list(_TP_GROUPS)
+
+
+@contextmanager
+def counting(module: ModuleType, name: str, log: list[str]) -> Iterator[None]:
+    """Within the block, ``module.name`` (a collective) appends ``name`` to ``log`` and
+    makes the real call; the real one is back after it."""
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        log.append(name)
+        return real(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)

@@ -1,6 +1,10 @@
-"""A random batch and its float64 single-process reference: per-sample logits over the
-whole vocabulary, log-probs, entropy, and the gradient of a weighted loss."""
+"""float64 single-process references for the tests, and the tolerances of float32 and
+lower precisions against them: log-probs, entropy and gradients of one logits tensor
+(``reference``), of an LM head ``hidden @ weight.T`` (``linear_reference``), of both
+restricted to token sets (``support_reference``, ``linear_support_reference``); and a
+random packed batch with its reference (``make_batch``)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -8,7 +12,135 @@ from torch import Tensor
 
 from cpslice import Layout, pack
 from cpslice._types import CpMode, QkvFormat
-from cpslice._verify import edge_lengths
+
+from .lengths import edge_lengths
+from .supports import Sets
+
+EPS32 = 2.0**-24  # float32 unit roundoff
+TEMPS = (0.5, 1.0, 1.7)  # the temperatures the tests sweep
+
+
+def reference(
+    logits: Tensor, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p, H, d(g_lp . log p + g_h . H)/d logits) in float64 from log_softmax.
+
+    A -inf logit becomes one 1e4 below the row's smallest finite logit: the same
+    distribution in float64 (exp underflows to 0), without autograd's 0 * inf."""
+    x = logits.detach().double()
+    finite = torch.where(torch.isfinite(x), x, math.inf).amin(1, keepdim=True)
+    x = torch.where(x == -math.inf, finite - 1e4, x).requires_grad_(True)
+    lp = torch.log_softmax(x / temperature, -1)
+    logp = lp.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
+    assert x.grad is not None
+    return logp.detach(), entropy.detach(), x.grad
+
+
+def tolerance(logits: Tensor, temperature: float) -> float:
+    """A few float32 roundings at the scale of the tempered logits (their spread sets
+    the magnitude of log p and of every intermediate); measured worst ~3."""
+    x = logits.detach().double()
+    x = x[torch.isfinite(x)]
+    spread = float(x.abs().max()) / temperature if x.numel() else 0.0
+    return 8 * EPS32 * (spread + math.log(max(logits.shape[-1], 2)) + 1.0)
+
+
+def grad_atol(ref_grad: Tensor, g_lp: Tensor, g_h: Tensor, temperature: float, rel: float) -> float:
+    """``rel`` times the gradient's scale: its largest entry, or the upstream gradient
+    over the temperature, whichever is larger. Where p is close to 1, ``onehot - p``
+    cancels, and float32 leaves an absolute error of a few eps times that scale."""
+    upstream = max([float(g.abs().max()) for g in (g_lp, g_h) if g.numel()], default=0.0)
+    largest = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
+    return rel * max(largest, upstream / temperature)
+
+
+# --- the LM head: hidden @ weight.T
+
+
+def linear_reference(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log p, H, d/d hidden, d/d weight) of ``g_lp . log p + g_h . H`` in float64.
+
+    For bfloat16/float16 inputs the logits are rounded to that dtype, as the head's own
+    matmul rounds them (the gradient passes the rounding unchanged, as it does there)."""
+    h = hidden.detach().double().requires_grad_(True)
+    w = weight.detach().double().requires_grad_(True)
+    logits = h @ w.T
+    if hidden.dtype in (torch.bfloat16, torch.float16):
+        logits = logits + (logits.to(hidden.dtype).double() - logits).detach()
+    lp = torch.log_softmax(logits / temperature, -1)
+    logp = lp.gather(1, targets[:, None]).squeeze(1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
+    assert h.grad is not None and w.grad is not None
+    return logp.detach(), entropy.detach(), h.grad, w.grad
+
+
+def value_atol(hidden: Tensor, weight: Tensor, temperature: float, rel: float) -> float:
+    """``rel`` roundings at the scale of the tempered logits: a logit is a sum of H
+    products, each at most max|h| * max|w|."""
+    h, w = hidden.detach().double(), weight.detach().double()
+    scale = float(h.abs().max()) * float(w.abs().max()) * h.shape[1] if h.numel() else 0.0
+    return rel * (scale / temperature + math.log(max(weight.shape[0], 2)) + 1.0)
+
+
+def grad_close(got: Tensor | None, want: Tensor, rel: float) -> None:
+    """``got`` equals ``want`` to ``rel``, relative and of the larger of 1 and ``want``'s
+    largest entry."""
+    assert got is not None and got.shape == want.shape
+    atol = rel * max(float(want.abs().max()) if want.numel() else 0.0, 1.0)
+    torch.testing.assert_close(got.double(), want, rtol=rel, atol=atol)
+
+
+# --- token sets (supports)
+
+
+def support_reference(
+    logits: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
+    g_lp: Tensor, g_h: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p, H, gradient) in float64: log_softmax of the logits masked (-inf) outside
+    each non-empty set plus the target; H over the whole vocabulary or the same set.
+    A -inf logit becomes one 1e4 below the row's smallest finite logit (as in
+    ``reference``): the same distribution, without autograd's 0 * inf."""
+    x = logits.detach().double()
+    finite = torch.where(torch.isfinite(x), x, math.inf).amin(1, keepdim=True)
+    x = torch.where(x == -math.inf, finite - 1e4, x).requires_grad_(True)
+    keep = torch.ones(x.shape, dtype=torch.bool)
+    for t, s in enumerate(sets):
+        if s:
+            keep[t] = False
+            keep[t, s + [int(targets[t])]] = True
+    z = x / temperature
+    restricted = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
+    full = torch.log_softmax(z, -1)
+    logp = restricted.gather(1, targets[:, None]).squeeze(1)
+    # 0 * log 0 outside the set is 0: where() keeps the -inf out of the gradient
+    inside = torch.where(keep, restricted.exp() * torch.where(keep, restricted, 0.0), 0.0)
+    h = -(full.exp() * full).sum(-1) if over == "full" else -inside.sum(-1)
+    torch.autograd.backward((logp * g_lp.double()).sum() + (h * g_h.double()).sum())
+    assert x.grad is not None
+    return logp.detach(), h.detach(), x.grad
+
+
+def linear_support_reference(
+    hidden: Tensor, weight: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
+    g_lp: Tensor, g_h: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``support_reference`` on the float64 logits (rounded to the inputs' dtype, as
+    the head's matmul rounds them); its logit gradient carried to hidden and weight."""
+    h, w = hidden.double(), weight.double()
+    logits = h @ w.T
+    if hidden.dtype != torch.float64:
+        logits = logits.to(hidden.dtype).double()
+    logp, ent, grad = support_reference(logits, targets, sets, temperature, over, g_lp, g_h)
+    return logp, ent, grad @ w, grad.T @ h
+
+
+# --- a packed batch
 
 
 @dataclass
@@ -28,6 +160,8 @@ class Batch:
 
 
 def make_batch(seed: int, n: int, cp: int, vocab: int, temperature: float = 0.8) -> Batch:
+    """``n`` samples of ``edge_lengths`` at ``cp``: random tokens, logits, loss weights
+    and masks, and their float64 reference."""
     gen = torch.Generator().manual_seed(seed)
     total, response = edge_lengths(n, cp, seed)
     tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in total]

@@ -1,6 +1,6 @@
 """A real megatron-core GPTModel (2 layers, hidden 64, vocabulary 128, float32, on the
-CPU with the shims of tests/_gpt.py), on 2 gloo ranks at TP 2 and then at TP 1, six
-samples packed in one row:
+CPU with the shims of examples/gpt_cpu.py), on 2 gloo ranks at TP 2 and then at TP 1,
+six samples packed in one row:
 
 - ``response_log_probs`` on the model's logits equals megatron's own
   ``vocab_parallel_cross_entropy``, negated, at the response positions;
@@ -8,13 +8,13 @@ samples packed in one row:
   run as written there, with ``response_log_probs_from_hidden``) equals the logits path:
   log-probs, entropy and every parameter's gradient, with separate and with tied embeddings;
 - three PPO/GRPO-style steps (clipped ratio, entropy bonus, ``sum_of_sample_means``)
-  give the same losses at TP 1 and TP 2 from the same initial weights.
-
-All in one spawned run: importing megatron-core costs seconds per process."""
+  give the same losses at TP 1 and TP 2 from the same initial weights."""
 
 from typing import Any
 
 import torch
+
+from gpt_cpu import rollout, tiny_gpt, train  # examples/gpt_cpu.py: pytest puts examples/ on the path
 
 from ._dist import destroy_megatron, init_megatron, run_distributed
 from ._docs import block_defining
@@ -42,8 +42,6 @@ def _at_tp(tp: int) -> list[float]:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from cpslice import Layout, response_log_probs, response_rows, shifted_targets
-
-    from ._gpt import rollout, tiny_gpt, train
 
     lm_head_weight, policy_log_probs = _doc_functions()
     init_megatron(tp, 1)

@@ -1,8 +1,7 @@
 """The compiled chunk kernels (cpslice._vocab.kernels): CPSLICE_COMPILE, the fixed chunk
 shapes, and log_probs_and_entropy through the compiled path against the float64
-reference, every dtype, with and without TP (``compiled_tp_cases``, run on
-test_logprob_tp's ranks), in debug mode (the pytest plugin; the spawned ranks set
-CPSLICE_DEBUG=1).
+reference, every dtype (with TP: tests/tp_cases.py, on test_logprob_tp's ranks), in
+debug mode (the pytest plugin).
 
 Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same captured
 and functionalized graphs that inductor compiles, without its C++ build (seconds per
@@ -25,7 +24,9 @@ from cpslice import log_probs_and_entropy
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab.stats import FLOOR, placeholders
 
-from .test_logprob import check, reference, tolerance
+from .compare import check_linear, check_logits
+from .compiled import ran
+from .reference import reference, tolerance
 
 Use = Callable[..., None]  # use(mode, backend="aot_eager")
 
@@ -40,11 +41,6 @@ def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Use]:
         monkeypatch.setattr(_kernels, "BACKEND", backend)
 
     yield set_
-
-
-def _ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:
-    """Names of the kernels compiled and run for this backend, dtype and chunk rows."""
-    return {str(k[0]) for k in _kernels._ready if k[1] == dtype and k[2] == rows and k[-1] == backend}
 
 
 def test_compile_mode_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,9 +133,9 @@ def test_compiled_path_matches_float64_reference(dtype: torch.dtype, grad_rtol: 
     use("1")
     for t, chunk, temperature in [(11, 4, 0.7), (6, None, 1.0), (5, 8, 1.7)]:
         logits, targets = _masked_logits(t, 24, dtype, seed=t)
-        check(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
+        check_logits(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
     # 11 rows in chunks of 4 (starts 0, 4, 7); 6 and 5 rows below their chunk: 4 rows.
-    assert _ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
@@ -161,7 +157,7 @@ def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
         torch.testing.assert_close(x.grad[keep].double(), ref_grad, rtol=1e-5, atol=1e-6)
         grads.append(x.grad[4])
     assert torch.isnan(grads[0]).all() and torch.isnan(grads[1]).all()
-    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
@@ -191,11 +187,11 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
     monkeypatch.setattr(_kernels, "AUTO_MIN_ELEMENTS", 0)
     logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
     with pytest.warns(RuntimeWarning, match="torch.compile of the log-prob kernels failed.*no C\\+\\+ compiler"):
-        check(logits, targets, 0.9, 3)
+        check_logits(logits, targets, 0.9, 3)
     assert _kernels._broken is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check(logits, targets, 0.9, 3)  # eager from now on, silently
+        check_logits(logits, targets, 0.9, 3)  # eager from now on, silently
     use("1", broken_backend)
     with pytest.raises(RuntimeError, match="CPSLICE_COMPILE=1 but torch.compile of cpslice's chunk_stats failed"):
         log_probs_and_entropy(logits, targets, chunk_size=3)
@@ -205,50 +201,8 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
 def test_inductor_kernels_match_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
     use("1", "inductor")
     logits, targets = _masked_logits(11, 24, dtype, seed=6)
-    check(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
-    assert _ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
-
-
-def compiled_tp_cases(rank: int, world: int, calls: list[int]) -> None:
-    """Run by test_logprob_tp's ranks at world 4, after the eager cases: two of its cases
-    through the compiled kernels (aot_eager), on TP 4 and on two TP 2 groups. Raises on
-    any mismatch with the float64 reference, or if the compiled path did not run."""
-    import torch.distributed as dist
-
-    from . import test_logprob_tp as tp
-
-    real = tp.CASES
-    mode, backend = _kernels.mode, _kernels.BACKEND
-    _kernels.mode, _kernels.BACKEND = "1", "aot_eager"
-    # No entropy, 6 rows in chunks of 4 (overlapping tail); bfloat16 with entropy, 8 in 3.
-    tp.CASES = [real[3], real[4]]
-    try:
-        assert tp._run_cases(dist.group.WORLD, world, rank, calls) == 2
-        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        assert tp._run_cases(groups[rank // 2], 2, rank % 2, calls) == 2
-    finally:
-        tp.CASES, _kernels.mode, _kernels.BACKEND = real, mode, backend
-    assert _ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
-    assert _ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
-
-
-def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
-    run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
-    from cpslice import _cli, _verify
-
-    seen: list[_verify.Config] = []
-
-    def fake(config: _verify.Config) -> int:
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(_verify, "verify_main", fake)
-    assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
-    assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
-    assert [c.compile for c in seen] == [True, False]
-    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in _verify.header(seen[0])
-    assert "torch.compile" not in _verify.header(seen[1])
+    check_logits(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
+    assert ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def _vma_flags(address: int) -> list[str]:
@@ -293,8 +247,6 @@ def test_hidden_state_path_runs_the_compiled_kernels(
 ) -> None:
     """linear_log_probs_and_entropy through the compiled kernels, forward and backward on
     its [rows, V_block] tiles; values and gradients against the float64 reference."""
-    from .test_linear import check as check_linear
-
     use("1")
     monkeypatch.setattr(_kernels, "_ready", set())  # only this test's kernels count
     monkeypatch.setattr(_kernels, "_compiled", {})

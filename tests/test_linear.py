@@ -21,79 +21,13 @@ from cpslice import (
     response_log_probs_from_hidden,
     shard_responses,
 )
-from cpslice._verify import edge_lengths
 from tests.checked import refused
 
-from .test_logprob import EPS32, TEMPS
+from .compare import check_linear
+from .lengths import edge_lengths
+from .reference import EPS32, TEMPS, grad_close, linear_reference
 
 PROPS = settings(max_examples=15, deadline=None)
-
-
-def reference(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log p, H, d/d hidden, d/d weight) of ``g_lp . log p + g_h . H`` in float64.
-
-    For bfloat16/float16 inputs the logits are rounded to that dtype, as the head's own
-    matmul rounds them (the gradient passes the rounding unchanged, as it does there)."""
-    h = hidden.detach().double().requires_grad_(True)
-    w = weight.detach().double().requires_grad_(True)
-    logits = h @ w.T
-    if hidden.dtype in (torch.bfloat16, torch.float16):
-        logits = logits + (logits.to(hidden.dtype).double() - logits).detach()
-    lp = torch.log_softmax(logits / temperature, -1)
-    logp = lp.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(lp.exp() * lp).sum(-1)
-    torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
-    assert h.grad is not None and w.grad is not None
-    return logp.detach(), entropy.detach(), h.grad, w.grad
-
-
-def value_atol(hidden: Tensor, weight: Tensor, temperature: float, rel: float) -> float:
-    """``rel`` roundings at the scale of the tempered logits: a logit is a sum of H
-    products, each at most max|h| * max|w|."""
-    h, w = hidden.detach().double(), weight.detach().double()
-    scale = float(h.abs().max()) * float(w.abs().max()) * h.shape[1] if h.numel() else 0.0
-    return rel * (scale / temperature + math.log(max(weight.shape[0], 2)) + 1.0)
-
-
-def grad_close(got: Tensor | None, want: Tensor, rel: float) -> None:
-    assert got is not None and got.shape == want.shape
-    atol = rel * max(float(want.abs().max()) if want.numel() else 0.0, 1.0)
-    torch.testing.assert_close(got.double(), want, rtol=rel, atol=atol)
-
-
-def check(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    value_rel: float = 64 * EPS32,
-    grad_rel: float = 1e-5,
-) -> None:
-    """Values and both gradients against the reference; the caller's tensors untouched."""
-    gen = torch.Generator().manual_seed(1)
-    t = hidden.shape[0]
-    g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
-    before = (hidden.detach().clone(), weight.detach().clone())
-    h = hidden.detach().requires_grad_(True)
-    w = weight.detach().requires_grad_(True)
-    logp, entropy = linear_log_probs_and_entropy(
-        h, w, targets, with_entropy=True, temperature=temperature, chunk_size=chunk_size
-    )
-    out = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    assert logp.dtype == entropy.dtype == out and logp.shape == entropy.shape == (t,)
-    torch.autograd.backward((logp * g_lp.to(out)).sum() + (entropy * g_h.to(out)).sum())
-    ref_lp, ref_h, ref_dh, ref_dw = reference(hidden, weight, targets, temperature, g_lp, g_h)
-    atol = value_atol(hidden, weight, temperature, value_rel)
-    torch.testing.assert_close(logp.double(), ref_lp, rtol=0.0, atol=atol)
-    torch.testing.assert_close(entropy.double(), ref_h, rtol=0.0, atol=atol)
-    assert h.grad is not None and w.grad is not None
-    assert h.grad.dtype == w.grad.dtype == hidden.dtype
-    grad_close(h.grad, ref_dh, grad_rel)
-    grad_close(w.grad, ref_dw, grad_rel)
-    assert torch.equal(hidden, before[0]) and torch.equal(weight, before[1])
 
 
 @st.composite
@@ -112,7 +46,7 @@ def cases(draw: st.DrawFn) -> tuple[Tensor, Tensor, Tensor, float, int | None]:
 @given(cases())
 def test_float32_matches_float64_reference(case: tuple[Tensor, Tensor, Tensor, float, int | None]) -> None:
     hidden, weight, targets, temperature, chunk = case
-    check(hidden, weight, targets, temperature, chunk)
+    check_linear(hidden, weight, targets, temperature, chunk)
 
 
 @PROPS
@@ -123,7 +57,7 @@ def test_bfloat16_matches_float64_of_its_values(
     # The chunk logits are bf16 (as the materialized head's are; the reference rounds
     # them too); statistics in float32; the gradients come back in bfloat16.
     hidden, weight, targets, temperature, chunk = case
-    check(hidden.bfloat16(), weight.bfloat16(), targets, temperature, chunk,
+    check_linear(hidden.bfloat16(), weight.bfloat16(), targets, temperature, chunk,
           value_rel=2.0**-7, grad_rel=3e-2)
 
 
@@ -133,9 +67,9 @@ def test_other_float_dtypes(dtype: torch.dtype) -> None:
     hidden, weight = torch.randn(7, 5, generator=gen).to(dtype), torch.randn(9, 5, generator=gen).to(dtype)
     targets = torch.randint(0, 9, (7,), generator=gen)
     if dtype == torch.float64:
-        check(hidden, weight, targets, 1.7, 3, value_rel=1e-12, grad_rel=1e-10)
+        check_linear(hidden, weight, targets, 1.7, 3, value_rel=1e-12, grad_rel=1e-10)
     else:
-        check(hidden, weight, targets, 1.7, 3, value_rel=2.0**-9, grad_rel=1e-2)
+        check_linear(hidden, weight, targets, 1.7, 3, value_rel=2.0**-9, grad_rel=1e-2)
 
 
 def test_float64_gradcheck() -> None:
@@ -159,7 +93,7 @@ def test_peaked_rows_and_large_logits() -> None:
     targets = torch.randint(0, 40, (6,), generator=gen)
     targets[0] = int((hidden[0] @ weight.T).argmax())
     for temperature in TEMPS:
-        check(hidden, weight, targets, temperature, 4, value_rel=64 * EPS32)
+        check_linear(hidden, weight, targets, temperature, 4, value_rel=64 * EPS32)
     logp, entropy = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True)
     assert abs(float(logp[0])) < 1e-6 and abs(float(entropy[0])) < 1e-6
 
@@ -201,7 +135,7 @@ def test_without_entropy_and_entropy_as_a_detached_metric() -> None:
     weight = torch.randn(11, 5, generator=gen)
     targets = torch.randint(0, 11, (7,), generator=gen)
     g = torch.randn(7, generator=gen)
-    _, ref_h, ref_dh, ref_dw = reference(hidden, weight, targets, 0.5, g, torch.zeros(7))
+    _, ref_h, ref_dh, ref_dw = linear_reference(hidden, weight, targets, 0.5, g, torch.zeros(7))
     for with_entropy in (False, True):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         logp, entropy = linear_log_probs_and_entropy(
@@ -230,10 +164,10 @@ def test_gradient_through_one_output_or_one_input(which: str) -> None:
     logp, entropy = linear_log_probs_and_entropy(h, w, targets, with_entropy=True, chunk_size=4)
     if which == "entropy":
         torch.autograd.backward((entropy * g).sum())
-        *_, ref_dh, ref_dw = reference(hidden, weight, targets, 1.0, zero, g)
+        *_, ref_dh, ref_dw = linear_reference(hidden, weight, targets, 1.0, zero, g)
     else:
         torch.autograd.backward((logp * g).sum())
-        *_, ref_dh, ref_dw = reference(hidden, weight, targets, 1.0, g, zero)
+        *_, ref_dh, ref_dw = linear_reference(hidden, weight, targets, 1.0, g, zero)
     if which == "weight only":
         assert h.grad is None
     else:

@@ -1,9 +1,9 @@
 """Supports (top-p / top-k sets) on the hidden-state path: ``linear_log_probs_and_entropy``
 and ``response_log_probs_from_hidden`` with ``support=`` against the float64 masked
-reference of test_support on ``hidden @ weight.T`` (values, and the gradients of hidden
-and weight), over test_support's random sets; rows with a set compute no logits row
-where they need none; the response path subsets a whole-tensor support to its rows;
-the TP cases run on test_logprob_tp's ranks (``tp_cases``)."""
+reference on ``hidden @ weight.T`` (values, and the gradients of hidden and weight),
+over the random sets of tests/supports.py; rows with a set compute no logits row
+where they need none; the response path subsets a whole-tensor support to its rows.
+The TP cases: tests/tp_cases.py, run by test_logprob_tp.py."""
 
 import contextlib
 from typing import Any
@@ -26,30 +26,9 @@ from cpslice import (
 from tests.checked import refused
 
 from .oracle import Config, local_length
+from .reference import grad_close, linear_support_reference, value_atol
 from .strategies import configs
-from .test_linear import grad_close, value_atol
-from .test_support import Sets, _response_sets, _tp_sets, cases, csr, reference
-
-H = 5
-
-
-def _head(t: int, v: int, seed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, H, generator=gen) * 1.5).to(dtype), torch.randn(v, H, generator=gen).to(dtype)
-
-
-def _reference(
-    hidden: Tensor, weight: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
-    g_lp: Tensor, g_h: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """test_support's reference on the float64 logits (rounded to the inputs' dtype, as
-    the head's matmul rounds them); its logit gradient carried to hidden and weight."""
-    h, w = hidden.double(), weight.double()
-    logits = h @ w.T
-    if hidden.dtype != torch.float64:
-        logits = logits.to(hidden.dtype).double()
-    logp, ent, grad = reference(logits, targets, sets, temperature, over, g_lp, g_h)
-    return logp, ent, grad @ w, grad.T @ h
+from .supports import H, csr, head, response_sets, support_cases
 
 
 def check(
@@ -58,7 +37,7 @@ def check(
 ) -> None:
     t, v = case["logits"].shape
     targets: Tensor = case["targets"]
-    hidden, weight = _head(t, v, seed=t * 31 + v, dtype=dtype)
+    hidden, weight = head(t, v, seed=t * 31 + v, dtype=dtype)
     gen = torch.Generator().manual_seed(7)
     g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
     x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -72,7 +51,7 @@ def check(
         loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None and use_h else 0.0)
         torch.autograd.backward(loss)
     g_h = g_h if use_h else torch.zeros(t)
-    ref_lp, ref_h, ref_dh, ref_dw = _reference(
+    ref_lp, ref_h, ref_dh, ref_dw = linear_support_reference(
         hidden, weight, targets, case["sets"], case["temperature"], case["over"], g_lp, g_h
     )
     atol = value_atol(hidden, weight, case["temperature"], value_rel)
@@ -88,14 +67,14 @@ def check(
 
 
 @settings(max_examples=20, deadline=None)
-@given(cases())
+@given(support_cases())
 def test_float64_and_float32_match_the_masked_reference(case: dict[str, Any]) -> None:
     check(case, torch.float64, 1e-12, 1e-9)
     check(case, torch.float32, 2.0**-18, 1e-5)
 
 
 @settings(max_examples=6, deadline=None)
-@given(cases())
+@given(support_cases())
 def test_bfloat16_matches_the_masked_reference_of_its_logits(case: dict[str, Any]) -> None:
     check(case, torch.bfloat16, 2.0**-7, 3e-2)
 
@@ -156,7 +135,7 @@ def test_response_path_takes_the_sets_of_its_rows(cfg: Config, seed: int, over: 
     ``response_log_probs`` on its materialized logits with the same whole-tensor
     support, values and the gradients of hidden and weight."""
     vocab = 30
-    _, ids, offsets = _response_sets(cfg, seed, vocab)
+    _, ids, offsets = response_sets(cfg, seed, vocab)
     gen = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in cfg.total]
     weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64)
@@ -214,39 +193,3 @@ def test_support_refusals_on_the_hidden_path() -> None:
     with refused(TypeError, "support must be a cpslice.Support or None, got list"):
         linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
                                      support=[[1]])  # type: ignore[call-overload]
-
-
-# (T, V_local, temperature, with_entropy, entropy_over, chunk); run on test_logprob_tp's ranks
-TP_CASES: list[tuple[int, int, float, bool, str, int]] = [
-    (7, 5, 0.7, False, "full", 2),
-    (7, 5, 1.3, True, "support", 3),
-    (6, 3, 1.0, True, "full", 1),
-]
-
-
-def tp_cases(group: Any, tp: int, tp_rank: int) -> int:
-    """On every rank of ``group``: its values, its shard's weight gradient and the full
-    hidden gradient against the reference."""
-    for i, (t, v_local, temp, with_entropy, over, chunk) in enumerate(TP_CASES):
-        vocab = tp * v_local
-        hidden, weight = _head(t, vocab, seed=900 + i, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(950 + i)
-        targets = torch.randint(0, vocab, (t,), generator=gen)
-        sets = _tp_sets(i, t, vocab, targets)
-        g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
-        rows = slice(tp_rank * v_local, (tp_rank + 1) * v_local)
-        x, w = hidden.clone().requires_grad_(True), weight[rows].clone().requires_grad_(True)
-        lp, ent = linear_log_probs_and_entropy(  # type: ignore[call-overload]
-            x, w, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
-            chunk_size=chunk, support=csr(sets), entropy_over=over,
-        )
-        torch.autograd.backward((lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None else 0.0))
-        g_h = g_h if with_entropy else torch.zeros(t)
-        ref_lp, ref_h, ref_dh, ref_dw = _reference(hidden, weight, targets, sets, temp, over, g_lp, g_h)
-        atol = value_atol(hidden, weight, temp, 2.0**-18)
-        torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
-        if ent is not None:
-            torch.testing.assert_close(ent.double(), ref_h, rtol=0.0, atol=atol)
-        grad_close(x.grad, ref_dh, 1e-5)
-        grad_close(w.grad, ref_dw[rows], 1e-5)
-    return len(TP_CASES)

@@ -16,77 +16,10 @@ from cpslice._vocab.kernels import default_chunk_rows
 from cpslice._vocab.logits import apply
 from tests.checked import refused
 
+from .compare import check_logits
+from .reference import TEMPS, reference
+
 PROPS = settings(max_examples=40, deadline=None)
-TEMPS = (0.5, 1.0, 1.7)
-
-
-def reference(
-    logits: Tensor, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p, H, d(g_lp . log p + g_h . H)/d logits) in float64 from log_softmax.
-
-    A -inf logit becomes one 1e4 below the row's smallest finite logit: the same
-    distribution in float64 (exp underflows to 0), without autograd's 0 * inf."""
-    x = logits.detach().double()
-    finite = torch.where(torch.isfinite(x), x, math.inf).amin(1, keepdim=True)
-    x = torch.where(x == -math.inf, finite - 1e4, x).requires_grad_(True)
-    lp = torch.log_softmax(x / temperature, -1)
-    logp = lp.gather(1, targets[:, None]).squeeze(1)
-    entropy = -(lp.exp() * lp).sum(-1)
-    torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
-    assert x.grad is not None
-    return logp.detach(), entropy.detach(), x.grad
-
-
-EPS32 = 2.0**-24  # float32 unit roundoff
-
-
-def tolerance(logits: Tensor, temperature: float) -> float:
-    """A few float32 roundings at the scale of the tempered logits (their spread sets
-    the magnitude of log p and of every intermediate); measured worst ~3."""
-    x = logits.detach().double()
-    x = x[torch.isfinite(x)]
-    spread = float(x.abs().max()) / temperature if x.numel() else 0.0
-    return 8 * EPS32 * (spread + math.log(max(logits.shape[-1], 2)) + 1.0)
-
-
-def grad_atol(ref_grad: Tensor, g_lp: Tensor, g_h: Tensor, temperature: float, rel: float) -> float:
-    """``rel`` times the gradient's scale: its largest entry, or the upstream gradient
-    over the temperature, whichever is larger. Where p is close to 1, ``onehot - p``
-    cancels, and float32 leaves an absolute error of a few eps times that scale."""
-    upstream = max([float(g.abs().max()) for g in (g_lp, g_h) if g.numel()], default=0.0)
-    largest = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
-    return rel * max(largest, upstream / temperature)
-
-
-def check(
-    logits: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    grad_rtol: float = 16 * EPS32,
-) -> None:
-    """Values and gradient of cpslice against the reference, and the caller's logits untouched."""
-    torch.manual_seed(1)
-    t = logits.shape[0]
-    g_lp, g_h = torch.randn(t), torch.randn(t)
-    before, version = logits.detach().clone(), logits._version
-    x = logits.detach().requires_grad_(True)
-    logp, entropy = log_probs_and_entropy(
-        x, targets, with_entropy=True, temperature=temperature, chunk_size=chunk_size
-    )
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    assert logp.dtype == entropy.dtype == out_dtype
-    assert logp.shape == entropy.shape == (t,)
-    torch.autograd.backward((logp * g_lp.to(out_dtype)).sum() + (entropy * g_h.to(out_dtype)).sum())
-    ref_lp, ref_h, ref_grad = reference(logits, targets, temperature, g_lp, g_h)
-    atol = tolerance(logits, temperature)
-    torch.testing.assert_close(logp.double(), ref_lp, rtol=0.0, atol=atol)
-    torch.testing.assert_close(entropy.double(), ref_h, rtol=0.0, atol=atol)
-    assert x.grad is not None and x.grad.dtype == logits.dtype
-    atol = grad_atol(ref_grad, g_lp, g_h, temperature, grad_rtol)
-    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=grad_rtol, atol=atol)
-    assert torch.equal(logits, before) and logits._version == version
 
 
 @st.composite
@@ -106,7 +39,7 @@ def cases(draw: st.DrawFn) -> tuple[Tensor, Tensor, float, int | None]:
 @given(cases())
 def test_float32_matches_float64_reference(case: tuple[Tensor, Tensor, float, int | None]) -> None:
     logits, targets, temperature, chunk = case
-    check(logits, targets, temperature, chunk)
+    check_logits(logits, targets, temperature, chunk)
 
 
 @PROPS
@@ -117,7 +50,7 @@ def test_bfloat16_matches_float64_of_its_values(
     logits, targets, temperature, chunk = case
     # Values are computed in float32 from the exact bf16 values; only the gradient,
     # which comes back in bfloat16, is rounded to bf16.
-    check(logits.bfloat16(), targets, temperature, chunk, grad_rtol=1e-2)
+    check_logits(logits.bfloat16(), targets, temperature, chunk, grad_rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
@@ -125,7 +58,7 @@ def test_other_float_dtypes(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(6, 9, generator=gen) * 3).to(dtype)
     targets = torch.randint(0, 9, (6,), generator=gen)
-    check(logits, targets, 1.7, 4, grad_rtol=2e-3 if dtype == torch.float16 else 1e-5)
+    check_logits(logits, targets, 1.7, 4, grad_rtol=2e-3 if dtype == torch.float16 else 1e-5)
 
 
 def test_float64_gradcheck() -> None:
@@ -150,7 +83,7 @@ def test_peaked_rows(temperature: float, chunk: int | None) -> None:
     logits[3, :] = 1e4  # a uniform row at a large offset
     logits[4, 10:12] = 100.0  # two equal peaks sharing the mass
     targets = torch.tensor([7, 0, 1, 2, 10, 49])
-    check(logits, targets, temperature, chunk)
+    check_logits(logits, targets, temperature, chunk)
     logp, entropy = log_probs_and_entropy(
         logits, targets, with_entropy=True, temperature=temperature
     )
@@ -167,7 +100,7 @@ def test_masked_logits(temperature: float) -> None:
     logits[2, :8] = -math.inf  # all but one token masked: p = 1 on it
     targets = torch.tensor([0, 3, 8, 5, 1])
     for chunk in (1, None):
-        check(logits, targets, temperature, chunk)
+        check_logits(logits, targets, temperature, chunk)
     logp, entropy = log_probs_and_entropy(logits, targets, with_entropy=True)
     assert float(logp[2]) == 0.0 and float(entropy[2]) == 0.0
     # A masked target has log p = -inf; a row of nothing but -inf is NaN.
@@ -272,8 +205,8 @@ def test_caller_logits_never_modified_non_contiguous() -> None:
     base = torch.randn(9, 6)
     logits = base.t()  # [6, 9], non-contiguous
     targets = torch.tensor([0, 8, 1, 2, 3, 4])
-    check(logits, targets, 0.5, 2)
-    check(logits.bfloat16(), targets, 1.0, None, grad_rtol=1e-2)
+    check_logits(logits, targets, 0.5, 2)
+    check_logits(logits.bfloat16(), targets, 1.0, None, grad_rtol=1e-2)
     before = base.clone()
     x = logits.requires_grad_(True)
     logp, entropy = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.5)

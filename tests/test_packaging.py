@@ -85,9 +85,9 @@ def test_sdist_holds_its_tests_and_what_they_need(
     for path in ("LICENSE", "CHANGELOG.md", "README.md", "Makefile", "mypy.ini",
                  "requirements-dev.txt", "pyproject.toml"):
         assert (top / path).is_file(), path
-    # docs/: tests/test_docs.py runs every page's examples
+    # docs/: tests/test_docs.py runs every page's examples; examples/: test_gpt runs them
     for folder, files in (("tests", "*.py*"), ("typings", "*.py*"), ("benchmarks", "*.py*"),
-                          ("docs", "*.md")):
+                          ("docs", "*.md"), ("examples", "*.py*")):
         here = {p.relative_to(ROOT) for p in (ROOT / folder).rglob(files)
                 if "__pycache__" not in p.parts}
         there = {p.relative_to(top) for p in (top / folder).rglob(files)}

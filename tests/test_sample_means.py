@@ -18,10 +18,10 @@ from torch import Tensor
 
 from cpslice import Layout, LayoutError, extract_responses, pack, sample_means, shard_responses
 from cpslice._types import CpMode
-from cpslice._verify import edge_lengths, sparse_lengths
 
 from ._dist import run_distributed
 from ._docs import block_defining
+from .lengths import edge_lengths, sparse_lengths
 from .oracle import Config, least_length, local_map
 
 WORLD = 4

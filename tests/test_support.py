@@ -1,13 +1,13 @@
 """Support (top-p / top-k replay): log-probs and entropy restricted to per-row token sets,
 against a float64 reference that masks the logits to the set plus the target; values
-and gradients, TP on gloo, Support.from_responses against the oracle, CP invariance,
-and every refusal."""
+and gradients, Support.from_responses against the oracle, CP invariance, and every
+refusal (with TP on gloo: tests/tp_cases.py, run by test_logprob_tp.py)."""
 
 import math
 import os
 import subprocess
 import sys
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 import torch
@@ -18,83 +18,12 @@ from torch import Tensor
 from cpslice import Layout, LayoutError, Support, log_probs_and_entropy, pack, response_log_probs
 from cpslice import shard_responses as cp_shard
 
-from ._dist import tp_groups
 from .oracle import Config, local_length, local_map
+from .reference import EPS32, grad_atol, support_reference, tolerance
 from .strategies import configs
-from .test_logprob import EPS32, grad_atol, tolerance
+from .supports import Sets, csr, response_sets, support_cases
 
 PROPS = settings(max_examples=20, deadline=None)
-
-Sets = list[list[int]]
-
-
-def csr(sets: Sets) -> Support:
-    ids = torch.tensor([i for s in sets for i in s], dtype=torch.int64)
-    counts = torch.tensor([len(s) for s in sets], dtype=torch.int64)
-    return Support(ids, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
-
-
-def reference(
-    logits: Tensor, targets: Tensor, sets: Sets, temperature: float, over: str,
-    g_lp: Tensor, g_h: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p, H, gradient) in float64: log_softmax of the logits masked (-inf) outside
-    each non-empty set plus the target; H over the whole vocabulary or the same set.
-    A -inf logit becomes one 1e4 below the row's smallest finite logit (as in
-    test_logprob.reference): the same distribution, without autograd's 0 * inf."""
-    x = logits.detach().double()
-    finite = torch.where(torch.isfinite(x), x, math.inf).amin(1, keepdim=True)
-    x = torch.where(x == -math.inf, finite - 1e4, x).requires_grad_(True)
-    keep = torch.ones(x.shape, dtype=torch.bool)
-    for t, s in enumerate(sets):
-        if s:
-            keep[t] = False
-            keep[t, s + [int(targets[t])]] = True
-    z = x / temperature
-    restricted = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
-    full = torch.log_softmax(z, -1)
-    logp = restricted.gather(1, targets[:, None]).squeeze(1)
-    # 0 * log 0 outside the set is 0: where() keeps the -inf out of the gradient
-    inside = torch.where(keep, restricted.exp() * torch.where(keep, restricted, 0.0), 0.0)
-    h = -(full.exp() * full).sum(-1) if over == "full" else -inside.sum(-1)
-    torch.autograd.backward((logp * g_lp.double()).sum() + (h * g_h.double()).sum())
-    assert x.grad is not None
-    return logp.detach(), h.detach(), x.grad
-
-
-@st.composite
-def cases(draw: st.DrawFn) -> dict[str, Any]:
-    t = draw(st.integers(0, 10))
-    v = draw(st.integers(1, 24))
-    seed = draw(st.integers(0, 2**31 - 1))
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(t, v, generator=gen) * draw(st.sampled_from([0.5, 3.0, 30.0]))
-    targets = torch.randint(0, v, (t,), generator=gen)
-    sets: Sets = []
-    for row in range(t):
-        kind = draw(st.sampled_from(["empty", "single", "target-in", "target-out", "random"]))
-        perm = torch.randperm(v, generator=gen).tolist()
-        if kind == "empty":
-            sets.append([])
-        elif kind == "single":
-            sets.append(perm[:1])
-        else:
-            size = draw(st.integers(1, v))
-            chosen = perm[:size]
-            tgt = int(targets[row])
-            if kind == "target-in" and tgt not in chosen:
-                chosen[-1] = tgt
-            if kind == "target-out" and tgt in chosen:
-                chosen.remove(tgt)
-            sets.append(chosen)
-    return {
-        "logits": logits, "targets": targets, "sets": sets,
-        "temperature": draw(st.sampled_from([0.6, 1.0, 1.7])),
-        "chunk": draw(st.sampled_from([None, 1, 2, 3, 100])),
-        "with_entropy": draw(st.booleans()),
-        "entropy_grad": draw(st.sampled_from([True, True, False])),
-        "over": draw(st.sampled_from(["full", "support"])),
-    }
 
 
 def check(case: dict[str, Any], dtype: torch.dtype = torch.float32, grad_rtol: float = 16 * EPS32) -> None:
@@ -118,7 +47,7 @@ def check(case: dict[str, Any], dtype: torch.dtype = torch.float32, grad_rtol: f
         loss = loss + (h * g_h).sum()
     (grad,) = torch.autograd.grad(loss, x) if t else (torch.zeros_like(x),)
     g_h = g_h if use_h else torch.zeros(t)
-    ref_lp, ref_h, ref_grad = reference(logits, targets, sets, case["temperature"], case["over"], g_lp, g_h)
+    ref_lp, ref_h, ref_grad = support_reference(logits, targets, sets, case["temperature"], case["over"], g_lp, g_h)
     atol = tolerance(logits, case["temperature"])
     assert bool(lp.isfinite().all()), "a target outside its set still has a finite log-prob"
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
@@ -136,13 +65,13 @@ def check(case: dict[str, Any], dtype: torch.dtype = torch.float32, grad_rtol: f
 
 
 @PROPS
-@given(cases())
+@given(support_cases())
 def test_float32_matches_float64_masked_reference(case: dict[str, Any]) -> None:
     check(case)
 
 
 @settings(max_examples=6, deadline=None)
-@given(cases())
+@given(support_cases())
 def test_float64_and_bfloat16(case: dict[str, Any]) -> None:
     check(case, torch.float64, grad_rtol=1e-9)
     check(case, torch.bfloat16, grad_rtol=2e-2)
@@ -192,116 +121,7 @@ def test_masked_logits_in_a_set() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Tensor parallelism: one spawned world of 4 runs TP 4 and two TP 2 groups.
-
-Over = Literal["full", "support"]
-TP_CASES: list[tuple[int, int, float, bool, Over, int | None]] = [
-    # (T, V_local, temperature, with_entropy, entropy_over, chunk)
-    (7, 5, 0.7, False, "full", 2),
-    (7, 5, 1.0, True, "full", None),
-    (7, 5, 1.3, True, "support", 3),
-    (6, 3, 1.0, True, "support", 1),
-    (0, 4, 1.0, True, "support", None),
-]
-
-
-def _tp_sets(i: int, t: int, vocab: int, targets: Tensor) -> Sets:
-    """Empty rows, single ids, targets outside and inside, sets spanning shards or one shard."""
-    gen = torch.Generator().manual_seed(500 + i)
-    sets: Sets = []
-    for row in range(t):
-        kind = row % 5
-        perm = torch.randperm(vocab, generator=gen).tolist()
-        if kind == 0:
-            sets.append([])
-        elif kind == 1:
-            sets.append(perm[:1])
-        elif kind == 2:  # within the first shard, the target maybe elsewhere
-            sets.append([j for j in perm if j < vocab // 4][:2] or [0])
-        else:
-            chosen = perm[: 2 + row % 3]
-            if kind == 3 and int(targets[row]) not in chosen:
-                chosen[0] = int(targets[row])
-            sets.append(chosen)
-    return sets
-
-
-def _run_tp(group: Any, tp: int, tp_rank: int, calls: list[int]) -> int:
-    done = 0
-    for i, (t, v_local, temp, with_entropy, over, chunk) in enumerate(TP_CASES):
-        vocab = tp * v_local
-        gen = torch.Generator().manual_seed(600 + i)
-        full = torch.randn(t, vocab, generator=gen) * 3
-        targets = torch.randint(0, vocab, (t,), generator=gen)
-        sets = _tp_sets(i, t, vocab, targets)
-        g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
-        x = full[:, tp_rank * v_local : (tp_rank + 1) * v_local].clone().requires_grad_(True)
-        n0 = len(calls)
-        lp, h = log_probs_and_entropy(
-            x, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
-            chunk_size=chunk, support=csr(sets), entropy_over=over,
-        )
-        assert len(calls) == n0 + 1, "forward enters exactly one all-gather"
-        loss = (lp * g_lp).sum() + ((h * g_h).sum() if h is not None else 0.0)
-        torch.autograd.backward(loss)
-        assert len(calls) == n0 + 1, "backward enters none"
-        g_h = g_h if with_entropy else torch.zeros(t)
-        ref_lp, ref_h, ref_grad = reference(full, targets, sets, temp, over, g_lp, g_h)
-        atol = tolerance(full, temp)
-        torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
-        if h is not None:
-            torch.testing.assert_close(h.double(), ref_h, rtol=0.0, atol=atol)
-        cols = ref_grad[:, tp_rank * v_local : (tp_rank + 1) * v_local]
-        assert x.grad is not None
-        tol = 16 * EPS32
-        torch.testing.assert_close(x.grad.double(), cols, rtol=tol,
-                                   atol=grad_atol(ref_grad, g_lp, g_h, temp, tol))
-        done += 1
-    return done
-
-
-def _tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    import torch.distributed as dist
-
-    from cpslice._vocab import stats
-
-    calls: list[int] = []
-    real = stats._all_gather
-
-    def counting(*args: Any, **kwargs: Any) -> object:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    stats._all_gather = counting
-    done = [(tp, _run_tp(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
-    # an id beyond tp_size * V_local is refused before any collective
-    with pytest.raises(LayoutError, match=rf"support row 0: id {world * 3} is outside"):
-        log_probs_and_entropy(torch.zeros(1, 3), torch.tensor([0]), tp_group=dist.group.WORLD,
-                              support=csr([[world * 3]]))
-    dist.barrier()
-    return done
-
-
-# test_logprob_tp.py runs _tp_worker on its spawned world of 4 (TP 4, then TP 2).
-
-
-# ---------------------------------------------------------------------------
 # Support.from_responses against the oracle, and CP invariance.
-
-
-def _response_sets(cfg: Config, seed: int, vocab: int = 30) -> tuple[list[Sets], list[Tensor], list[Tensor]]:
-    """Per sample, per response token, a random set (some empty); and the CSR form."""
-    gen = torch.Generator().manual_seed(seed)
-    per: list[Sets] = []
-    for r in cfg.response:
-        sample: Sets = []
-        for _ in range(r):
-            size = int(torch.randint(0, 5, (1,), generator=gen))
-            sample.append(torch.randperm(vocab, generator=gen)[:size].tolist())
-        per.append(sample)
-    ids = [torch.tensor([i for s in sample for i in s], dtype=torch.int64) for sample in per]
-    offsets = [torch.tensor([0] + [len(s) for s in sample], dtype=torch.int64).cumsum(0) for sample in per]
-    return per, ids, offsets
 
 
 def _oracle_sets(cfg: Config, rank: int, per: list[Sets]) -> Sets:
@@ -320,7 +140,7 @@ def _oracle_sets(cfg: Config, rank: int, per: list[Sets]) -> Sets:
 @settings(max_examples=25, deadline=None)
 @given(configs(max_cp=4), st.integers(0, 2**31 - 1), st.booleans())
 def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: bool) -> None:
-    per, ids, offsets = _response_sets(cfg, seed)
+    per, ids, offsets = response_sets(cfg, seed)
     length = local_length(cfg)
     for rank in range(cfg.cp):
         layout = cfg.layout(rank).with_local_length(length)
@@ -342,7 +162,7 @@ def test_cp_invariance_against_no_cp(kind: str, cp: int) -> None:
     for seed in (11,):
         batch = make_batch(seed, n=7, cp=cp, vocab=9)
         cfg = Config(tuple(batch.total), tuple(batch.response), "thd", None, "none", 1, None, 0)
-        per, ids, offsets = _response_sets(cfg, seed, vocab=9)
+        per, ids, offsets = response_sets(cfg, seed, vocab=9)
         results: dict[str, list[Tensor]] = {}
         for over in ("full", "support"):
             one = Layout(batch.total, batch.response)
@@ -356,8 +176,9 @@ def test_cp_invariance_against_no_cp(kind: str, cp: int) -> None:
                 span = slice(t - r - 1, t - 1)
                 sets: Sets = [[] for _ in range(t - r - 1)] + per[i] + [[]]
                 zero = torch.zeros(t)
-                ref_lp, ref_h, _ = reference(batch.logits[i], torch.cat([batch.tokens[i][1:], batch.tokens[i][:1]]),
-                                             sets, batch.temperature, over, zero, zero)
+                targets = torch.cat([batch.tokens[i][1:], batch.tokens[i][:1]])
+                ref_lp, ref_h, _ = support_reference(batch.logits[i], targets, sets, batch.temperature, over,
+                                                     zero, zero)
                 torch.testing.assert_close(base[i].double(), ref_lp[span], rtol=0.0, atol=1e-5)
                 torch.testing.assert_close(base_h[i].double(), ref_h[span], rtol=0.0, atol=1e-5)
             held = [0] * len(batch.total)

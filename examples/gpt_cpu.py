@@ -1,4 +1,5 @@
-"""megatron-core's GPTModel on the CPU, for the tests and examples/train_tiny_gpt.py.
+"""megatron-core's GPTModel on the CPU, for train_tiny_gpt.py (next to it) and the tests
+(tests/test_gpt.py imports it from here: pytest puts examples/ on sys.path).
 
 megatron-core 0.16 builds a few tensors on CUDA even with ``use_cpu_initialization``;
 four small shims move them to the CPU:
@@ -18,7 +19,9 @@ every sample. RoPE scores depend only on relative positions, so a sample placed
 anywhere in the row gets the same attention as on its own. Context and sequence
 parallelism need Transformer Engine and are not covered.
 
-Everything here is test/example scaffolding, not part of cpslice.
+Everything here is example and test scaffolding, not part of cpslice. The shims are
+installed once per process and stay: they replace CUDA-only code paths, which no CPU
+process can take, so they change nothing else that process runs on the CPU.
 """
 
 import contextlib

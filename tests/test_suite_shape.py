@@ -1,0 +1,71 @@
+"""The suite's own shape, kept by a test: shared helpers live in helper modules (files of
+tests/ not named ``test_*``, or conftest.py), so no test file imports another test file;
+every test file holds tests; and only the verifier's own tests import the verifier
+(``cpslice._verify*``, which may move), so the rest of the suite never depends on it."""
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+VERIFIER_TESTS = {"test_cli_verify.py", "_verify_ranks.py"}
+
+
+def imported(source: str) -> set[str]:
+    """Every module a source imports anywhere (function bodies too), by its full name,
+    a module of tests/ as ``tests.name``; ``from package import name`` counts both
+    ``package`` and ``package.name``, which may be a module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level <= 1, "tests/ is one package"
+            module = ".".join(filter(None, ["tests" if node.level else "", node.module or ""]))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_import_reader_sees_every_form() -> None:
+    source = """
+import tests.test_a
+from tests.test_b import x
+from tests import test_c
+from .test_d import y
+from . import test_e, helper
+import cpslice._verify as v
+
+def later():
+    from .test_f import z
+"""
+    names = imported(source)
+    assert {"tests.test_a", "tests.test_b", "tests.test_c", "tests.test_d", "tests.test_e",
+            "tests.test_f", "tests.helper", "cpslice._verify"} <= names
+    assert "tests.test_g" not in names
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    test_files = sorted(TESTS.glob("test_*.py"))
+    modules = {f"tests.{path.stem}" for path in test_files}
+    offenders = {path.name: sorted(imported(path.read_text()) & modules) for path in test_files}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_every_test_file_holds_tests() -> None:
+    empty = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+                   or isinstance(node, ast.ClassDef) and node.name.startswith("Test")
+                   for node in tree.body):
+            empty.append(path.name)
+    assert empty == []
+
+
+def test_only_the_verifier_tests_import_the_verifier() -> None:
+    offenders = {}
+    for path in sorted(TESTS.glob("*.py")):
+        found = sorted(m for m in imported(path.read_text()) if m.startswith("cpslice._verify"))
+        if found and path.name not in VERIFIER_TESTS:
+            offenders[path.name] = found
+    assert offenders == {}
