@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from cpslice import _cli, _verify
+from cpslice import _verify
+from cpslice._cli import bench
 from cpslice._cli import main
 from cpslice._verify import Case, Config, host_store, join_store, select_cases, verify_main
 
@@ -273,7 +274,7 @@ def test_verify_and_plan_do_not_import_megatron() -> None:
 def test_bench_needs_a_source_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(_cli, "_SOURCE_ROOT", tmp_path / "site-packages")
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")
     code, out, err = run(["bench", "--quick"], capsys)
     assert (code, out) == (1, "")  # not a usage error: nothing to run in this installation
     assert err.startswith("cpslice bench: error: bench needs a source checkout: no "
@@ -301,7 +302,7 @@ def test_bench_sections_and_a_failing_benchmark(
     (folder / "__init__.py").write_text("")
     for name, source in FAKE.items():
         (folder / f"{name}.py").write_text(source)
-    monkeypatch.setattr(_cli, "_SOURCE_ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ["benchmarks", *(f"benchmarks.{n}" for n in FAKE)]:
         monkeypatch.delitem(sys.modules, name, raising=False)
