@@ -1,11 +1,10 @@
-"""GSPO's sequence-level ratio under zigzag CP at cp 4 on gloo (spawned processes):
-``sample_means`` against gathering whole responses.
+"""GSPO's sequence-level ratio: sample_means against gathering whole responses, cp 4.
 
-Each rank holds its zigzag shares of every sample's log-probs (extracted from a
-``[T]`` leaf, so gradients flow) and of the rollout's old log-probs. Every method
-computes, on every rank, ``ratio_i = exp(mean of log_prob - old_log_prob over the
-whole masked response)`` and the same loss part ``sum_i ratio_i * (this rank's
-advantages of sample i, summed)``, then runs backward:
+Zigzag CP at cp 4 on gloo (spawned processes). Each rank holds its zigzag shares of
+every sample's log-probs (extracted from a ``[T]`` leaf, so gradients flow) and of the
+rollout's old log-probs. Every method computes, on every rank, ``ratio_i = exp(mean of
+log_prob - old_log_prob over the whole masked response)`` and the same loss part
+``sum_i ratio_i * (this rank's advantages of sample i, summed)``, then runs backward:
 
 - ``sample_means``: one ``all_reduce`` of ``[n]`` float32 forward, one backward;
 - per-sample all-gather (slime's way, written here as the baseline): for every

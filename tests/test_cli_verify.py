@@ -1,9 +1,10 @@
 """``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), a real
 small verify run (exit 0 and its table), the verifier catching a bug planted in the
 layout arithmetic and a rank that raises (exit 1), the start-up timeout apart from a
-hang, Ctrl-C, a missing megatron-core, and bench's adapters, its source-checkout check
-and its target marks. ``bench`` itself is not run here (it takes most of a minute).
-Faults are injected from tests/_verify_ranks.py: the library carries none."""
+hang, Ctrl-C, a missing megatron-core, and bench's discovery of benchmarks/, its
+adapters, its source-checkout check and its target marks. ``bench`` itself is not run
+here (it takes minutes). Faults are injected from tests/_verify_ranks.py: the library
+carries none."""
 
 import importlib.util
 import os
@@ -19,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from cpslice import _verify
-from cpslice._cli import bench
-from cpslice._cli import main
+from cpslice._cli import bench, main
 from cpslice._verify import Case, Config, host_store, join_store, select_cases, verify_main
 
 from . import _verify_ranks
@@ -278,28 +278,33 @@ def test_bench_needs_a_source_checkout(
     code, out, err = run(["bench", "--quick"], capsys)
     assert (code, out) == (1, "")  # not a usage error: nothing to run in this installation
     assert err.startswith("cpslice bench: error: bench needs a source checkout: no "
-                          "bench_extract.py in ") and err.count("\n") == 1
+                          "bench_*.py in ") and err.count("\n") == 1
 
 
 FAKE = {
-    "bench_extract": "def run(quick):\n    return [quick]\n"
+    "bench_extract": '"""Extraction: fake.\n\nMore."""\ndef run(quick):\n    return [quick]\n'
                      "def report(rows):\n    return f'extract rows {rows}'\n",
     # bench_logprob's report prints (through a ``say`` callback) and returns None
-    "bench_logprob": "def run(quick):\n    return [1, 2]\n"
+    "bench_logprob": '"""Log-probs: fake:\ncontinued."""\ndef run(quick):\n    return [1, 2]\n'
                      "def report(rows, say=print):\n    say('logprob'); say(f'rows {rows}')\n",
-    "bench_redistribute": "def run(quick):\n    raise RuntimeError('no gloo today')\n"
+    "bench_redistribute": '"""Redistribute."""\n'
+                          "def run(quick):\n    raise RuntimeError('no gloo today')\n"
                           "def report(rows):\n    return ''\n",
-    "bench_sample_means": "def run(quick):\n    return 7\n"
+    "bench_sample_means": "def run(quick=False, device='cpu'):\n    return 7\n"
                           "def report(rows):\n    return f'means {rows}'\n",
+    "bench_unreported": '"""No report."""\ndef run(quick):\n    return 1\n',
+    "bench_unquick": '"""No quick."""\ndef run():\n    return 1\n'
+                     "def report(rows):\n    return ''\n",
 }
 
 
-def test_bench_sections_and_a_failing_benchmark(
+def test_bench_runs_every_benchmark_of_the_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = tmp_path / "benchmarks"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
+    (folder / "harness.py").write_text("raise RuntimeError('not a benchmark')\n")
     for name, source in FAKE.items():
         (folder / f"{name}.py").write_text(source)
     monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path)
@@ -308,13 +313,42 @@ def test_bench_sections_and_a_failing_benchmark(
         monkeypatch.delitem(sys.modules, name, raising=False)
     code, out, err = run(["bench", "--quick"], capsys)
     assert code == 1
-    assert "== extraction: " in out and "extract rows [True]\n(" in out
-    assert "== log-probs + entropy: " in out and "logprob\nrows [1, 2]\n(" in out
-    assert "== redistribute " in out and "failed; its traceback is on stderr" in out
-    assert "== sample_means " in out and "means 7\n(" in out
-    assert out.splitlines()[-1] == "1 of 4 benchmarks failed"
+    assert out.splitlines()[0].startswith("cpslice bench --quick: 6 benchmarks from ")
+    titles = [line for line in out.splitlines() if line.startswith("== ")]
+    assert titles == [  # in name order, each titled by its docstring's first line
+        "== Extraction: fake (bench_extract) ==", "== Log-probs: fake (bench_logprob) ==",
+        "== Redistribute (bench_redistribute) ==", "== bench_sample_means (bench_sample_means) ==",
+        "== No quick (bench_unquick) ==", "== No report (bench_unreported) ==",
+    ]
+    assert "extract rows [True]\n(" in out and "logprob\nrows [1, 2]\n(" in out
+    assert "means 7\n(" in out
+    assert out.count("failed; its traceback is on stderr") == 3
+    assert out.splitlines()[-1] == "3 of 6 benchmarks failed"
     assert "cpslice bench: bench_redistribute failed:" in err
     assert "RuntimeError: no gloo today" in err
+    for name in ("bench_unquick", "bench_unreported"):
+        assert f"cpslice bench: {name} failed:" in err
+        assert f"benchmarks.{name} has no module-level run(quick) and report(rows)" in err
+
+
+def test_every_real_benchmark_has_run_and_report() -> None:
+    # in a fresh process: another test leaves fake benchmarks in sys.modules
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import importlib
+        from pathlib import Path
+        from cpslice._cli.bench import discover, entry_point
+        found = discover(Path("benchmarks"))
+        for b in found:
+            module = importlib.import_module(f"benchmarks.{b.name}")
+            entry_point(module, "run", True), entry_point(module, "report", None)
+        print(" ".join(b.name for b in found))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.stem for p in (root / "benchmarks").glob("bench_*.py"))
+    assert done.stdout.split() == files and "bench_hidden" in files and "bench_support" in files
 
 
 def test_bench_extract_marks_a_ratio_that_misses_its_target(
