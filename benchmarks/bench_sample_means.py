@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks.bench_redistribute import median_ms, spawn_ranks
-from cpslice._verify import join_store
+from benchmarks.harness import join_store, median_ms, spawn_ranks
 
 CP = 4
 Row = tuple[str, int, int, float]  # method, collectives per step, bytes sent, ms
@@ -161,7 +160,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 def run(quick: bool = False) -> tuple[int, int, list[Row]]:
     """Spawn CP ranks and measure: (samples, response tokens, rows of rank 0)."""
     n, mean, repeat = (64, 256, 5) if quick else (512, 1024, 5)
-    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, (n, mean, repeat), timeout=1200)
+    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, CP, (n, mean, repeat), timeout=1200)
     return result
 
 
