@@ -11,7 +11,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cpslice._verify import host_store, join_store
+from cpslice._verify.rank import join_store
+from cpslice._verify.runner import host_store
 
 Worker = Callable[..., Any]
 

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from cpslice import Layout, pack
 from cpslice._types import CpMode, QkvFormat
-from cpslice._verify import edge_lengths
+from cpslice._verify.batches import edge_lengths
 
 
 @dataclass

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from cpslice import _verify
+import cpslice
 from cpslice._cli import bench, main
-from cpslice._verify import Case, Config, host_store, join_store, select_cases, verify_main
+from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
+from cpslice._verify.rank import join_store
+from cpslice._verify.runner import host_store, verify_main
 
 from . import _verify_ranks
 
@@ -116,7 +118,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     for r in rows:
         assert r[2:5] == ["2", "x", "1"] and r[-1] == "pass", r
         assert int(r[6]) >= 1  # the sparse batch left a CP rank without a response
-        assert all(float(e) <= _verify.TOLERANCE for e in r[7:10]), r
+        assert all(float(e) <= TOLERANCE for e in r[7:10]), r
     assert "pass when each is <= 1e-05" in out
     assert lines[-1] == "4 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
@@ -129,7 +131,7 @@ def _patched_copy(tmp_path: Path, old: str, new: str) -> Path:
     """A copy of the cpslice package with one line of ``_plan.py`` changed (a planted
     bug); returns the folder to put on PYTHONPATH."""
     src = tmp_path / "src"
-    shutil.copytree(Path(_verify.__file__).parent, src / "cpslice",
+    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
                     ignore=shutil.ignore_patterns("__pycache__"))
     plan = src / "cpslice" / "_plan.py"
     text = plan.read_text()
@@ -262,7 +264,7 @@ def test_the_store_holds_its_port() -> None:
 def test_verify_and_plan_do_not_import_megatron() -> None:
     code = textwrap.dedent("""
         import sys
-        import cpslice._cli, cpslice._verify
+        import cpslice._cli, cpslice._verify.runner
         cpslice._cli.main(["plan", "--total", "10", "--response", "4"])
         assert not [m for m in sys.modules if m.startswith("megatron")]
     """)

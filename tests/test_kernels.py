@@ -224,20 +224,21 @@ def compiled_tp_cases(rank: int, world: int, calls: list[int]) -> None:
 def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
     run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
-    from cpslice import _cli, _verify
+    from cpslice import _cli
+    from cpslice._verify import cases, report, runner
 
-    seen: list[_verify.Config] = []
+    seen: list[cases.Config] = []
 
-    def fake(config: _verify.Config) -> int:
+    def fake(config: cases.Config) -> int:
         seen.append(config)
         return 0
 
-    monkeypatch.setattr(_verify, "verify_main", fake)
+    monkeypatch.setattr(runner, "verify_main", fake)
     assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
     assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
     assert [c.compile for c in seen] == [True, False]
-    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in _verify.header(seen[0])
-    assert "torch.compile" not in _verify.header(seen[1])
+    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in report.header(seen[0])
+    assert "torch.compile" not in report.header(seen[1])
 
 
 def _vma_flags(address: int) -> list[str]:

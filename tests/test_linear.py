@@ -21,7 +21,7 @@ from cpslice import (
     response_log_probs_from_hidden,
     shard_responses,
 )
-from cpslice._verify import edge_lengths
+from cpslice._verify.batches import edge_lengths
 from tests.checked import refused
 
 from .test_logprob import EPS32, TEMPS

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from cpslice import Layout, LayoutError, extract_responses, pack, sample_means, shard_responses
 from cpslice._types import CpMode
-from cpslice._verify import edge_lengths, sparse_lengths
+from cpslice._verify.batches import edge_lengths, sparse_lengths
 
 from ._dist import run_distributed
 from .oracle import Config, least_length, local_map

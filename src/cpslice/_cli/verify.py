@@ -1,12 +1,22 @@
 """``cpslice verify``'s arguments: parsed and checked here, then handed to the
 verifier (``cpslice._verify``) as one ``Config``. A combination that names no
-runnable check is a one-line usage error (exit 2)."""
+runnable check is a one-line usage error (exit 2). The verifier's runner (processes,
+torch.distributed) is imported only when verify runs."""
 
 import argparse
 import sys
 from collections.abc import Callable
 from typing import cast
 
+from .._verify.cases import (
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    TOLERANCE,
+    Config,
+    VerifyArgumentError,
+    check_sizes,
+    select_cases,
+)
 from .args import EXIT_FAILURE, EXIT_USAGE, Subcommand, one_line
 
 
@@ -34,9 +44,6 @@ def _seconds(text: str) -> float:
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
-    # no megatron-core: that is the ranks'
-    from .._verify import DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, TOLERANCE
-
     parser.epilog = (
         "A layout passes when its log-probs, entropy and logits' gradient are each within "
         f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. Exit status: 0 when "
@@ -95,26 +102,26 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     """Check every asked layout end to end on spawned gloo ranks (``_verify``)."""
-    from .. import _verify as verify
+    from .._verify import runner
 
     cp_size = cast(int, args.cp_size)
     tp_size = cast(int, args.tp_size)
     try:
-        verify.check_sizes(cp_size, tp_size)
-        cases = verify.select_cases(
+        check_sizes(cp_size, tp_size)
+        cases = select_cases(
             cp_size, cast(str, args.mode), cast("str | None", args.format),
             cast("int | None", args.align),
         )
-    except verify.VerifyArgumentError as err:
+    except VerifyArgumentError as err:
         one_line("cpslice verify", str(err))
         return EXIT_USAGE
-    config = verify.Config(
+    config = Config(
         cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
         timeout=cast(float, args.timeout), startup_timeout=cast(float, args.startup_timeout),
         compile=cast(bool, args.compile),
     )
     try:
-        return verify.verify_main(config)
+        return runner.verify_main(config)
     except ImportError as err:  # megatron-core missing: not a usage error
         one_line("cpslice verify", str(err))
         return EXIT_FAILURE
