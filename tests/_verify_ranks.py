@@ -7,18 +7,19 @@ Module-level, so that spawned ranks can import them. Each wraps or replaces
 import time
 
 from cpslice._verify import check
-from cpslice._verify.cases import Config
+from cpslice._verify.cases import Case, Config
 from cpslice._verify.rank import Outbox, Report, rank_main
 
 
-def rank_1_raises(rank: int, port: int, config: Config, out: Outbox) -> None:
-    """Rank 1 raises in the first layout while the others go on into its collectives."""
+def rank_1_raises_on_bshd(rank: int, port: int, config: Config, out: Outbox) -> None:
+    """Rank 1 raises in the first layout with bshd rows while the others go on into
+    its collectives."""
     real = check.check_batch
 
-    def check_batch(*args: object, **kwargs: object) -> object:
-        if rank == 1:
+    def check_batch(case: Case, *args: object, **kwargs: object) -> object:
+        if rank == 1 and case.fmt == "bshd":
             raise RuntimeError("fault injected: rank 1 raises")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(case, *args, **kwargs)  # type: ignore[arg-type]
 
     check.check_batch = check_batch  # type: ignore[assignment]
     rank_main(rank, port, config, out)

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -127,44 +128,107 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         ["allgather", "thd", "align"]]
 
 
-def _patched_copy(tmp_path: Path, old: str, new: str) -> Path:
-    """A copy of the cpslice package with one line of ``_plan.py`` changed (a planted
-    bug); returns the folder to put on PYTHONPATH."""
-    src = tmp_path / "src"
-    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    plan = src / "cpslice" / "_plan.py"
-    text = plan.read_text()
-    assert text.count(old) == 1, f"the line to plant the bug in moved: {old!r}"
-    plan.write_text(text.replace(old, new))
-    return src
+class Plant(NamedTuple):
+    """A bug planted in a copy of the package, and the verify run that must catch it."""
+
+    edits: tuple[tuple[str, str, str], ...]  # (file under cpslice/, line, planted line)
+    argv: tuple[str, ...]  # cpslice verify's arguments: the fewest layouts that show it
 
 
-def test_a_planted_layout_bug_fails(tmp_path: Path) -> None:
+PLANTS = {
     # zigzag rank r holds chunks r and 2c-1-r; plant 2c-2-r. pack, extraction and
     # shard_responses all read the same wrong plan, so only expected values computed
     # independently of _plan (the verifier's oracle) can catch it.
-    src = _patched_copy(tmp_path, "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk")
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    done = subprocess.run(
-        [sys.executable, "-m", "cpslice", "verify", "--cp-size", "2", "--tp-size", "1",
-         "--mode", "zigzag", "--format", "thd", "--samples", "4"],
-        env=env, capture_output=True, text=True, timeout=200, check=False,
-    )
-    assert done.returncode == 1, done.stdout + done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.endswith("  FAIL")]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"]], done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1] == "1 of 1 layout FAIL"
+    "zigzag chunk": Plant(
+        (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
+        ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
+    ),
+}
+"""Every planted run shares ``--tp-size 1 --samples 4``."""
+
+
+def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
+    """A copy of the cpslice package with lines changed (planted bugs); returns the
+    folder to put on PYTHONPATH."""
+    src = folder / "src"
+    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name, old, new in edits:
+        path = src / "cpslice" / name
+        text = path.read_text()
+        assert text.count(old) == 1, f"the line to plant the bug in moved: {name}: {old!r}"
+        path.write_text(text.replace(old, new))
+    return src
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
+    """Each PLANTS run, ``(exit status, stdout, stderr)``: all started at once, so that
+    their ranks' start-ups (most of a run) overlap."""
+    runs = {}
+    for name, plant in PLANTS.items():
+        folder = tmp_path_factory.mktemp("planted")
+        env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
+        out, err = (open(folder / f, "w+") for f in ("out", "err"))
+        cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
+               "--samples", "4", "--startup-timeout", "200"]
+        runs[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
+    done = {}
+    try:
+        for name, (proc, out, err) in runs.items():
+            code = proc.wait(timeout=220)
+            out.seek(0)
+            err.seek(0)
+            done[name] = (code, out.read(), err.read())
+    finally:
+        for proc, out, err in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    return done
+
+
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The result table: layout name -> its columns (ranks, samples, empty ranks, the
+    three errors, result)."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    rows = {}
+    for line in lines[head + 1 :]:
+        if line.startswith("errors: "):
+            break
+        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=8)
+        rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
+    return rows
+
+
+def test_a_planted_layout_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    code, out, err = planted["zigzag chunk"]
+    assert code == 1, out + err
+    assert {name: r[-1] for name, r in _rows(out).items()} == {"zigzag thd": "FAIL"}, out + err
+    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = Config(2, 1, (Case("allgather", "thd"),), samples=2, timeout=60.0)
-    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises) == 1
-    _, err = capsys.readouterr()
-    assert "cpslice verify: rank 1 raised in layout allgather thd:" in err
-    assert "RuntimeError: fault injected: rank 1 raises" in err
+    # rank 1 raises in the second layout: the first is reported, the second FAILs with
+    # the error's last line, the third is not run
+    cases = (Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"))
+    config = Config(2, 1, cases, samples=2, timeout=60.0)
+    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises_on_bshd) == 1
+    out, err = capsys.readouterr()
+    assert "cpslice verify: rank 1 raised in layout zigzag bshd:" in err
+    assert "Traceback" in err and "RuntimeError: fault injected: rank 1 raises" in err
+    rows = _rows(out)
+    assert list(rows) == ["zigzag thd", "zigzag bshd", "allgather thd"], out
+    assert rows["zigzag thd"][-1] == "pass"
+    assert rows["zigzag bshd"][2:] == [
+        "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
+    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "not run"]
+    assert out.splitlines()[-1] == "1 of 3 layouts FAIL, 1 not run"
 
 
 def test_a_slow_start_is_not_called_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,9 +246,13 @@ def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture
     config = Config(2, 1, cases, startup_timeout=120.0, timeout=2.0)
     start = time.monotonic()
     assert verify_main(config, rank_main=_verify_ranks.ready_then_stall) == 1
-    last = capsys.readouterr().err.splitlines()[-1]
+    out, err = capsys.readouterr()
+    last = err.splitlines()[-1]
     assert ("1 of 2 ranks made no progress on layout zigzag thd for --timeout 2 s (a hang"
             in last), last
+    verdicts = {name: r[-1] for name, r in _rows(out).items()}
+    assert verdicts == {"zigzag thd": "FAIL  hang: no progress for --timeout 2 s",
+                        "zigzag bshd": "not run"}, out
     assert time.monotonic() - start < 100
 
 

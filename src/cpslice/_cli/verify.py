@@ -46,10 +46,12 @@ def _seconds(text: str) -> float:
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "A layout passes when its log-probs, entropy and logits' gradient are each within "
-        f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. Exit status: 0 when "
-        "every layout passes; 1 when one fails, or a rank raises, dies, does not start "
-        "within --startup-timeout or makes no progress for --timeout, or megatron-core "
-        "is not installed; 2 on bad arguments; 130 on Ctrl-C."
+        f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. A rank that "
+        "raises or dies, or ranks that make no progress for --timeout, fail the layout "
+        "they were in (the table says why) and stop the run: the layouts after it are "
+        "not run. Exit status: 0 when every layout passes; 1 when one fails, or a rank "
+        "raises, dies, does not start within --startup-timeout or makes no progress for "
+        "--timeout, or megatron-core is not installed; 2 on bad arguments; 130 on Ctrl-C."
     )
     parser.add_argument(
         "--cp-size", type=_count(1), default=2, metavar="N",

@@ -2,7 +2,9 @@
 finished layout (stderr), and the result table with its verdict (stdout).
 
 A ``CaseResult`` is one layout's outcome over every rank; it passes when each of
-its errors is within the tolerance (``check.max_error`` stands inf for NaN).
+its errors is within the tolerance (``check.max_error`` stands inf for NaN). A layout
+the run broke in (a rank raised, died or hung) is a FAIL with its reason, and the
+layouts after it are "not run": they have no errors.
 """
 
 import sys
@@ -22,14 +24,30 @@ class CaseResult:
     cp_size: int
     tp_size: int
     samples: int
-    empty_ranks: int  # (batch, CP rank) pairs in which that rank held no response
-    errors: Errors
+    empty_ranks: int | None  # (batch, CP rank) pairs in which that rank held no response
+    errors: Errors | None  # None: the layout did not finish
     tolerance: float
     seconds: float
+    failure: str | None = None  # why the run broke in this layout (one line)
 
     @property
     def passed(self) -> bool:
-        return all(e <= self.tolerance for e in self.errors)  # NaN-free: inf stands for it
+        # NaN-free: max_error stands inf for it
+        return self.errors is not None and all(e <= self.tolerance for e in self.errors)
+
+    @property
+    def ran(self) -> bool:
+        """Whether the layout finished, or the run broke in it."""
+        return self.errors is not None or self.failure is not None
+
+    @property
+    def verdict(self) -> str:
+        """``pass``, ``FAIL``, ``FAIL  <why the run broke here>`` or ``not run``."""
+        if self.failure is not None:
+            return f"FAIL  {self.failure}"
+        if self.errors is None:
+            return "not run"
+        return "pass" if self.passed else "FAIL"
 
 
 def header(config: Config) -> str:
@@ -54,16 +72,15 @@ def header(config: Config) -> str:
 
 def progress_line(result: CaseResult) -> str:
     """One line per finished layout."""
-    verdict = "pass" if result.passed else "FAIL"
-    return f"  {result.case.name:<14} {verdict}  ({result.seconds:.2f} s)"
+    return f"  {result.case.name:<14} {result.verdict}  ({result.seconds:.2f} s)"
 
 
 def plural(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-def _fmt(error: float) -> str:
-    return f"{error:.1e}"
+def _fmt(error: float | None) -> str:
+    return "-" if error is None else f"{error:.1e}"
 
 
 def table(results: Sequence[CaseResult], tolerance: float) -> str:
@@ -75,12 +92,14 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
     )
     lines = [head]
     for r in results:
+        lp, ent, grad = (None, None, None) if r.errors is None else r.errors
+        empty = "-" if r.empty_ranks is None else r.empty_ranks
         lines.append(
             f"{r.case.name:<{width}}{f'{r.cp_size} x {r.tp_size}':>16}{r.samples:>9}"
-            f"{r.empty_ranks:>13}{_fmt(r.errors.log_prob):>14}{_fmt(r.errors.entropy):>13}"
-            f"{_fmt(r.errors.grad):>10}  {'pass' if r.passed else 'FAIL'}"
+            f"{empty:>13}{_fmt(lp):>14}{_fmt(ent):>13}{_fmt(grad):>10}  {r.verdict}"
         )
-    failed = sum(not r.passed for r in results)
+    failed = sum(r.ran and not r.passed for r in results)
+    not_run = sum(not r.ran for r in results)
     lines.append(
         f"errors: largest absolute difference on any rank; pass when each is <= "
         f"{tolerance:g} (float32 log-probs reach about -20 here)"
@@ -89,10 +108,11 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
         "empty ranks: (batch, CP rank) pairs where that rank held no response, yet "
         "entered every collective"
     )
-    lines.append(
-        f"{plural(len(results), 'layout')}: all pass" if not failed
-        else f"{failed} of {plural(len(results), 'layout')} FAIL"
-    )
+    if not failed and not not_run:
+        lines.append(f"{plural(len(results), 'layout')}: all pass")
+    else:
+        lines.append(f"{failed} of {plural(len(results), 'layout')} FAIL"
+                     + (f", {not_run} not run" if not_run else ""))
     return "\n".join(lines)
 
 

@@ -6,7 +6,9 @@ system picks and this process holds. ``run`` spawns them with SIGINT ignored,
 waits for every rank to start (``startup_timeout``), then for progress (a finished
 layout within ``timeout``), and turns a rank that raised or died, a slow start or a
 hang into a ``VerifyFailure``, killing the ranks still running. ``verify_main`` prints
-the header, a line per layout and the table (``report``) and returns the exit status.
+the header, a line per layout and the table (``report``), in which a layout the run
+broke in is a FAIL with its reason and the layouts after it are not run, and returns
+the exit status.
 """
 
 import contextlib
@@ -16,7 +18,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
@@ -35,7 +37,26 @@ MEGATRON_MISSING = (
 
 class VerifyFailure(RuntimeError):
     """The run itself broke: a rank raised or died, the ranks did not start in time,
-    or the started ranks stopped making progress (a hang)."""
+    or the started ranks stopped making progress (a hang).
+
+    ``case`` is the index of the layout it broke in (-1: before the first one), and
+    ``reason`` one line of why (for a rank that raised, its error's last line);
+    ``results`` holds the layouts every rank finished before.
+    """
+
+    def __init__(
+        self, message: str, case: int = -1, reason: str = "",
+        results: Sequence[CaseResult] = (),
+    ) -> None:
+        super().__init__(message)
+        self.case = case
+        self.reason = reason or message.splitlines()[0]
+        self.results = list(results)
+
+
+DRAIN_SECONDS = 5.0
+"""After a rank raised in a layout, how long the parent still collects the reports
+of the layouts before it (already sent by ranks that finished them)."""
 
 
 def host_store() -> TCPStore:
@@ -102,8 +123,25 @@ def run(
     ]
     results: list[CaseResult] = []
     pending: dict[int, list[Report]] = {}
+    clock = {"last": time.monotonic()}  # when the last layout finished (or all started)
+
+    def take(report: Report) -> None:
+        """File a case's errors; a case every rank has sent is a result."""
+        arrived = pending.setdefault(report.case, [])
+        arrived.append(report)
+        while len(pending.get(len(results), [])) == config.world:
+            now = time.monotonic()
+            results.append(_combine(config, len(results), pending[len(results)],
+                                    now - clock["last"]))
+            clock["last"] = now
+            if progress is not None:
+                progress(results[-1])
+
+    def broken(message: str, case: int, reason: str) -> VerifyFailure:
+        return VerifyFailure(message, case, reason, results)
+
     started = 0
-    start = last = time.monotonic()
+    start = time.monotonic()
     deadline = start + config.startup_timeout
     try:
         with _sigint_ignored():
@@ -120,11 +158,12 @@ def run(
                         "pass a larger --startup-timeout); killed them"
                     )
                 done = len(pending.get(len(results), []))
-                raise VerifyFailure(
+                raise broken(
                     f"{config.world - done} of {config.world} ranks made no progress on "
                     f"layout {config.cases[len(results)].name} for --timeout "
                     f"{config.timeout:g} s (a hang: a rank skipped a collective?); "
-                    "killed them"
+                    "killed them", len(results),
+                    f"hang: no progress for --timeout {config.timeout:g} s",
                 )
             try:
                 report = out.get(timeout=min(left, 0.5))
@@ -132,31 +171,30 @@ def run(
                 dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
                     rank, code = dead[0]
-                    raise VerifyFailure(f"rank {rank} died with exit code {code}") from None
+                    case = len(results) if started == config.world else -1
+                    raise broken(f"rank {rank} died with exit code {code}", case,
+                                 f"rank {rank} died with exit code {code}") from None
                 continue
             if report.failure is not None:
-                where = (
-                    f"in layout {config.cases[report.case].name}" if report.case >= 0
-                    else "while starting"
+                if report.case < 0:
+                    raise VerifyFailure(f"rank {report.rank} raised while starting:\n"
+                                        f"{report.failure}")
+                _drain(out, take, results, report.case, min(DRAIN_SECONDS, config.timeout))
+                last_line = report.failure.strip().splitlines()[-1]
+                raise broken(
+                    f"rank {report.rank} raised in layout {config.cases[report.case].name}:"
+                    f"\n{report.failure}", report.case, f"rank {report.rank} raised: {last_line}",
                 )
-                raise VerifyFailure(f"rank {report.rank} raised {where}:\n{report.failure}")
             if report.errors is None:
                 started += 1
                 if started == config.world:
-                    last = time.monotonic()
-                    deadline = last + config.timeout
+                    clock["last"] = time.monotonic()
+                    deadline = clock["last"] + config.timeout
                     if ready is not None:
-                        ready(last - start)
+                        ready(clock["last"] - start)
                 continue
             deadline = time.monotonic() + config.timeout  # a rank made progress
-            arrived = pending.setdefault(report.case, [])
-            arrived.append(report)
-            if len(arrived) == config.world and report.case == len(results):
-                now = time.monotonic()
-                results.append(_combine(config, report.case, arrived, now - last))
-                last = now
-                if progress is not None:
-                    progress(results[-1])
+            take(report)
         for p in procs:
             p.join(timeout=10)
         return results
@@ -167,6 +205,22 @@ def run(
                 p.join(timeout=5)
         out.close()
         del store
+
+
+def _drain(
+    out: Outbox, take: Callable[[Report], None], results: list[CaseResult], case: int,
+    seconds: float,
+) -> None:
+    """Collect the reports of the layouts before ``case`` that are still on their way
+    (sent by ranks that finished them), for at most ``seconds``."""
+    until = time.monotonic() + seconds
+    while len(results) < case and (left := until - time.monotonic()) > 0:
+        try:
+            report = out.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            continue
+        if report.errors is not None:
+            take(report)
 
 
 def _combine(config: Config, index: int, reports: list[Report], seconds: float) -> CaseResult:
@@ -181,11 +235,20 @@ def _combine(config: Config, index: int, reports: list[Report], seconds: float) 
                       len(empty), errors, config.tolerance, seconds)
 
 
+def _unfinished(config: Config, index: int, failure: str | None) -> CaseResult:
+    """A layout the run broke in (``failure`` says why), or one it did not reach."""
+    case = config.cases[index]
+    return CaseResult(case, config.cp_size, config.tp_size, batch_samples(case, config),
+                      None, None, config.tolerance, 0.0, failure)
+
+
 def verify_main(config: Config, *, rank_main: RankMain | None = None) -> int:
     """Run ``config``: the header and the table on stdout, a line per layout on stderr.
 
     Returns 0 when every layout passes, 1 when one fails or the run breaks (a rank
     raised, died, did not start or hung: said on stderr, with the rank's traceback).
+    A run that broke in a layout still prints the table: the layouts finished before,
+    that layout FAIL with the reason (a rank's error: its last line), the rest not run.
     ``rank_main``: as ``run``'s.
 
     Raises:
@@ -208,6 +271,11 @@ def verify_main(config: Config, *, rank_main: RankMain | None = None) -> int:
         results = run(config, show, started, rank_main=rank_main)
     except VerifyFailure as failure:
         note(f"cpslice verify: {failure}")
-        return 1
+        if failure.case < 0:  # no layout ran: nothing to tabulate
+            return 1
+        results = failure.results + [
+            _unfinished(config, k, failure.reason if k == failure.case else None)
+            for k in range(len(failure.results), len(config.cases))
+        ]
     say(table(results, config.tolerance))
     return 0 if all(r.passed for r in results) else 1
