@@ -7,6 +7,7 @@ here (it takes minutes). Faults are injected from tests/_verify_ranks.py: the li
 carries none."""
 
 import importlib.util
+import math
 import os
 import shutil
 import signal
@@ -19,11 +20,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
 import cpslice
 from cpslice._cli import bench, main
 from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
+from cpslice._verify.check import Errors, max_error
 from cpslice._verify.rank import join_store
+from cpslice._verify.report import CaseResult
 from cpslice._verify.runner import host_store, verify_main
 
 from . import _verify_ranks
@@ -143,6 +147,13 @@ PLANTS = {
         (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
         ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
     ),
+    # the log-probs below -2 (most of them here) are NaN; their gradient is zeroed
+    "nan log-probs": Plant(
+        (("_response.py", "    return extract_responses(log_probs, local, entropy)",
+          "    return extract_responses(log_probs.masked_fill(log_probs < -2, float('nan')), "
+          "local, entropy)"),),
+        ("--cp-size", "1", "--mode", "none", "--format", "thd"),
+    ),
 }
 """Every planted run shares ``--tp-size 1 --samples 4``."""
 
@@ -209,6 +220,28 @@ def test_a_planted_layout_bug_fails(planted: dict[str, tuple[int, str, str]]) ->
     assert code == 1, out + err
     assert {name: r[-1] for name, r in _rows(out).items()} == {"zigzag thd": "FAIL"}, out + err
     assert out.splitlines()[-1] == "1 of 1 layout FAIL"
+
+
+def test_the_error_measure_turns_nan_into_a_failure() -> None:
+    nan, want = float("nan"), [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([])]
+    assert max_error(want, want) == 0.0
+    for bad in ([nan, -2.0, -3.0], [-1.0, -2.5, nan], [nan, nan, nan]):
+        got = [torch.tensor(bad), torch.tensor([])]
+        assert max_error(got, want) == math.inf, bad  # NaN first, after an error, all
+        assert max_error(want, got) == math.inf, bad
+    assert max_error([torch.tensor([-1.0, -2.0, math.inf])], want[:1]) == math.inf
+    # and the layout fails: inf is worse than every error, and above the tolerance
+    errors = Errors(1e-6, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0))
+    result = CaseResult(Case("none", "thd"), 1, 1, 4, 0, errors, TOLERANCE, 0.1)
+    assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
+
+
+def test_a_library_that_returns_nan_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    code, out, err = planted["nan log-probs"]
+    assert code == 1, out + err
+    rows = _rows(out)
+    assert list(rows) == ["none thd"] and rows["none thd"][-1] == "FAIL", out + err
+    assert rows["none thd"][3] == "inf", out  # the log-prob error: NaN, not a number
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
