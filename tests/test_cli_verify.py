@@ -154,6 +154,14 @@ PLANTS = {
           "local, entropy)"),),
         ("--cp-size", "1", "--mode", "none", "--format", "thd"),
     ),
+    # redistribute cuts the allgather pieces at the least local length, not the tensor's
+    "redistribute reads the least length": Plant(
+        (("_redistribute.py", "from ._plan import resolve_length, response_base, select, selection",
+          "from ._plan import needed_length, resolve_length, response_base, select, selection"),
+         ("_redistribute.py", 'select(layout, resolve_length(layout, what="the layout"), "response")',
+          'select(layout, needed_length(layout), "response")')),
+        ("--cp-size", "2", "--mode", "allgather"),
+    ),
 }
 """Every planted run shares ``--tp-size 1 --samples 4``."""
 
@@ -242,6 +250,17 @@ def test_a_library_that_returns_nan_fails(planted: dict[str, tuple[int, str, str
     rows = _rows(out)
     assert list(rows) == ["none thd"] and rows["none thd"][-1] == "FAIL", out + err
     assert rows["none thd"][3] == "inf", out  # the log-prob error: NaN, not a number
+
+
+def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
+    planted: dict[str, tuple[int, str, str]],
+) -> None:
+    # every rank's local tensor has one padding row more than the layout needs: without
+    # it the least length and the tensor's are the same, and this bug passes
+    code, out, err = planted["redistribute reads the least length"]
+    assert code == 1, out + err
+    assert [(name, r[-1][:4]) for name, r in _rows(out).items()] == [("allgather thd", "FAIL")]
+    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
