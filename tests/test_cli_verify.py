@@ -86,21 +86,25 @@ def test_unknown_options_are_one_line_and_exit_2(
 
 
 def test_which_layouts_each_mode_checks() -> None:
+    padded = (Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
     assert select_cases(2, "all", None) == (
         Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 8))
+        Case("allgather", "thd", 8), *padded, Case("none", "bshd"))
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 4))
+        Case("allgather", "thd", 4), Case("none", "thd", padded=True),
+        Case("allgather", "thd", padded=True))
     assert select_cases(2, "all", "thd", 12) == (
         Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
-        Case("allgather", "thd", 12))
+        Case("allgather", "thd", 12), *padded)
     assert select_cases(2, "allgather", None, 3) == (
         Case("allgather", "thd"), Case("allgather", "thd", 3))
     assert Case("allgather", "thd", 8).name == "allgather thd align 8"
-    assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"),)
+    assert padded[0].name == "zigzag thd padded"
+    assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"), Case("none", "bshd"))
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
+    assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
 
 
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,27 +113,29 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert code == 0, out + err
     lines = out.splitlines()
     assert lines[0].startswith("cpslice verify: 2 gloo processes (cp 2 x tp 1)")
+    assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
+    assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
         "entropy", "err", "grad", "err", "result",
     ]
-    rows = [line.split() for line in lines[head + 1 : head + 5]]
-    # the fourth layout: allgather with every sample padded to a multiple of 4 * cp
-    rows[3] = rows[3][:2] + rows[3][4:]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"], ["zigzag", "bshd"], ["allgather", "thd"],
-                                     ["allgather", "thd"]]
-    assert lines[head + 4].startswith("allgather thd align 8 ")
-    for r in rows:
-        assert r[2:5] == ["2", "x", "1"] and r[-1] == "pass", r
-        assert int(r[6]) >= 1  # the sparse batch left a CP rank without a response
-        assert all(float(e) <= TOLERANCE for e in r[7:10]), r
+    rows = _rows(out)
+    names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
+             "zigzag thd padded", "allgather thd padded", "none bshd"]
+    assert list(rows) == names, out
+    for name, r in rows.items():
+        assert r[0] == "2 x 1" and r[-1] == "pass", (name, r)
+        if name == "none bshd":  # no CP: every rank holds every response; no sparse batch
+            assert r[1:3] == ["4", "0"], (name, r)
+        else:  # the sparse batch left a CP rank without a response
+            assert int(r[2]) >= 1, (name, r)
+        assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "4 layouts: all pass"
+    assert lines[-1] == "7 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
-    assert [line.split()[:3] for line in err.splitlines() if "pass" in line] == [
-        ["zigzag", "thd", "pass"], ["zigzag", "bshd", "pass"], ["allgather", "thd", "pass"],
-        ["allgather", "thd", "align"]]
+    assert [line.split(" pass ")[0].strip() for line in err.splitlines()
+            if " pass " in line] == names
 
 
 class Plant(NamedTuple):

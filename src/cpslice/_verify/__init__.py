@@ -26,6 +26,14 @@ needs, whose gradient must be zero. Each batch then runs once more with every re
 token restricted to a random set of kept ids (``Support.from_responses``, entropy over
 the set), its errors folded into the same line.
 
+The default set (``cases.select_cases``, ``--mode all``) holds, besides each mode's
+formats and an allgather layout with ``align``, layouts of samples given their own
+padded widths through ``Layout.from_cu_seqlens`` (random ``W_i >= L_i``, some several
+chunks longer than needed, the last stretched) and, under context parallelism, the
+layout without CP on every CP rank (each holds the whole batch; bshd rows of odd
+length, which no rule rounds). A rank that raises fails the layout it was in, with
+its error in the table, and stops the run.
+
 The modules, each importing only those above it:
 
 - ``cases``: which layouts (``Case``, ``select_cases``), sizes, ``Config``;

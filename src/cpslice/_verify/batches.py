@@ -2,16 +2,16 @@
 
 Every process builds the same batches from the seed: ``edge_lengths`` (random samples,
 the edge cases first) and, under context parallelism, ``sparse_lengths`` (a few short
-samples that leave some CP ranks without any response). A ``Batch`` holds each
+samples that leave some CP ranks without any response); a padded case gives each
+sample its own width (``padded_widths``). A ``Batch`` holds each
 sample's whole logits and loss weights and the float64 ``torch.log_softmax``
 reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
 and the same under per-token top-p / top-k sets (``response_sets``).
 """
 
-import dataclasses
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -32,7 +32,8 @@ class Batch:
     ``logits[i]`` is ``[L_i, V]`` float32 over the whole vocabulary; ``w_lp``, ``w_ent``
     are ``[R_i]`` float32 loss weights; ``ref_lp``, ``ref_ent`` are ``[R_i]`` and
     ``ref_grad`` is ``[L_i, V]``, d(sum w_lp * lp + w_ent * ent) / d logits, in float64
-    (``reference`` without sets).
+    (``reference`` without sets). ``padded``: each sample's width ``W_i`` for a padded
+    case (``padded_widths``), else None.
     """
 
     total: tuple[int, ...]
@@ -44,6 +45,7 @@ class Batch:
     ref_lp: list[Tensor]
     ref_ent: list[Tensor]
     ref_grad: list[Tensor]
+    padded: tuple[int, ...] | None = None
 
 
 def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -97,22 +99,52 @@ def make_batch(total: Sequence[int], response: Sequence[int], vocab: int, seed: 
     batch = Batch(tuple(total), tuple(response), tokens, logits, w_lp, w_ent, [], [], [])
     unrestricted: list[list[list[int]]] = [[[] for _ in range(r)] for r in response]
     ref_lp, ref_ent, ref_grad = reference(batch, unrestricted)
-    return dataclasses.replace(batch, ref_lp=ref_lp, ref_ent=ref_ent, ref_grad=ref_grad)
+    return replace(batch, ref_lp=ref_lp, ref_ent=ref_ent, ref_grad=ref_grad)
+
+
+def padded_widths(total: Sequence[int], mode: CpMode, cp_size: int, seed: int) -> tuple[int, ...]:
+    """Random widths ``W_i >= L_i``: the least a sample needs (zigzag: a multiple of
+    ``2 * cp_size``; else ``L_i`` plus 0 to 2), then 0 to 3 chunks of ``2 * cp_size``
+    more, the last sample stretched by 1 to 8 chunks (so that some ranks hold samples
+    that are padding only)."""
+    rng = random.Random(seed)
+    chunk = 2 * cp_size
+    widths = [
+        (-(-t // chunk) * chunk if mode == "zigzag" else t + rng.randint(0, 2))
+        + chunk * rng.randint(0, 3)
+        for t in total
+    ]
+    if widths:
+        widths[-1] += chunk * rng.randint(1, 8)
+    return tuple(widths)
+
+
+def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
+    """The batches' (total, response) lengths: the random one, and under CP the sparse
+    one (not for none, where every rank holds every response)."""
+    lengths = [edge_lengths(config.samples, config.cp_size, config.seed)]
+    if config.cp_size > 1 and case.mode != "none":
+        lengths.append(sparse_lengths(case.mode, config.cp_size))
+    return lengths
 
 
 def batches_for(case: Case, config: Config) -> list[Batch]:
-    """The random batch (the same for every layout) and the case's sparse batch."""
+    """The random batch (the same for every layout) and the case's sparse batch, each
+    with the case's padded widths."""
     vocab = VOCAB_PER_RANK * config.tp_size
-    lengths = [edge_lengths(config.samples, config.cp_size, config.seed)]
-    if config.cp_size > 1:
-        lengths.append(sparse_lengths(case.mode, config.cp_size))
-    return [make_batch(t, r, vocab, config.seed + k) for k, (t, r) in enumerate(lengths)]
+    out = []
+    for k, (t, r) in enumerate(_lengths(case, config)):
+        batch = make_batch(t, r, vocab, config.seed + k)
+        if case.padded:
+            batch = replace(batch, padded=padded_widths(t, case.mode, config.cp_size,
+                                                        config.seed + 202 + k))
+        out.append(batch)
+    return out
 
 
 def batch_samples(case: Case, config: Config) -> int:
     """How many samples ``batches_for`` checks for this case."""
-    extra = len(sparse_lengths(case.mode, config.cp_size)[0]) if config.cp_size > 1 else 0
-    return config.samples + extra
+    return sum(len(t) for t, _ in _lengths(case, config))
 
 
 MAX_SET = 4

@@ -29,15 +29,22 @@ class VerifyArgumentError(ValueError):
 
 class Case(NamedTuple):
     """One layout to check: its CP mode, its qkv format, and (thd) the ``align`` its
-    samples are padded to, or None for the default packing."""
+    samples are padded to, or None for the default packing; ``padded``: thd samples
+    given their own random widths ``W_i >= L_i`` through ``Layout.from_cu_seqlens``.
+
+    Mode ``"none"`` in a run with ``cp_size > 1`` is the layout without context
+    parallelism on every CP rank: each holds the whole batch (TP as in every case).
+    """
 
     mode: CpMode
     fmt: QkvFormat
     align: int | None = None
+    padded: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.mode} {self.fmt}" + (f" align {self.align}" if self.align else "")
+        extra = f" align {self.align}" if self.align else (" padded" if self.padded else "")
+        return f"{self.mode} {self.fmt}{extra}"
 
 
 def select_cases(
@@ -53,7 +60,10 @@ def select_cases(
     ``align``, every thd layout is checked a second time with its samples padded to
     a multiple of ``align``; without it, ``"all"`` with thd adds one such layout:
     allgather, ``align = 4 * cp_size`` (verl's ``tp * cp * 2`` at tp 2), whose padding
-    crosses pieces and is redistributed to zigzag.
+    crosses pieces and is redistributed to zigzag. ``"all"`` also checks (thd) the
+    first mode and allgather with explicit padded widths (``Case.padded``) and, when
+    ``cp_size > 1``, none bshd on every CP rank (its rows of odd length: no CP, no
+    rounding of the row).
 
     Raises:
         VerifyArgumentError: ``none`` with ``cp_size > 1``, ``zigzag`` with
@@ -93,7 +103,7 @@ def select_cases(
     if align is None:
         if mode == "all" and fmt in (None, "thd"):
             cases.append(Case("allgather", "thd", 4 * cp_size))
-        return tuple(cases)
+        return tuple(cases) + _also_in_all(cp_size, mode, fmt)
     if fmt == "bshd":
         raise VerifyArgumentError(
             f"--align {align} pads packed thd samples, but --format is bshd, whose rows are "
@@ -107,7 +117,22 @@ def select_cases(
             "each padded sample into 2 * cp equal chunks); pass a multiple, e.g. "
             f"{4 * cp_size} (verl: tp * cp * 2)"
         )
-    return tuple(cases) + tuple(Case(c.mode, c.fmt, align) for c in cases if c.fmt == "thd")
+    aligned = tuple(Case(c.mode, c.fmt, align) for c in cases if c.fmt == "thd")
+    return tuple(cases) + aligned + _also_in_all(cp_size, mode, fmt)
+
+
+def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
+    """What ``--mode all`` checks beyond each mode's formats: padded widths, and none
+    bshd inside a CP world (``select_cases``)."""
+    if mode != "all":
+        return ()
+    first: CpMode = "zigzag" if cp_size > 1 else "none"
+    extra = []
+    if fmt in (None, "thd"):
+        extra += [Case(first, "thd", padded=True), Case("allgather", "thd", padded=True)]
+    if fmt in (None, "bshd") and cp_size > 1:
+        extra.append(Case("none", "bshd"))
+    return tuple(extra)
 
 
 def check_sizes(cp_size: int, tp_size: int) -> None:

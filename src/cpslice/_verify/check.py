@@ -1,8 +1,11 @@
 """One rank's check of one batch in one layout, against the float64 reference.
 
-``set_up`` builds what both checks share: the rank's layout with a local length of
-one padding row more than the layout needs (whose gradient must be zero), the
-oracle's ``RankView`` of it, and the rank's packed rows of its TP vocabulary shard.
+``set_up`` builds what both checks share: the rank's layout (from parallel_state; a
+padded case through ``Layout.from_cu_seqlens``; none in a CP world without CP, the
+whole batch on every CP rank) with a local length of one padding row more than the
+layout needs (whose gradient must be zero: a function that reads the least length
+instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
+rank's packed rows of its TP vocabulary shard.
 ``check_batch`` then runs the path of a training step through the public API:
 
     pack -> response_log_probs(with_entropy=True, tp_group=<megatron's TP group>)
@@ -16,6 +19,7 @@ rank's own layout. Expected shares, loss weights and gradient rows are read from
 NaN, inf or a share of the wrong shape count as an infinite error.
 """
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -80,27 +84,55 @@ class RankSetup(NamedTuple):
     logits: Tensor  # [local_length, VOCAB_PER_RANK] leaf: the rank's packed shard
 
 
-def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
-    """The rank's layout (from megatron-core's parallel_state), its oracle view and its
-    packed logits.
+def row_length(case: Case, batch: Batch) -> int | None:
+    """The bshd row length ``S`` (None for thd): one more than the longest sample,
+    made odd without CP (where no rule rounds a row up, so an odd ``S`` shows a
+    rounding that should not be there)."""
+    if case.fmt != "bshd":
+        return None
+    seq = max(batch.total) + 1
+    return seq + 1 if case.mode == "none" and seq % 2 == 0 else seq
+
+
+def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
+    """The rank's layout: from megatron-core's parallel_state; for a padded case from
+    ``Layout.from_cu_seqlens`` with the rank and size it gives; for none in a CP world
+    a layout without CP (the whole batch on this rank).
 
     Raises:
         RuntimeError: parallel_state gives another CP mode than the case's.
     """
-    seq = max(batch.total) + 1 if case.fmt == "bshd" else None
-    layout = Layout.from_parallel_state(
+    state = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
         allgather_cp=case.mode == "allgather", align=case.align,
     )
-    if layout.cp_mode != case.mode:
-        raise RuntimeError(f"parallel_state gave cp_mode {layout.cp_mode!r}, not {case.mode!r}")
+    if case.mode == "none" and state.cp_size > 1:
+        return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq)
+    if state.cp_mode != case.mode:
+        raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
+    if batch.padded is None:
+        return state
+    bounds = [0, *itertools.accumulate(batch.padded)]
+    return Layout.from_cu_seqlens(bounds, batch.total, batch.response, cp_mode=case.mode,
+                                  cp_rank=state.cp_rank, cp_size=state.cp_size)
+
+
+def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
+    """The rank's layout with one padding row more than it needs, its oracle view and
+    its packed logits.
+
+    Raises:
+        RuntimeError: parallel_state gives another CP mode than the case's.
+    """
+    seq = row_length(case, batch)
+    layout = _layout(case, batch, seq)
     # one padding row more than the rules need (from the oracle, not from _plan)
     length = oracle.least_length(
-        batch.total, case.mode, case.fmt, seq, layout.cp_size, case.align
+        batch.total, case.mode, case.fmt, seq, layout.cp_size, case.align, batch.padded
     ) + 1
     layout = layout.with_local_length(length)
     view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
-                           layout.cp_rank, layout.cp_size, length, case.align)
+                           layout.cp_rank, layout.cp_size, length, case.align, batch.padded)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
     return RankSetup(layout, view, shard, logits)

@@ -56,6 +56,13 @@ def header(config: Config) -> str:
         " + a few short ones that leave some CP ranks without a response"
         if config.cp_size > 1 else ""
     )
+    kinds = ""
+    if any(c.padded for c in config.cases):
+        kinds += ("  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens), "
+                  "some several chunks longer than needed, the last one stretched;\n")
+    if any(c.mode == "none" and c.fmt == "bshd" for c in config.cases):
+        where = ", without CP on every CP rank (each holds the whole batch)"
+        kinds += f"  none bshd: rows of odd length{where if config.cp_size > 1 else ''};\n"
     return (
         f"cpslice verify: {plural(config.world, 'gloo process', 'gloo processes')} "
         f"(cp {config.cp_size} x "
@@ -64,6 +71,7 @@ def header(config: Config) -> str:
         f"{TEMPERATURE}, seed {config.seed}\n"
         f"  each layout: {config.samples} random samples (single tokens, empty responses, "
         f"shorter than 2*cp, responses across chunk and rank boundaries){sparse};\n"
+        f"{kinds}"
         "  log-probs, entropy and the logits' gradient of a weighted loss against "
         "float64 torch.log_softmax"
         + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
