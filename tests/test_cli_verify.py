@@ -1,10 +1,12 @@
-"""``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), a real
-small verify run (exit 0 and its table), the verifier catching a bug planted in the
-layout arithmetic and a rank that raises (exit 1), the start-up timeout apart from a
-hang, Ctrl-C, a missing megatron-core, and bench's discovery of benchmarks/, its
-adapters, its source-checkout check and its target marks. ``bench`` itself is not run
-here (it takes minutes). Faults are injected from tests/_verify_ranks.py: the library
-carries none."""
+"""``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), which
+layouts each mode checks, a real small verify run (exit 0 and its table), the error
+measure's NaN, the verifier catching bugs planted in copies of the package (``PLANTS``:
+layout arithmetic, NaN log-probs, a length read from the layout instead of the tensor,
+padded widths, no-CP bshd rows; exit 1), a rank that raises (its layout FAIL, the rest
+not run), the start-up timeout apart from a hang, Ctrl-C, a missing megatron-core, and
+bench's discovery of benchmarks/, its adapters, its source-checkout check and its
+target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
+from tests/_verify_ranks.py: the library carries none."""
 
 import importlib.util
 import math
@@ -24,8 +26,9 @@ import torch
 
 import cpslice
 from cpslice._cli import bench, main
+from cpslice._verify.batches import make_batch
 from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
-from cpslice._verify.check import Errors, max_error
+from cpslice._verify.check import Errors, max_error, row_length
 from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult
 from cpslice._verify.runner import host_store, verify_main
@@ -168,8 +171,24 @@ PLANTS = {
           'select(layout, needed_length(layout), "response")')),
         ("--cp-size", "2", "--mode", "allgather"),
     ),
+    # every sample one position wider than its cu_seqlens_padded say
+    "from_cu_seqlens widths off by one": Plant(
+        (("_layout.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
+          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
+        ("--cp-size", "2", "--format", "thd"),
+    ),
+    # bshd rows without CP rounded up to an even width (only zigzag rounds them)
+    "no-CP bshd rows rounded to even": Plant(
+        (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
+          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),),
+        ("--cp-size", "2", "--format", "bshd"),
+    ),
 }
 """Every planted run shares ``--tp-size 1 --samples 4``."""
+
+# The first test that asks for ``planted`` waits for every planted run: minutes on a
+# loaded 2-core machine (they spawn 9 ranks, each importing torch and megatron-core).
+PLANTED_TIMEOUT = pytest.mark.timeout(480)
 
 
 def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
@@ -196,12 +215,12 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, st
         env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
         out, err = (open(folder / f, "w+") for f in ("out", "err"))
         cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
-               "--samples", "4", "--startup-timeout", "200"]
+               "--samples", "4", "--startup-timeout", "400"]
         runs[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
     done = {}
     try:
         for name, (proc, out, err) in runs.items():
-            code = proc.wait(timeout=220)
+            code = proc.wait(timeout=450)
             out.seek(0)
             err.seek(0)
             done[name] = (code, out.read(), err.read())
@@ -229,10 +248,16 @@ def _rows(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
+def _verdicts(stdout: str) -> dict[str, str]:
+    """Layout name -> pass, FAIL or not run (a FAIL's reason left out)."""
+    return {name: r[-1].split("  ")[0] for name, r in _rows(stdout).items()}
+
+
+@PLANTED_TIMEOUT
 def test_a_planted_layout_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
     code, out, err = planted["zigzag chunk"]
     assert code == 1, out + err
-    assert {name: r[-1] for name, r in _rows(out).items()} == {"zigzag thd": "FAIL"}, out + err
+    assert _verdicts(out) == {"zigzag thd": "FAIL"}, out + err
     assert out.splitlines()[-1] == "1 of 1 layout FAIL"
 
 
@@ -250,6 +275,7 @@ def test_the_error_measure_turns_nan_into_a_failure() -> None:
     assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
 
 
+@PLANTED_TIMEOUT
 def test_a_library_that_returns_nan_fails(planted: dict[str, tuple[int, str, str]]) -> None:
     code, out, err = planted["nan log-probs"]
     assert code == 1, out + err
@@ -258,6 +284,7 @@ def test_a_library_that_returns_nan_fails(planted: dict[str, tuple[int, str, str
     assert rows["none thd"][3] == "inf", out  # the log-prob error: NaN, not a number
 
 
+@PLANTED_TIMEOUT
 def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
     planted: dict[str, tuple[int, str, str]],
 ) -> None:
@@ -265,8 +292,36 @@ def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
     # it the least length and the tensor's are the same, and this bug passes
     code, out, err = planted["redistribute reads the least length"]
     assert code == 1, out + err
-    assert [(name, r[-1][:4]) for name, r in _rows(out).items()] == [("allgather thd", "FAIL")]
+    assert _verdicts(out) == {"allgather thd": "FAIL"}, out + err
     assert out.splitlines()[-1] == "1 of 1 layout FAIL"
+
+
+@PLANTED_TIMEOUT
+def test_a_planted_padded_width_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    # the default set's padded layouts go through Layout.from_cu_seqlens; the first one
+    # fails (the run stops there: a rank raised), the layouts without padding pass
+    code, out, err = planted["from_cu_seqlens widths off by one"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {
+        "zigzag thd": "pass", "allgather thd": "pass", "allgather thd align 8": "pass",
+        "zigzag thd padded": "FAIL", "allgather thd padded": "not run"}, out + err
+    assert "LayoutError" in _rows(out)["zigzag thd padded"][-1]
+
+
+@PLANTED_TIMEOUT
+def test_a_planted_bshd_row_bug_without_cp_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    # in a CP world the default set still runs none bshd, its rows of odd length
+    code, out, err = planted["no-CP bshd rows rounded to even"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {"zigzag bshd": "pass", "none bshd": "FAIL"}, out + err
+
+
+def test_bshd_rows_without_cp_are_odd() -> None:
+    # an even row would hide a rounding of no-CP rows to even (the planted bug above)
+    even, odd = make_batch([3, 7], [1, 2], 8, 0), make_batch([3, 6], [1, 2], 8, 0)
+    assert [row_length(Case("none", "bshd"), b) for b in (even, odd)] == [9, 7]
+    assert [row_length(Case("zigzag", "bshd"), b) for b in (even, odd)] == [8, 7]
+    assert row_length(Case("none", "thd"), even) is None
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
