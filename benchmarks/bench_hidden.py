@@ -1,5 +1,7 @@
-"""Log-probs + entropy from the hidden states and the LM-head weight, forward and backward:
-cpslice's ``linear_log_probs_and_entropy`` against materializing the logits.
+"""Log-probs + entropy from the hidden states: cpslice against materializing the logits.
+
+Forward and backward from the hidden states and the LM-head weight: cpslice's
+``linear_log_probs_and_entropy`` against building the ``[T, V]`` logits.
 
 Methods, all computing log p of the targets and the entropy of ``softmax(hidden @
 weight.T / temperature)`` and back-propagating a random upstream gradient on both into

@@ -48,6 +48,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import host_store  # noqa: E402
+
 METHODS = ("cpslice", "compiled", "megatron", "naive", "saved")
 DTYPES = ("float32", "bfloat16")
 TEMPERATURE = 0.9
@@ -148,8 +152,6 @@ def _megatron_step() -> tuple[Prepare, Step]:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from cpslice._verify import host_store
 
     dist.init_process_group("gloo", store=host_store(), rank=0, world_size=1)
     ps.initialize_model_parallel(tensor_model_parallel_size=1)

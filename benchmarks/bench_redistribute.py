@@ -13,32 +13,15 @@ Run: ``.venv/bin/python -m benchmarks.bench_redistribute [--quick]``.
 import argparse
 import os
 import random
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from cpslice._verify import host_store, join_store
+from benchmarks.harness import join_store, median_ms, spawn_ranks
 
 CP = 4
-
-
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    """Median wall ms of ``fn`` on every rank of the default group, after one warm-up
-    call, each run started together (a barrier before it)."""
-    fn()
-    dist.barrier()
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> None:
@@ -121,26 +104,11 @@ class _AllReduce(torch.autograd.Function):
 _all_reduce = cast(Callable[[torch.Tensor], torch.Tensor], _AllReduce.apply)
 
 
-def spawn_ranks(worker: Callable[..., None], args: tuple[Any, ...], timeout: float) -> Any:
-    """Run ``worker(rank, port, *args, queue)`` on ``CP`` spawned processes that join a
-    gloo group through the store held here; return what rank 0 puts on the queue."""
-    store = host_store()  # held (and its port with it) until the ranks are done
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, store.port, *args, q)) for r in range(CP)]
-    for p in procs:
-        p.start()
-    result = q.get(timeout=timeout)
-    for p in procs:
-        p.join(timeout=60)
-    return result
-
-
 def run(quick: bool = False) -> list[tuple[str, int, int, float, float]]:
     """Spawn CP ranks and measure; rows of (case, our bytes, all_reduce bytes, ms, ms)."""
     n, mean, repeat = (256, 256, 5) if quick else (2048, 512, 7)
     rows: list[tuple[str, int, int, float, float]] = spawn_ranks(
-        _worker, (n, mean, repeat), timeout=600
+        _worker, CP, (n, mean, repeat), timeout=600
     )
     return rows
 

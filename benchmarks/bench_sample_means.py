@@ -1,11 +1,10 @@
-"""GSPO's sequence-level ratio under zigzag CP at cp 4 on gloo (spawned processes):
-``sample_means`` against gathering whole responses.
+"""GSPO's sequence-level ratio: sample_means against gathering whole responses, cp 4.
 
-Each rank holds its zigzag shares of every sample's log-probs (extracted from a
-``[T]`` leaf, so gradients flow) and of the rollout's old log-probs. Every method
-computes, on every rank, ``ratio_i = exp(mean of log_prob - old_log_prob over the
-whole masked response)`` and the same loss part ``sum_i ratio_i * (this rank's
-advantages of sample i, summed)``, then runs backward:
+Zigzag CP at cp 4 on gloo (spawned processes). Each rank holds its zigzag shares of
+every sample's log-probs (extracted from a ``[T]`` leaf, so gradients flow) and of the
+rollout's old log-probs. Every method computes, on every rank, ``ratio_i = exp(mean of
+log_prob - old_log_prob over the whole masked response)`` and the same loss part
+``sum_i ratio_i * (this rank's advantages of sample i, summed)``, then runs backward:
 
 - ``sample_means``: one ``all_reduce`` of ``[n]`` float32 forward, one backward;
 - per-sample all-gather (slime's way, written here as the baseline): for every
@@ -34,8 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks.bench_redistribute import median_ms, spawn_ranks
-from cpslice._verify import join_store
+from benchmarks.harness import join_store, median_ms, spawn_ranks
 
 CP = 4
 Row = tuple[str, int, int, float]  # method, collectives per step, bytes sent, ms
@@ -162,7 +160,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 def run(quick: bool = False) -> tuple[int, int, list[Row]]:
     """Spawn CP ranks and measure: (samples, response tokens, rows of rank 0)."""
     n, mean, repeat = (64, 256, 5) if quick else (512, 1024, 5)
-    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, (n, mean, repeat), timeout=1200)
+    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, CP, (n, mean, repeat), timeout=1200)
     return result
 
 

@@ -1,26 +1,28 @@
 """Replacement rank entries for testing ``cpslice verify`` itself (``run(rank_main=...)``).
 
 Module-level, so that spawned ranks can import them. Each wraps or replaces
-``cpslice._verify._rank_main``; the library itself carries no fault injection.
+``cpslice._verify.rank.rank_main``; the library itself carries no fault injection.
 """
 
 import time
 
-from cpslice import _verify
-from cpslice._verify import Config, Outbox, Report
+from cpslice._verify import check
+from cpslice._verify.cases import Case, Config
+from cpslice._verify.rank import Outbox, Report, rank_main
 
 
-def rank_1_raises(rank: int, port: int, config: Config, out: Outbox) -> None:
-    """Rank 1 raises in the first layout while the others go on into its collectives."""
-    real = _verify.check_batch
+def rank_1_raises_on_bshd(rank: int, port: int, config: Config, out: Outbox) -> None:
+    """Rank 1 raises in the first layout with bshd rows while the others go on into
+    its collectives."""
+    real = check.check_batch
 
-    def check_batch(*args: object, **kwargs: object) -> object:
-        if rank == 1:
+    def check_batch(case: Case, *args: object, **kwargs: object) -> object:
+        if rank == 1 and case.fmt == "bshd":
             raise RuntimeError("fault injected: rank 1 raises")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(case, *args, **kwargs)  # type: ignore[arg-type]
 
-    _verify.check_batch = check_batch  # type: ignore[assignment]
-    _verify._rank_main(rank, port, config, out)
+    check.check_batch = check_batch  # type: ignore[assignment]
+    rank_main(rank, port, config, out)
 
 
 def ready_then_stall(rank: int, port: int, config: Config, out: Outbox) -> None:
@@ -28,7 +30,7 @@ def ready_then_stall(rank: int, port: int, config: Config, out: Outbox) -> None:
     No gloo and no megatron-core: this checks the parent's clock only."""
     out.put(Report(rank, rank, -1, None, (), None))
     if rank == 0:
-        out.put(Report(rank, rank, 0, _verify.Errors(0.0, 0.0, 0.0), (False,), None))
+        out.put(Report(rank, rank, 0, check.Errors(0.0, 0.0, 0.0), (False,), None))
     time.sleep(600)
 
 

@@ -1,11 +1,15 @@
-"""``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), a real
-small verify run (exit 0 and its table), the verifier catching a bug planted in the
-layout arithmetic and a rank that raises (exit 1), the start-up timeout apart from a
-hang, Ctrl-C, a missing megatron-core, and bench's adapters, its source-checkout check
-and its target marks. ``bench`` itself is not run here (it takes most of a minute).
-Faults are injected from tests/_verify_ranks.py: the library carries none."""
+"""``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), which
+layouts each mode checks, a real small verify run (exit 0 and its table), the error
+measure's NaN, the verifier catching bugs planted in copies of the package (``PLANTS``:
+layout arithmetic, NaN log-probs, a length read from the layout instead of the tensor,
+padded widths, no-CP bshd rows; exit 1), a rank that raises (its layout FAIL, the rest
+not run), the start-up timeout apart from a hang, Ctrl-C, a missing megatron-core, and
+bench's discovery of benchmarks/, its adapters, its source-checkout check and its
+target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
+from tests/_verify_ranks.py: the library carries none."""
 
 import importlib.util
+import math
 import os
 import shutil
 import signal
@@ -15,12 +19,20 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
 
-from cpslice import _cli, _verify
-from cpslice._cli import main
-from cpslice._verify import Case, Config, host_store, join_store, select_cases, verify_main
+import cpslice
+from cpslice import _cli
+from cpslice._cli import bench, main
+from cpslice._verify.batches import make_batch
+from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
+from cpslice._verify.check import Errors, max_error, row_length
+from cpslice._verify.rank import join_store
+from cpslice._verify.report import CaseResult
+from cpslice._verify.runner import host_store, verify_main
 
 from . import _verify_ranks
 
@@ -78,21 +90,25 @@ def test_unknown_options_are_one_line_and_exit_2(
 
 
 def test_which_layouts_each_mode_checks() -> None:
+    padded = (Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
     assert select_cases(2, "all", None) == (
         Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 8))
+        Case("allgather", "thd", 8), *padded, Case("none", "bshd"))
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 4))
+        Case("allgather", "thd", 4), Case("none", "thd", padded=True),
+        Case("allgather", "thd", padded=True))
     assert select_cases(2, "all", "thd", 12) == (
         Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
-        Case("allgather", "thd", 12))
+        Case("allgather", "thd", 12), *padded)
     assert select_cases(2, "allgather", None, 3) == (
         Case("allgather", "thd"), Case("allgather", "thd", 3))
     assert Case("allgather", "thd", 8).name == "allgather thd align 8"
-    assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"),)
+    assert padded[0].name == "zigzag thd padded"
+    assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"), Case("none", "bshd"))
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
+    assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
 
 
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,67 +117,232 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert code == 0, out + err
     lines = out.splitlines()
     assert lines[0].startswith("cpslice verify: 2 gloo processes (cp 2 x tp 1)")
+    assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
+    assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
         "entropy", "err", "grad", "err", "result",
     ]
-    rows = [line.split() for line in lines[head + 1 : head + 5]]
-    # the fourth layout: allgather with every sample padded to a multiple of 4 * cp
-    rows[3] = rows[3][:2] + rows[3][4:]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"], ["zigzag", "bshd"], ["allgather", "thd"],
-                                     ["allgather", "thd"]]
-    assert lines[head + 4].startswith("allgather thd align 8 ")
-    for r in rows:
-        assert r[2:5] == ["2", "x", "1"] and r[-1] == "pass", r
-        assert int(r[6]) >= 1  # the sparse batch left a CP rank without a response
-        assert all(float(e) <= _verify.TOLERANCE for e in r[7:10]), r
+    rows = _rows(out)
+    names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
+             "zigzag thd padded", "allgather thd padded", "none bshd"]
+    assert list(rows) == names, out
+    for name, r in rows.items():
+        assert r[0] == "2 x 1" and r[-1] == "pass", (name, r)
+        if name == "none bshd":  # no CP: every rank holds every response; no sparse batch
+            assert r[1:3] == ["4", "0"], (name, r)
+        else:  # the sparse batch left a CP rank without a response
+            assert int(r[2]) >= 1, (name, r)
+        assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "4 layouts: all pass"
+    assert lines[-1] == "7 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
-    assert [line.split()[:3] for line in err.splitlines() if "pass" in line] == [
-        ["zigzag", "thd", "pass"], ["zigzag", "bshd", "pass"], ["allgather", "thd", "pass"],
-        ["allgather", "thd", "align"]]
+    assert [line.split(" pass ")[0].strip() for line in err.splitlines()
+            if " pass " in line] == names
 
 
-def _patched_copy(tmp_path: Path, old: str, new: str) -> Path:
-    """A copy of the cpslice package with one line of ``_plan.py`` changed (a planted
-    bug); returns the folder to put on PYTHONPATH."""
-    src = tmp_path / "src"
-    shutil.copytree(Path(_verify.__file__).parent, src / "cpslice",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    plan = src / "cpslice" / "_plan.py"
-    text = plan.read_text()
-    assert text.count(old) == 1, f"the line to plant the bug in moved: {old!r}"
-    plan.write_text(text.replace(old, new))
-    return src
+class Plant(NamedTuple):
+    """A bug planted in a copy of the package, and the verify run that must catch it."""
+
+    edits: tuple[tuple[str, str, str], ...]  # (file under cpslice/, line, planted line)
+    argv: tuple[str, ...]  # cpslice verify's arguments: the fewest layouts that show it
 
 
-def test_a_planted_layout_bug_fails(tmp_path: Path) -> None:
+PLANTS = {
     # zigzag rank r holds chunks r and 2c-1-r; plant 2c-2-r. pack, extraction and
     # shard_responses all read the same wrong plan, so only expected values computed
     # independently of _plan (the verifier's oracle) can catch it.
-    src = _patched_copy(tmp_path, "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk")
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    done = subprocess.run(
-        [sys.executable, "-m", "cpslice", "verify", "--cp-size", "2", "--tp-size", "1",
-         "--mode", "zigzag", "--format", "thd", "--samples", "4"],
-        env=env, capture_output=True, text=True, timeout=200, check=False,
-    )
-    assert done.returncode == 1, done.stdout + done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.endswith("  FAIL")]
-    assert [r[:2] for r in rows] == [["zigzag", "thd"]], done.stdout + done.stderr
-    assert done.stdout.splitlines()[-1] == "1 of 1 layout FAIL"
+    "zigzag chunk": Plant(
+        (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
+        ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
+    ),
+    # the log-probs below -2 (most of them here) are NaN; their gradient is zeroed
+    "nan log-probs": Plant(
+        (("_response.py", "    return extract_responses(log_probs, local, entropy)",
+          "    return extract_responses(log_probs.masked_fill(log_probs < -2, float('nan')), "
+          "local, entropy)"),),
+        ("--cp-size", "1", "--mode", "none", "--format", "thd"),
+    ),
+    # redistribute cuts the allgather pieces at the least local length, not the tensor's
+    "redistribute reads the least length": Plant(
+        (("_redistribute.py", "from ._plan import resolve_length, response_base, select, selection",
+          "from ._plan import needed_length, resolve_length, response_base, select, selection"),
+         ("_redistribute.py", 'select(layout, resolve_length(layout, what="the layout"), "response")',
+          'select(layout, needed_length(layout), "response")')),
+        ("--cp-size", "2", "--mode", "allgather"),
+    ),
+    # every sample one position wider than its cu_seqlens_padded say
+    "from_cu_seqlens widths off by one": Plant(
+        (("_layout.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
+          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
+        ("--cp-size", "2", "--format", "thd"),
+    ),
+    # bshd rows without CP rounded up to an even width (only zigzag rounds them)
+    "no-CP bshd rows rounded to even": Plant(
+        (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
+          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),),
+        ("--cp-size", "2", "--format", "bshd"),
+    ),
+}
+"""Every planted run shares ``--tp-size 1 --samples 4``."""
+
+# The first test that asks for ``planted`` waits for every planted run: minutes on a
+# loaded 2-core machine (they spawn 9 ranks, each importing torch and megatron-core).
+PLANTED_TIMEOUT = pytest.mark.timeout(480)
+
+
+def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
+    """A copy of the cpslice package with lines changed (planted bugs); returns the
+    folder to put on PYTHONPATH."""
+    src = folder / "src"
+    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name, old, new in edits:
+        path = src / "cpslice" / name
+        text = path.read_text()
+        assert text.count(old) == 1, f"the line to plant the bug in moved: {name}: {old!r}"
+        path.write_text(text.replace(old, new))
+    return src
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
+    """Each PLANTS run, ``(exit status, stdout, stderr)``: all started at once, so that
+    their ranks' start-ups (most of a run) overlap."""
+    runs = {}
+    for name, plant in PLANTS.items():
+        folder = tmp_path_factory.mktemp("planted")
+        env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
+        out, err = (open(folder / f, "w+") for f in ("out", "err"))
+        cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
+               "--samples", "4", "--startup-timeout", "400"]
+        runs[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
+    done = {}
+    try:
+        for name, (proc, out, err) in runs.items():
+            code = proc.wait(timeout=450)
+            out.seek(0)
+            err.seek(0)
+            done[name] = (code, out.read(), err.read())
+    finally:
+        for proc, out, err in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    return done
+
+
+def _rows(stdout: str) -> dict[str, list[str]]:
+    """The result table: layout name -> its columns (ranks, samples, empty ranks, the
+    three errors, result)."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    rows = {}
+    for line in lines[head + 1 :]:
+        if line.startswith("errors: "):
+            break
+        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=8)
+        rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
+    return rows
+
+
+def _verdicts(stdout: str) -> dict[str, str]:
+    """Layout name -> pass, FAIL or not run (a FAIL's reason left out)."""
+    return {name: r[-1].split("  ")[0] for name, r in _rows(stdout).items()}
+
+
+@PLANTED_TIMEOUT
+def test_a_planted_layout_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    code, out, err = planted["zigzag chunk"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {"zigzag thd": "FAIL"}, out + err
+    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
+
+
+def test_the_error_measure_turns_nan_into_a_failure() -> None:
+    nan, want = float("nan"), [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([])]
+    assert max_error(want, want) == 0.0
+    for bad in ([nan, -2.0, -3.0], [-1.0, -2.5, nan], [nan, nan, nan]):
+        got = [torch.tensor(bad), torch.tensor([])]
+        assert max_error(got, want) == math.inf, bad  # NaN first, after an error, all
+        assert max_error(want, got) == math.inf, bad
+    assert max_error([torch.tensor([-1.0, -2.0, math.inf])], want[:1]) == math.inf
+    # and the layout fails: inf is worse than every error, and above the tolerance
+    errors = Errors(1e-6, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0))
+    result = CaseResult(Case("none", "thd"), 1, 1, 4, 0, errors, TOLERANCE, 0.1)
+    assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
+
+
+@PLANTED_TIMEOUT
+def test_a_library_that_returns_nan_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    code, out, err = planted["nan log-probs"]
+    assert code == 1, out + err
+    rows = _rows(out)
+    assert list(rows) == ["none thd"] and rows["none thd"][-1] == "FAIL", out + err
+    assert rows["none thd"][3] == "inf", out  # the log-prob error: NaN, not a number
+
+
+@PLANTED_TIMEOUT
+def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
+    planted: dict[str, tuple[int, str, str]],
+) -> None:
+    # every rank's local tensor has one padding row more than the layout needs: without
+    # it the least length and the tensor's are the same, and this bug passes
+    code, out, err = planted["redistribute reads the least length"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {"allgather thd": "FAIL"}, out + err
+    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
+
+
+@PLANTED_TIMEOUT
+def test_a_planted_padded_width_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    # the default set's padded layouts go through Layout.from_cu_seqlens; the first one
+    # fails (the run stops there: a rank raised), the layouts without padding pass
+    code, out, err = planted["from_cu_seqlens widths off by one"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {
+        "zigzag thd": "pass", "allgather thd": "pass", "allgather thd align 8": "pass",
+        "zigzag thd padded": "FAIL", "allgather thd padded": "not run"}, out + err
+    assert "LayoutError" in _rows(out)["zigzag thd padded"][-1]
+
+
+@PLANTED_TIMEOUT
+def test_a_planted_bshd_row_bug_without_cp_fails(planted: dict[str, tuple[int, str, str]]) -> None:
+    # in a CP world the default set still runs none bshd, its rows of odd length
+    code, out, err = planted["no-CP bshd rows rounded to even"]
+    assert code == 1, out + err
+    assert _verdicts(out) == {"zigzag bshd": "pass", "none bshd": "FAIL"}, out + err
+
+
+def test_bshd_rows_without_cp_are_odd() -> None:
+    # an even row would hide a rounding of no-CP rows to even (the planted bug above)
+    even, odd = make_batch([3, 7], [1, 2], 8, 0), make_batch([3, 6], [1, 2], 8, 0)
+    assert [row_length(Case("none", "bshd"), b) for b in (even, odd)] == [9, 7]
+    assert [row_length(Case("zigzag", "bshd"), b) for b in (even, odd)] == [8, 7]
+    assert row_length(Case("none", "thd"), even) is None
 
 
 def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = Config(2, 1, (Case("allgather", "thd"),), samples=2, timeout=60.0)
-    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises) == 1
-    _, err = capsys.readouterr()
-    assert "cpslice verify: rank 1 raised in layout allgather thd:" in err
-    assert "RuntimeError: fault injected: rank 1 raises" in err
+    # rank 1 raises in the second layout: the first is reported, the second FAILs with
+    # the error's last line, the third is not run
+    cases = (Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"))
+    config = Config(2, 1, cases, samples=2, timeout=60.0)
+    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises_on_bshd) == 1
+    out, err = capsys.readouterr()
+    assert "cpslice verify: rank 1 raised in layout zigzag bshd:" in err
+    assert "Traceback" in err and "RuntimeError: fault injected: rank 1 raises" in err
+    rows = _rows(out)
+    assert list(rows) == ["zigzag thd", "zigzag bshd", "allgather thd"], out
+    assert rows["zigzag thd"][-1] == "pass"
+    assert rows["zigzag bshd"][2:] == [
+        "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
+    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "not run"]
+    assert out.splitlines()[-1] == "1 of 3 layouts FAIL, 1 not run"
 
 
 def test_a_slow_start_is_not_called_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,9 +360,13 @@ def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture
     config = Config(2, 1, cases, startup_timeout=120.0, timeout=2.0)
     start = time.monotonic()
     assert verify_main(config, rank_main=_verify_ranks.ready_then_stall) == 1
-    last = capsys.readouterr().err.splitlines()[-1]
+    out, err = capsys.readouterr()
+    last = err.splitlines()[-1]
     assert ("1 of 2 ranks made no progress on layout zigzag thd for --timeout 2 s (a hang"
             in last), last
+    verdicts = {name: r[-1] for name, r in _rows(out).items()}
+    assert verdicts == {"zigzag thd": "FAIL  hang: no progress for --timeout 2 s",
+                        "zigzag bshd": "not run"}, out
     assert time.monotonic() - start < 100
 
 
@@ -261,7 +446,7 @@ def test_the_store_holds_its_port() -> None:
 def test_verify_and_plan_do_not_import_megatron() -> None:
     code = textwrap.dedent("""
         import sys
-        import cpslice._cli, cpslice._verify
+        import cpslice._cli, cpslice._verify.runner
         cpslice._cli.main(["plan", "--total", "10", "--response", "4"])
         assert not [m for m in sys.modules if m.startswith("megatron")]
     """)
@@ -273,47 +458,81 @@ def test_verify_and_plan_do_not_import_megatron() -> None:
 def test_bench_needs_a_source_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(_cli, "_SOURCE_ROOT", tmp_path / "site-packages")
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")
     code, out, err = run(["bench", "--quick"], capsys)
     assert (code, out) == (1, "")  # not a usage error: nothing to run in this installation
     assert err.startswith("cpslice bench: error: bench needs a source checkout: no "
-                          "bench_extract.py in ") and err.count("\n") == 1
+                          "bench_*.py in ") and err.count("\n") == 1
 
 
 FAKE = {
-    "bench_extract": "def run(quick):\n    return [quick]\n"
+    "bench_extract": '"""Extraction: fake.\n\nMore."""\ndef run(quick):\n    return [quick]\n'
                      "def report(rows):\n    return f'extract rows {rows}'\n",
     # bench_logprob's report prints (through a ``say`` callback) and returns None
-    "bench_logprob": "def run(quick):\n    return [1, 2]\n"
+    "bench_logprob": '"""Log-probs: fake:\ncontinued."""\ndef run(quick):\n    return [1, 2]\n'
                      "def report(rows, say=print):\n    say('logprob'); say(f'rows {rows}')\n",
-    "bench_redistribute": "def run(quick):\n    raise RuntimeError('no gloo today')\n"
+    "bench_redistribute": '"""Redistribute."""\n'
+                          "def run(quick):\n    raise RuntimeError('no gloo today')\n"
                           "def report(rows):\n    return ''\n",
-    "bench_sample_means": "def run(quick):\n    return 7\n"
+    "bench_sample_means": "def run(quick=False, device='cpu'):\n    return 7\n"
                           "def report(rows):\n    return f'means {rows}'\n",
+    "bench_unreported": '"""No report."""\ndef run(quick):\n    return 1\n',
+    "bench_unquick": '"""No quick."""\ndef run():\n    return 1\n'
+                     "def report(rows):\n    return ''\n",
 }
 
 
-def test_bench_sections_and_a_failing_benchmark(
+def test_bench_runs_every_benchmark_of_the_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = tmp_path / "benchmarks"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
+    (folder / "harness.py").write_text("raise RuntimeError('not a benchmark')\n")
     for name, source in FAKE.items():
         (folder / f"{name}.py").write_text(source)
-    monkeypatch.setattr(_cli, "_SOURCE_ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ["benchmarks", *(f"benchmarks.{n}" for n in FAKE)]:
         monkeypatch.delitem(sys.modules, name, raising=False)
     code, out, err = run(["bench", "--quick"], capsys)
     assert code == 1
-    assert "== extraction: " in out and "extract rows [True]\n(" in out
-    assert "== log-probs + entropy: " in out and "logprob\nrows [1, 2]\n(" in out
-    assert "== redistribute " in out and "failed; its traceback is on stderr" in out
-    assert "== sample_means " in out and "means 7\n(" in out
-    assert out.splitlines()[-1] == "1 of 4 benchmarks failed"
+    assert out.splitlines()[0].startswith("cpslice bench --quick: 6 benchmarks from ")
+    titles = [line for line in out.splitlines() if line.startswith("== ")]
+    assert titles == [  # in name order, each titled by its docstring's first line
+        "== Extraction: fake (bench_extract) ==", "== Log-probs: fake (bench_logprob) ==",
+        "== Redistribute (bench_redistribute) ==", "== bench_sample_means (bench_sample_means) ==",
+        "== No quick (bench_unquick) ==", "== No report (bench_unreported) ==",
+    ]
+    assert "extract rows [True]\n(" in out and "logprob\nrows [1, 2]\n(" in out
+    assert "means 7\n(" in out
+    assert out.count("failed; its traceback is on stderr") == 3
+    assert out.splitlines()[-1] == "3 of 6 benchmarks failed"
     assert "cpslice bench: bench_redistribute failed:" in err
     assert "RuntimeError: no gloo today" in err
+    for name in ("bench_unquick", "bench_unreported"):
+        assert f"cpslice bench: {name} failed:" in err
+        assert f"benchmarks.{name} has no module-level run(quick) and report(rows)" in err
+
+
+def test_every_real_benchmark_has_run_and_report() -> None:
+    # in a fresh process: another test leaves fake benchmarks in sys.modules
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import importlib
+        from pathlib import Path
+        from cpslice._cli.bench import discover, entry_point
+        found = discover(Path("benchmarks"))
+        for b in found:
+            module = importlib.import_module(f"benchmarks.{b.name}")
+            entry_point(module, "run", True), entry_point(module, "report", None)
+        print(" ".join(b.name for b in found))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.stem for p in (root / "benchmarks").glob("bench_*.py"))
+    assert done.stdout.split() == files and "bench_hidden" in files and "bench_support" in files
 
 
 def test_bench_extract_marks_a_ratio_that_misses_its_target(
@@ -336,3 +555,22 @@ def test_bench_extract_marks_a_ratio_that_misses_its_target(
     assert "4.0x!" in lines[2] and "2.50x!" in lines[2]
     assert lines[-1] == "MISSED: 2 ratios (marked !) miss the target"
     assert report([good]).splitlines()[-1] == "every ratio meets its target"
+
+
+def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
+    run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
+    from cpslice._verify import cases, report, runner
+
+    seen: list[cases.Config] = []
+
+    def fake(config: cases.Config) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(runner, "verify_main", fake)
+    assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
+    assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
+    assert [c.compile for c in seen] == [True, False]
+    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in report.header(seen[0])
+    assert "torch.compile" not in report.header(seen[1])

@@ -125,14 +125,14 @@ def _python(code: str, blocked: tuple[str, ...], debug: str = "") -> subprocess.
 def test_without_the_extras_the_library_works_and_names_them() -> None:
     done = _python("""
         import torch, cpslice
-        from cpslice import _verify
+        from cpslice._verify import cases, runner
         layout = cpslice.Layout([10, 7], [4, 3], cp_mode="zigzag", cp_rank=1, cp_size=2)
         tokens = [torch.randint(0, 9, (t,)) for t in (10, 7)]
         logits = torch.randn(cpslice.pack(tokens, layout).shape[0], 9)
         lp, _ = cpslice.response_log_probs(logits, tokens, layout)
         assert [x.shape[0] for x in lp] == [4, 3]
         for call in (lambda: cpslice.Layout.from_parallel_state([10], [4]),
-                     lambda: _verify.verify_main(_verify.Config(2, 1, ()))):
+                     lambda: runner.verify_main(cases.Config(2, 1, ()))):
             try:
                 call()
             except ImportError as e:

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-VERIFIER_TESTS = {"test_cli_verify.py", "_verify_ranks.py"}
+VERIFIER_TESTS = {"test_cli_verify.py", "_verify_ranks.py", "test_verify_oracle.py"}
 
 
 def imported(source: str) -> set[str]:

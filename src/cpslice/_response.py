@@ -14,8 +14,8 @@ from ._extract import extract_responses
 from ._layout import Layout
 from ._pack import response_rows, shifted_targets
 from ._plan import resolve_length
-from ._support import take_rows
-from ._types import AnyShare, ChunkArg, EntropyOverArg, RealArg, Share, SupportArg, TensorArg
+from ._support import SupportArg, take_rows
+from ._types import AnyShare, ChunkArg, EntropyOverArg, RealArg, Share, TensorArg
 from ._vocab import args
 from ._vocab.hidden import linear_log_probs_and_entropy
 from ._vocab.logits import log_probs_and_entropy

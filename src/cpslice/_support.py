@@ -6,6 +6,7 @@ form, checked once and read by the vocabulary functions' token-set driver
 """
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -316,3 +317,9 @@ def take_rows(support: Support, rows: Tensor) -> Support:
     index = torch.repeat_interleave(host[:-1][rows], counts, output_size=k) + within
     device = support.ids.device
     return Support(support.ids[index.to(device)], offsets.to(device))
+
+
+if TYPE_CHECKING:
+    SupportArg = Support | None
+else:  # as every argument alias of ``_types``: the function's own check names the error
+    SupportArg = object

@@ -6,14 +6,11 @@ bound across the arguments and the result of one call.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex, TypeAlias
+from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex
 
 import torch
 from jaxtyping import Float, Int64, Shaped
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from ._support import Support
 
 # Per-position tensors of one rank: dimension 0 is the local length ``t``.
 Values = Float[Tensor, "t *rest"]
@@ -47,7 +44,9 @@ Tail = Literal["bin", "renormalize"]
 # (``_checks``) refuses a wrong one with a TypeError or LayoutError that names the
 # argument, the sample and the rule, where a beartype error raised first would say less.
 # So every entry point accepts the same integers (int, numpy integers, anything with
-# ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1.
+# ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1. The one
+# alias that names a cpslice class, ``support``'s, lives beside it (``_support.SupportArg``):
+# this module stays below every other in the import graph.
 if TYPE_CHECKING:
     TensorArg = Tensor
     IntArg = SupportsIndex
@@ -61,7 +60,6 @@ if TYPE_CHECKING:
     EntropyOverArg = EntropyOver
     DivergenceArg = Divergence
     TailArg = Tail
-    SupportArg: TypeAlias = "Support | None"
     # ``Support.from_responses``: per sample, a 1-D integer tensor or a list of ints.
     IdsArg = Sequence[Tensor] | Sequence[Sequence[SupportsIndex]]
     # The reducers': per-sample shares and whole masks, and the denominators.
@@ -70,7 +68,7 @@ if TYPE_CHECKING:
     Denominators = Tensor | Sequence[SupportsFloat] | None
 else:
     TensorArg = IntArg = RealArg = ChunkArg = Lengths = Boundaries = object
-    FormatArg = ModeArg = EntropyOverArg = DivergenceArg = TailArg = SupportArg = IdsArg = object
+    FormatArg = ModeArg = EntropyOverArg = DivergenceArg = TailArg = IdsArg = object
     Shares = Masks = Denominators = object
 
 

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _checks as checks
+from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -43,7 +44,6 @@ from .._types import (
     IntArg,
     PerRow,
     RealArg,
-    SupportArg,
     TensorArg,
     compute_dtype,
 )

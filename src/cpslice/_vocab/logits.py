@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _checks as checks
+from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -23,7 +24,6 @@ from .._types import (
     Logits,
     PerRow,
     RealArg,
-    SupportArg,
     TensorArg,
     compute_dtype,
 )

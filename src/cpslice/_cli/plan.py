@@ -1,41 +1,26 @@
-"""The ``cpslice`` command line (also ``python -m cpslice``).
+"""``cpslice plan``: draw what each context-parallel rank holds of each sample, and
+its response share.
 
-A subcommand is one function that adds its arguments, one that runs it, and one
-entry in ``SUBCOMMANDS``. A subcommand that needs heavy or optional imports
-(megatron-core, torch.distributed) imports them inside its run function, so that
-``cpslice plan`` never loads them.
-
-Every mistake in the arguments, argparse's or a ``LayoutError`` from the library,
-ends in one line ``cpslice <subcommand>: error: <problem>`` on stderr and exit
-status 2, never a traceback.
+Every offset is read from ``_plan`` (runs and selections); none is computed here.
+A ``LayoutError`` names the flags the user typed (``--cp-size``), not the API's
+argument names (``cp_size``).
 """
 
 import argparse
-import contextlib
-import importlib
-import io
 import itertools
 import os
 import re
 import sys
-import time
-import traceback
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import ModuleType
-from typing import Literal, NamedTuple, NoReturn, cast
+from typing import Literal, NamedTuple, cast
 
 import torch
 
-from . import __version__
-from ._errors import LayoutError
-from ._extract import extraction_strategy
-from ._layout import Layout
-from ._plan import default_length, needed_length, runs, selection
-from ._types import CpMode, QkvFormat
-
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
+from .._errors import LayoutError
+from .._extract import extraction_strategy
+from .._layout import Layout
+from .._plan import default_length, needed_length, runs, selection
+from .._types import CpMode, QkvFormat
+from .args import Subcommand
 
 MAX_PLAN_CP_SIZE = 1024
 """``cpslice plan`` draws every rank; a CP size beyond any real setup is refused."""
@@ -53,8 +38,6 @@ _FLAGS = {
     "align": "--align",
 }
 _API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
-
-
 _FLAG_VALUE = re.compile(r"(--[a-z-]+)=(?:'([^']*)'|(\d+))")
 
 
@@ -64,32 +47,8 @@ def _flag_names(message: str) -> str:
     flags = _API_NAMES.sub(lambda m: _FLAGS[m.group(1)], message)
     return _FLAG_VALUE.sub(lambda m: f"{m.group(1)} {m.group(2) or m.group(3)}", flags)
 
+
 Colour = Literal["auto", "always", "never"]
-
-
-def _one_line(prog: str, message: str) -> None:
-    text = " ".join(message.splitlines())
-    sys.stderr.write(f"{prog}: error: {text}\n")
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        _one_line(self.prog, message)
-        raise SystemExit(EXIT_USAGE)
-
-
-class Subcommand(NamedTuple):
-    """One ``cpslice`` subcommand: its help line, its arguments and its body."""
-
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-# ---------------------------------------------------------------------------
-# cpslice plan
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -326,10 +285,7 @@ def _use_colour(choice: Colour) -> bool:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """Print, for every rank, what it holds of each sample and its response share.
-
-    Every offset is read from ``_plan`` (runs and selections); none is computed here.
-    """
+    """Print, for every rank, what it holds of each sample and its response share."""
     total = cast(tuple[int, ...], args.total)
     response = cast(tuple[int, ...], args.response)
     cp_size = cast(int, args.cp_size)
@@ -399,257 +355,8 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# cpslice verify
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= {minimum}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
-    return value
-
-
-def _verify_arguments(parser: argparse.ArgumentParser) -> None:
-    # no megatron-core: that is the ranks'
-    from ._verify import DEFAULT_STARTUP_TIMEOUT, DEFAULT_TIMEOUT, TOLERANCE
-
-    parser.epilog = (
-        "A layout passes when its log-probs, entropy and logits' gradient are each within "
-        f"{TOLERANCE:g} (absolute) of float64 torch.log_softmax on every rank. Exit status: 0 when "
-        "every layout passes; 1 when one fails, or a rank raises, dies, does not start "
-        "within --startup-timeout or makes no progress for --timeout, or megatron-core "
-        "is not installed; 2 on bad arguments; 130 on Ctrl-C."
-    )
-    parser.add_argument(
-        "--cp-size", type=_count(1), default=2, metavar="N",
-        help="context-parallel size (default 2)",
-    )
-    parser.add_argument(
-        "--tp-size", type=_count(1), default=2, metavar="M",
-        help="tensor-parallel size: the vocabulary is split over M ranks (default 2); "
-        "N x M processes are spawned",
-    )
-    parser.add_argument(
-        "--mode", choices=("zigzag", "allgather", "none", "all"), default="all",
-        help="layouts to check (default all: zigzag and allgather with --cp-size > 1, "
-        "none and allgather at --cp-size 1). none is the layout without context "
-        "parallelism, so it needs --cp-size 1; zigzag needs --cp-size 2 or more",
-    )
-    parser.add_argument(
-        "--format", choices=("thd", "bshd"), default=None,
-        help="qkv format to check (default: every format the mode has; allgather is thd only)",
-    )
-    parser.add_argument(
-        "--align", type=_count(1), default=None, metavar="N",
-        help="also check every thd layout with each sample padded to a multiple of N "
-        "(verl, Megatron-Bridge: tp * cp * 2); under zigzag a multiple of 2 * --cp-size "
-        "(default: one extra layout, allgather thd with align 4 * --cp-size)",
-    )
-    parser.add_argument(
-        "--samples", type=_count(1), default=16, metavar="K",
-        help="random samples per layout, edge cases first (default 16)",
-    )
-    parser.add_argument(
-        "--seed", type=_count(0), default=0, metavar="S", help="random seed (default 0)"
-    )
-    parser.add_argument(
-        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SEC",
-        help=f"once the ranks have started, fail as a hang (and kill them) when none "
-        f"finishes a layout for SEC seconds (default {DEFAULT_TIMEOUT:g})",
-    )
-    parser.add_argument(
-        "--startup-timeout", type=_seconds, default=DEFAULT_STARTUP_TIMEOUT, metavar="SEC",
-        help="fail when the ranks have not all spawned, imported megatron-core and joined "
-        f"the group within SEC seconds (default {DEFAULT_STARTUP_TIMEOUT:g})",
-    )
-    parser.add_argument(
-        "--compile", action="store_true",
-        help="run the log-prob kernels compiled by torch.compile on every rank "
-        "(CPSLICE_COMPILE=1; the first compile takes a while)",
-    )
-
-
-def _verify(args: argparse.Namespace) -> int:
-    """Check every asked layout end to end on spawned gloo ranks (``_verify``)."""
-    from . import _verify as verify
-
-    cp_size = cast(int, args.cp_size)
-    tp_size = cast(int, args.tp_size)
-    try:
-        verify.check_sizes(cp_size, tp_size)
-        cases = verify.select_cases(
-            cp_size, cast(str, args.mode), cast("str | None", args.format),
-            cast("int | None", args.align),
-        )
-    except verify.VerifyArgumentError as err:
-        _one_line("cpslice verify", str(err))
-        return EXIT_USAGE
-    config = verify.Config(
-        cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
-        timeout=cast(float, args.timeout), startup_timeout=cast(float, args.startup_timeout),
-        compile=cast(bool, args.compile),
-    )
-    try:
-        return verify.verify_main(config)
-    except ImportError as err:  # megatron-core missing: not a usage error
-        _one_line("cpslice verify", str(err))
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        sys.stderr.write("cpslice verify: interrupted\n")
-        return 130
-
-
-# ---------------------------------------------------------------------------
-# cpslice bench
-
-# The repository root when cpslice runs from a source checkout (src/cpslice/_cli.py).
-_SOURCE_ROOT = Path(__file__).resolve().parents[2]
-
-_BENCHMARKS = (
-    ("bench_extract", "extraction: cpslice against the per-sample loop and the bare-gather floor"),
-    ("bench_logprob", "log-probs + entropy: peak memory and time against naive and save-softmax"),
-    ("bench_redistribute", "redistribute against the zero-padded all_reduce, cp 4 on gloo"),
-    ("bench_sample_means", "sample_means against per-sample all-gathers and gather_responses"),
+COMMAND = Subcommand(
+    "draw what each context-parallel rank holds of each sample, and its response share",
+    _plan_arguments,
+    _plan,
 )
-
-
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick", action="store_true", help="small sizes: under a minute on two cores"
-    )
-
-
-def _bench_report(module: ModuleType, quick: bool) -> str:
-    """``module.run(quick)`` then ``module.report(rows)``: its returned text, or what it
-    printed (bench_logprob's report prints through ``say``)."""
-    run = cast(Callable[[bool], object], module.run)
-    report = cast(Callable[[object], object], module.report)
-    rows = run(quick)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        text = report(rows)
-    return text if isinstance(text, str) else printed.getvalue().rstrip("\n")
-
-
-def _bench(args: argparse.Namespace) -> int:
-    """Run the benchmarks of the source checkout's ``benchmarks/`` as one report."""
-    quick = cast(bool, args.quick)
-    folder = _SOURCE_ROOT / "benchmarks"
-    missing = [name for name, _ in _BENCHMARKS if not (folder / f"{name}.py").is_file()]
-    if missing:  # not a usage error: nothing to run in this installation
-        _one_line(
-            "cpslice bench",
-            f"bench needs a source checkout: no {missing[0]}.py in {folder} (cpslice is "
-            "installed without its benchmarks/ folder); clone the repository and "
-            "pip install -e . there",
-        )
-        return EXIT_FAILURE
-    if str(_SOURCE_ROOT) not in sys.path:
-        sys.path.insert(0, str(_SOURCE_ROOT))
-    sys.stdout.write(f"cpslice bench{' --quick' if quick else ''}: {len(_BENCHMARKS)} benchmarks "
-                     f"from {folder}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
-    failed = 0
-    for name, title in _BENCHMARKS:
-        sys.stdout.write(f"\n== {title} ({name}) ==\n")
-        sys.stdout.flush()
-        start = time.perf_counter()
-        try:
-            text = _bench_report(importlib.import_module(f"benchmarks.{name}"), quick)
-        except Exception:  # noqa: BLE001 - reported, and the other benchmarks still run
-            failed += 1
-            sys.stdout.write("failed; its traceback is on stderr\n")
-            sys.stderr.write(f"cpslice bench: {name} failed:\n{traceback.format_exc()}")
-            continue
-        sys.stdout.write(f"{text}\n({time.perf_counter() - start:.1f} s)\n")
-        sys.stdout.flush()
-    if failed:
-        sys.stdout.write(f"\n{failed} of {len(_BENCHMARKS)} benchmarks failed\n")
-    return 1 if failed else 0
-
-
-# ---------------------------------------------------------------------------
-# The registry and the entry point.
-
-SUBCOMMANDS: dict[str, Subcommand] = {
-    "plan": Subcommand(
-        "draw what each context-parallel rank holds of each sample, and its response share",
-        _plan_arguments,
-        _plan,
-    ),
-    "verify": Subcommand(
-        "check every layout end to end on spawned gloo ranks with megatron-core's "
-        "parallel_state (CP x TP) against a float64 reference",
-        _verify_arguments,
-        _verify,
-    ),
-    "bench": Subcommand(
-        "run the benchmarks (extraction, log-probs, redistribute) as one report; "
-        "needs a source checkout",
-        _bench_arguments,
-        _bench,
-    ),
-}
-
-
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser: argparse.ArgumentParser = _Parser(
-        prog="cpslice",
-        description="Inspect packed, context-parallel layouts of response-aligned tensors.",
-    )
-    parser.add_argument("--version", action="version", version=f"cpslice {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    parsers: dict[str, argparse.ArgumentParser] = {}
-    for name, command in SUBCOMMANDS.items():
-        child = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(child)
-        parsers[name] = child
-    return parser, parsers
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``cpslice`` on ``argv`` (default ``sys.argv[1:]``); return the exit status.
-
-    0 on success, 2 on bad arguments (one line on stderr, no traceback), 1 when
-    the reader of stdout goes away early.
-    """
-    parser, parsers = _parser()
-    try:
-        args, unknown = parser.parse_known_args(argv)
-        if unknown:  # said by the subcommand: `cpslice plan: error: ...`
-            parsers[cast(str, args.command)].error(
-                f"unrecognized arguments: {' '.join(unknown)}"
-            )
-    except SystemExit as stop:  # --help, or an argument error already reported
-        code = stop.code
-        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
-    name = cast(str, args.command)
-    try:
-        return SUBCOMMANDS[name].run(args)
-    except LayoutError as err:
-        _one_line(parsers[name].prog, str(err))
-        return EXIT_USAGE
-    except BrokenPipeError:
-        # The reader left early (`cpslice plan ... | head`): stop quietly, and keep
-        # the interpreter's final flush from raising again.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
-        return 1

@@ -27,7 +27,8 @@ class RankView:
     ``mode`` is ``"none"``, ``"zigzag"`` or ``"allgather"``; ``fmt`` ``"thd"`` or
     ``"bshd"``; ``seq`` the bshd row length; ``length`` the local tensor's length
     (for allgather, the piece length ``T``); ``align`` (thd) pads every sample with
-    padding positions after its tokens up to a multiple of ``align``.
+    padding positions after its tokens up to a multiple of ``align``; ``padded`` (thd)
+    gives each sample's positions ``W_i >= L_i`` outright, its padding included.
     """
 
     total: tuple[int, ...]
@@ -39,17 +40,18 @@ class RankView:
     size: int
     length: int
     align: int | None = None
+    padded: tuple[int, ...] | None = None
 
 
 def least_length(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, size: int,
-    align: int | None = None,
+    align: int | None = None, padded: Sequence[int] | None = None,
 ) -> int:
     """The fewest local rows that hold this rank's positions of every sample."""
     if mode == "allgather":
-        stream = sum(_padded(n, align) if align else n for n in total)
+        stream = sum(_extent(i, n, fmt, seq, align, padded) for i, n in enumerate(total))
         return -(-stream // size)
-    return len(_places(total, mode, fmt, seq, 0, size, None, align))
+    return len(_places(total, mode, fmt, seq, 0, size, None, align, padded))
 
 
 def _padded(width: int, multiple: int) -> int:
@@ -58,30 +60,39 @@ def _padded(width: int, multiple: int) -> int:
     return width
 
 
+def _extent(
+    i: int, n: int, fmt: str, seq: int | None, align: int | None, padded: Sequence[int] | None
+) -> int:
+    """Sample ``i``'s positions (``n`` tokens), its own padding included."""
+    if fmt == "bshd":
+        return int(seq or 0)
+    if padded is not None:
+        return int(padded[i])
+    return _padded(n, align) if align else n
+
+
 def _places(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, rank: int, size: int,
-    length: int | None, align: int | None = None,
+    length: int | None, align: int | None = None, padded: Sequence[int] | None = None,
 ) -> list[Place]:
     rows: list[Place] = []
 
-    def extent(n: int) -> int:  # the sample's positions, its own padding included
-        if fmt == "bshd":
-            return int(seq or 0)
-        return _padded(n, align) if align else n
+    def extent(i: int, n: int) -> int:
+        return _extent(i, n, fmt, seq, align, padded)
 
     if mode == "none":
         for i, n in enumerate(total):
-            rows += [(i, p) if p < n else None for p in range(extent(n))]
+            rows += [(i, p) if p < n else None for p in range(extent(i, n))]
     elif mode == "zigzag":
         for i, n in enumerate(total):
-            width = _padded(extent(n), 2 * size)
+            width = _padded(extent(i, n), 2 * size)
             chunk = width // (2 * size)
             for k in (rank, 2 * size - 1 - rank):  # chunk r, then chunk 2c-1-r
                 rows += [(i, p) if p < n else None for p in range(k * chunk, (k + 1) * chunk)]
     elif mode == "allgather":
         assert length is not None, "allgather needs the piece length"
         stream: list[Place] = [
-            (i, p) if p < n else None for i, n in enumerate(total) for p in range(extent(n))
+            (i, p) if p < n else None for i, n in enumerate(total) for p in range(extent(i, n))
         ]
         stream += [None] * (size * length - len(stream))
         rows = stream[rank * length : (rank + 1) * length]
@@ -93,7 +104,8 @@ def _places(
 def places(view: RankView) -> list[Place]:
     """What each of the rank's ``view.length`` local rows holds (padding: None)."""
     rows = _places(
-        view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length, view.align
+        view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length,
+        view.align, view.padded,
     )
     if len(rows) > view.length:
         raise ValueError(f"local length {view.length} < {len(rows)} rows this rank holds")

@@ -1,0 +1,188 @@
+"""The batches ``cpslice verify`` checks, and their float64 reference.
+
+Every process builds the same batches from the seed: ``edge_lengths`` (random samples,
+the edge cases first) and, under context parallelism, ``sparse_lengths`` (a few short
+samples that leave some CP ranks without any response); a padded case gives each
+sample its own width (``padded_widths``). A ``Batch`` holds each
+sample's whole logits and loss weights and the float64 ``torch.log_softmax``
+reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
+and the same under per-token top-p / top-k sets (``response_sets``).
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .._types import CpMode
+from .cases import Case, Config
+
+VOCAB_PER_RANK = 8
+"""Vocabulary columns of each TP rank's shard; the vocabulary is ``8 * tp_size``."""
+TEMPERATURE = 0.8
+LOGIT_SCALE = 3.0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Samples with their whole logits and the float64 reference of the loss.
+
+    ``logits[i]`` is ``[L_i, V]`` float32 over the whole vocabulary; ``w_lp``, ``w_ent``
+    are ``[R_i]`` float32 loss weights; ``ref_lp``, ``ref_ent`` are ``[R_i]`` and
+    ``ref_grad`` is ``[L_i, V]``, d(sum w_lp * lp + w_ent * ent) / d logits, in float64
+    (``reference`` without sets). ``padded``: each sample's width ``W_i`` for a padded
+    case (``padded_widths``), else None.
+    """
+
+    total: tuple[int, ...]
+    response: tuple[int, ...]
+    tokens: list[Tensor]
+    logits: list[Tensor]
+    w_lp: list[Tensor]
+    w_ent: list[Tensor]
+    ref_lp: list[Tensor]
+    ref_ent: list[Tensor]
+    ref_grad: list[Tensor]
+    padded: tuple[int, ...] | None = None
+
+
+def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """``n`` random (total, response) lengths; the first five cover, in order, a
+    single-token sample, a sample shorter than ``2 * cp_size``, an empty response, a
+    long whole response (crossing every chunk), and a long random one; then shuffled."""
+    rng = random.Random(seed)
+    long_max = 6 * cp_size + 3
+    total, response = [], []
+    for i in range(n):
+        kind = i if i < 5 else rng.randrange(5)
+        if kind == 0:
+            t, r = 1, 0
+        elif kind == 1:
+            t = rng.randint(2, max(2, 2 * cp_size - 1))
+            r = rng.randint(0, t - 1)
+        elif kind == 2:
+            t, r = rng.randint(2, long_max), 0
+        elif kind == 3:
+            t = rng.randint(max(2, 4 * cp_size), long_max)
+            r = t - 1
+        else:
+            t = rng.randint(2, long_max)
+            r = rng.randint(1, t - 1)
+        total.append(t)
+        response.append(r)
+    order = list(range(n))
+    rng.shuffle(order)
+    return [total[i] for i in order], [response[i] for i in order]
+
+
+def sparse_lengths(mode: CpMode, cp_size: int) -> tuple[list[int], list[int]]:
+    """Samples that leave context-parallel ranks without any response.
+
+    zigzag: samples of at most 2 tokens sit in chunks of one position, so every
+    response is position 0, on rank 0. allgather: one sample of ``4 * cp_size``
+    tokens with a one-token response at its end, on one late piece.
+    """
+    if mode == "allgather":
+        return [4 * cp_size], [1]
+    return [2, 1, 2], [1, 0, 1]
+
+
+def make_batch(total: Sequence[int], response: Sequence[int], vocab: int, seed: int) -> Batch:
+    """Random tokens, logits and loss weights for these lengths, and their reference."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in total]
+    logits = [LOGIT_SCALE * torch.randn(t, vocab, generator=gen) for t in total]
+    w_lp = [torch.randn(r, generator=gen) for r in response]
+    w_ent = [torch.randn(r, generator=gen) for r in response]
+    batch = Batch(tuple(total), tuple(response), tokens, logits, w_lp, w_ent, [], [], [])
+    unrestricted: list[list[list[int]]] = [[[] for _ in range(r)] for r in response]
+    ref_lp, ref_ent, ref_grad = reference(batch, unrestricted)
+    return replace(batch, ref_lp=ref_lp, ref_ent=ref_ent, ref_grad=ref_grad)
+
+
+def padded_widths(total: Sequence[int], mode: CpMode, cp_size: int, seed: int) -> tuple[int, ...]:
+    """Random widths ``W_i >= L_i``: the least a sample needs (zigzag: a multiple of
+    ``2 * cp_size``; else ``L_i`` plus 0 to 2), then 0 to 3 chunks of ``2 * cp_size``
+    more, the last sample stretched by 1 to 8 chunks (so that some ranks hold samples
+    that are padding only)."""
+    rng = random.Random(seed)
+    chunk = 2 * cp_size
+    widths = [
+        (-(-t // chunk) * chunk if mode == "zigzag" else t + rng.randint(0, 2))
+        + chunk * rng.randint(0, 3)
+        for t in total
+    ]
+    if widths:
+        widths[-1] += chunk * rng.randint(1, 8)
+    return tuple(widths)
+
+
+def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
+    """The batches' (total, response) lengths: the random one, and under CP the sparse
+    one (not for none, where every rank holds every response)."""
+    lengths = [edge_lengths(config.samples, config.cp_size, config.seed)]
+    if config.cp_size > 1 and case.mode != "none":
+        lengths.append(sparse_lengths(case.mode, config.cp_size))
+    return lengths
+
+
+def batches_for(case: Case, config: Config) -> list[Batch]:
+    """The random batch (the same for every layout) and the case's sparse batch, each
+    with the case's padded widths."""
+    vocab = VOCAB_PER_RANK * config.tp_size
+    out = []
+    for k, (t, r) in enumerate(_lengths(case, config)):
+        batch = make_batch(t, r, vocab, config.seed + k)
+        if case.padded:
+            batch = replace(batch, padded=padded_widths(t, case.mode, config.cp_size,
+                                                        config.seed + 202 + k))
+        out.append(batch)
+    return out
+
+
+def batch_samples(case: Case, config: Config) -> int:
+    """How many samples ``batches_for`` checks for this case."""
+    return sum(len(t) for t, _ in _lengths(case, config))
+
+
+MAX_SET = 4
+"""Each response token keeps 0 to ``MAX_SET`` random ids (0: unrestricted)."""
+
+
+def response_sets(batch: Batch, vocab: int, seed: int) -> list[list[list[int]]]:
+    """Per sample, per response token, the kept ids: some empty, some a single id,
+    some holding the target, some not."""
+    rng = random.Random(seed)
+    return [
+        [rng.sample(range(vocab), rng.randint(0, min(MAX_SET, vocab))) for _ in range(r)]
+        for r in batch.response
+    ]
+
+
+def reference(
+    batch: Batch, sets: list[list[list[int]]]
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Per sample, float64: log-probs and entropy ``[R_i]`` and the gradient ``[L_i, V]``
+    of ``sum w_lp * lp + w_ent * ent``, each response token's distribution restricted
+    to its set in ``sets`` plus its target (an empty set: the whole vocabulary)."""
+    ref_lp, ref_ent, ref_grad = [], [], []
+    for i, (t, r) in enumerate(zip(batch.total, batch.response)):
+        x = batch.logits[i].double().requires_grad_()
+        z = (x / TEMPERATURE)[t - r - 1 : t - 1]
+        targets = batch.tokens[i][t - r :]
+        keep = torch.ones(z.shape, dtype=torch.bool)
+        for k, kept in enumerate(sets[i]):
+            if kept:
+                keep[k] = False
+                keep[k, kept + [int(targets[k])]] = True
+        logq = torch.log_softmax(z.masked_fill(~keep, -torch.inf), -1)
+        lp = logq.gather(1, targets[:, None])[:, 0]
+        ent = -torch.where(keep, logq.exp() * torch.where(keep, logq, 0.0), 0.0).sum(-1)
+        loss = (batch.w_lp[i].double() * lp).sum() + (batch.w_ent[i].double() * ent).sum()
+        (grad,) = torch.autograd.grad(loss, x)
+        ref_lp.append(lp.detach())
+        ref_ent.append(ent.detach())
+        ref_grad.append(grad)
+    return ref_lp, ref_ent, ref_grad

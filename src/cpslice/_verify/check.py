@@ -1,0 +1,229 @@
+"""One rank's check of one batch in one layout, against the float64 reference.
+
+``set_up`` builds what both checks share: the rank's layout (from parallel_state; a
+padded case through ``Layout.from_cu_seqlens``; none in a CP world without CP, the
+whole batch on every CP rank) with a local length of one padding row more than the
+layout needs (whose gradient must be zero: a function that reads the least length
+instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
+rank's packed rows of its TP vocabulary shard.
+``check_batch`` then runs the path of a training step through the public API:
+
+    pack -> response_log_probs(with_entropy=True, tp_group=<megatron's TP group>)
+      -> [allgather only] redistribute to the zigzag layout
+      -> backward of a weighted sum of log-probs and entropy
+
+``check_support_batch`` runs the same batch with every response token restricted to
+a random set of kept ids (``Support.from_responses``, entropy over the set), in the
+rank's own layout. Expected shares, loss weights and gradient rows are read from
+``oracle``, never from the code under check. ``max_error`` is the one error measure:
+NaN, inf or a share of the wrong shape count as an infinite error.
+"""
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .._layout import Layout
+from .._pack import pack
+from .._redistribute import redistribute
+from .._response import response_log_probs
+from .._support import Support
+from . import oracle
+from .batches import TEMPERATURE, VOCAB_PER_RANK, Batch, batches_for, reference, response_sets
+from .cases import Case, Config
+
+CHUNK_ROWS = 5
+"""Rows per chunk of ``log_probs_and_entropy``, small so that every batch takes several."""
+
+
+class Errors(NamedTuple):
+    """Largest absolute errors against the reference (inf for NaN or a wrong shape)."""
+
+    log_prob: float
+    entropy: float
+    grad: float
+
+    def worst(self, other: "Errors") -> "Errors":
+        return Errors(*(max(a, b) for a, b in zip(self, other)))
+
+
+def max_error(got: Sequence[Tensor], want: Sequence[Tensor]) -> float:
+    """The largest ``|got - want|`` over every element of every pair; inf when the
+    lists differ in length, a pair in shape, or a difference is not finite (NaN)."""
+    if len(got) != len(want):
+        return math.inf
+    worst = 0.0
+    for x, y in zip(got, want):
+        if x.shape != y.shape:
+            return math.inf
+        if x.numel():
+            diff = (x.detach().double() - y.double()).abs().max()
+            worst = max(worst, float(diff) if bool(diff.isfinite()) else math.inf)
+    return worst
+
+
+def weighted(a: Sequence[Tensor], x: Sequence[Tensor], anchor: Tensor) -> Tensor:
+    """``sum(w * v)``; a share of the wrong shape (already a failure: its error is inf)
+    counts as ``0 * v``, so that the rank still runs the same backward as the others."""
+    return sum(
+        ((w * v).sum() if w.shape == v.shape else (v * 0).sum() for w, v in zip(a, x)), anchor
+    )
+
+
+class RankSetup(NamedTuple):
+    """One rank's side of a batch in one layout, shared by both checks."""
+
+    layout: Layout  # with local_length: the least the rules need, plus one padding row
+    view: oracle.RankView  # the same layout, for the expected values
+    shard: slice  # this TP rank's vocabulary columns
+    logits: Tensor  # [local_length, VOCAB_PER_RANK] leaf: the rank's packed shard
+
+
+def row_length(case: Case, batch: Batch) -> int | None:
+    """The bshd row length ``S`` (None for thd): one more than the longest sample,
+    made odd without CP (where no rule rounds a row up, so an odd ``S`` shows a
+    rounding that should not be there)."""
+    if case.fmt != "bshd":
+        return None
+    seq = max(batch.total) + 1
+    return seq + 1 if case.mode == "none" and seq % 2 == 0 else seq
+
+
+def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
+    """The rank's layout: from megatron-core's parallel_state; for a padded case from
+    ``Layout.from_cu_seqlens`` with the rank and size it gives; for none in a CP world
+    a layout without CP (the whole batch on this rank).
+
+    Raises:
+        RuntimeError: parallel_state gives another CP mode than the case's.
+    """
+    state = Layout.from_parallel_state(
+        batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
+        allgather_cp=case.mode == "allgather", align=case.align,
+    )
+    if case.mode == "none" and state.cp_size > 1:
+        return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq)
+    if state.cp_mode != case.mode:
+        raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
+    if batch.padded is None:
+        return state
+    bounds = [0, *itertools.accumulate(batch.padded)]
+    return Layout.from_cu_seqlens(bounds, batch.total, batch.response, cp_mode=case.mode,
+                                  cp_rank=state.cp_rank, cp_size=state.cp_size)
+
+
+def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
+    """The rank's layout with one padding row more than it needs, its oracle view and
+    its packed logits.
+
+    Raises:
+        RuntimeError: parallel_state gives another CP mode than the case's.
+    """
+    seq = row_length(case, batch)
+    layout = _layout(case, batch, seq)
+    # one padding row more than the rules need (from the oracle, not from _plan)
+    length = oracle.least_length(
+        batch.total, case.mode, case.fmt, seq, layout.cp_size, case.align, batch.padded
+    ) + 1
+    layout = layout.with_local_length(length)
+    view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
+                           layout.cp_rank, layout.cp_size, length, case.align, batch.padded)
+    shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
+    logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
+    return RankSetup(layout, view, shard, logits)
+
+
+def _grad_error(
+    s: RankSetup, batch: Batch, lp: Sequence[Tensor], ent: Sequence[Tensor],
+    where: oracle.RankView, ref_grad: Sequence[Tensor],
+) -> float:
+    """Backward of ``sum w_lp * lp + w_ent * ent`` (``lp``, ``ent`` the shares in the
+    layout ``where``), and the error of the logits' gradient rows."""
+    anchor = s.logits.sum() * 0  # a rank holding no response still runs backward
+    loss = weighted(oracle.shares(batch.w_lp, where), lp, anchor) + weighted(
+        oracle.shares(batch.w_ent, where), ent, anchor
+    )
+    (grad,) = torch.autograd.grad(loss, s.logits)
+    return max_error([grad], [oracle.rows([g[:, s.shard] for g in ref_grad], s.view)])
+
+
+def check_batch(
+    case: Case, batch: Batch, tp_rank: int, tp_group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup,
+) -> tuple[Errors, bool]:
+    """This rank's errors for one batch in one layout, and whether it held no response.
+
+    Collectives: the TP all-gather of ``response_log_probs``; for allgather, the
+    all-to-all of ``redistribute`` and its reverse in backward. Every rank enters them.
+    """
+    s = set_up(case, batch, tp_rank)
+    lp, ent = response_log_probs(
+        s.logits, batch.tokens, s.layout, with_entropy=True, temperature=TEMPERATURE,
+        tp_group=tp_group, chunk_size=CHUNK_ROWS,
+    )
+    empty = sum(int(x.numel()) for x in lp) == 0
+    err_lp = max_error(lp, oracle.shares(batch.ref_lp, s.view))
+    err_ent = max_error(ent, oracle.shares(batch.ref_ent, s.view))
+    where = s.view
+    if s.layout.cp_mode == "allgather":
+        # what loss code written for ring attention reads: zigzag (none at cp 1)
+        zigzag = Layout.from_parallel_state(batch.total, batch.response)
+        mode = "zigzag" if s.layout.cp_size > 1 else "none"
+        where = oracle.RankView(
+            batch.total, batch.response, mode, "thd", None, s.layout.cp_rank, s.layout.cp_size,
+            oracle.least_length(batch.total, mode, "thd", None, s.layout.cp_size),
+        )
+        lp, ent = redistribute((lp, ent), s.layout, zigzag, group=cp_group)
+        err_lp = max(err_lp, max_error(lp, oracle.shares(batch.ref_lp, where)))
+        err_ent = max(err_ent, max_error(ent, oracle.shares(batch.ref_ent, where)))
+    err_grad = _grad_error(s, batch, lp, ent, where, batch.ref_grad)
+    return Errors(err_lp, err_ent, err_grad), empty
+
+
+def check_support_batch(
+    case: Case, batch: Batch, config: Config, tp_rank: int, tp_group: dist.ProcessGroup
+) -> Errors:
+    """This rank's errors for the batch under per-token sets, in the case's layout.
+
+    Collectives: the TP all-gather of ``response_log_probs``; every rank enters it.
+    """
+    s = set_up(case, batch, tp_rank)
+    sets = response_sets(batch, VOCAB_PER_RANK * config.tp_size, config.seed + 101)
+    ref_lp, ref_ent, ref_grad = reference(batch, sets)
+    ids = [[j for kept in sample for j in kept] for sample in sets]
+    offsets = [[0] for _ in sets]
+    for off, sample in zip(offsets, sets):
+        for kept in sample:
+            off.append(off[-1] + len(kept))
+    support = Support.from_responses(ids, offsets, s.layout)
+    lp, ent = response_log_probs(
+        s.logits, batch.tokens, s.layout, with_entropy=True, temperature=TEMPERATURE,
+        tp_group=tp_group, chunk_size=CHUNK_ROWS, support=support, entropy_over="support",
+    )
+    return Errors(
+        max_error(lp, oracle.shares(ref_lp, s.view)),
+        max_error(ent, oracle.shares(ref_ent, s.view)),
+        _grad_error(s, batch, lp, ent, s.view, ref_grad),
+    )
+
+
+def check_case(
+    case: Case, config: Config, tp_rank: int, tp_group: dist.ProcessGroup,
+    cp_group: dist.ProcessGroup,
+) -> tuple[Errors, tuple[bool, ...]]:
+    """This rank's worst errors over the case's batches, each checked plain and under
+    per-token sets, and per batch whether this rank held no response."""
+    errors = Errors(0.0, 0.0, 0.0)
+    empty = []
+    for batch in batches_for(case, config):
+        e, none_held = check_batch(case, batch, tp_rank, tp_group, cp_group)
+        errors = errors.worst(e).worst(
+            check_support_batch(case, batch, config, tp_rank, tp_group)
+        )
+        empty.append(none_held)
+    return errors, tuple(empty)

@@ -1,0 +1,116 @@
+"""No import cycle among cpslice's modules.
+
+Every module under ``src/cpslice`` is parsed (not imported) and every import
+statement in it counts, wherever it sits: at module level, inside a function or
+under ``if TYPE_CHECKING:``. A function-level import hides a cycle from the
+interpreter, not from the design: the two modules still need each other.
+
+Edges: ``import cpslice.a.b`` and ``from cpslice.a.b import x`` (or the relative
+forms) go to ``cpslice.a.b``, and to ``cpslice.a.b.x`` instead when ``x`` is a
+submodule there; ``from . import x`` goes to submodule ``x`` when it is one, else
+to the package. Loading a submodule runs its packages' ``__init__``, but that is no
+edge: an ``__init__`` that imports its submodules is no cycle.
+"""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+Graph = dict[str, set[str]]
+
+
+def module_names(src: Path) -> dict[str, Path]:
+    """``cpslice.x.y`` -> its file, for every ``.py`` file of the package."""
+    out = {}
+    for path in sorted((src / "cpslice").rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The cpslice modules that module ``name`` (at ``path``) imports anywhere."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _package_of(name, path)
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(src: Path) -> Graph:
+    names = module_names(src)
+    return {name: imports_of(name, path, set(names)) for name, path in names.items()}
+
+
+def find_cycle(graph: Graph) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph(SRC)
+    assert "cpslice" in graph and len(graph) > 10, sorted(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "cpslice"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from .a import f\n",
+        "a.py": "def f():\n    from .sub import inner\n",
+        "b.py": "import cpslice.sub.inner\nfrom . import a, VERSION\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cpslice.b import x\n",
+        "sub/__init__.py": "from .inner import thing\nfrom .. import c\n",
+        "sub/inner.py": "import torch\nfrom ... import outside\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    assert import_graph(tmp_path) == {
+        "cpslice": {"cpslice.a"},
+        "cpslice.a": {"cpslice.sub.inner"},
+        "cpslice.b": {"cpslice.sub.inner", "cpslice.a", "cpslice"},  # VERSION: the package's
+        "cpslice.c": {"cpslice.b"},
+        "cpslice.sub": {"cpslice.sub.inner", "cpslice.c"},
+        "cpslice.sub.inner": set(),
+    }
+    assert find_cycle(import_graph(tmp_path)) is None
+    (pkg / "b.py").write_text("def g():\n    from .c import y\n")
+    assert find_cycle(import_graph(tmp_path)) == ["cpslice.b", "cpslice.c", "cpslice.b"]
