@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from cpslice import log_probs_and_entropy
 from cpslice._vocab import kernels as _kernels
-from cpslice._vocab.stats import FLOOR, placeholders
+from cpslice._vocab.stats import FLOOR, Softmax, placeholders
 
 from .compare import check_linear, check_logits
 from .compiled import ran
@@ -167,7 +167,7 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
     logits, _ = _masked_logits(8, 32, torch.float32, seed=4)
     eager = _kernels.chunk_stats(logits, torch.tensor(1 / 0.8))
     out = placeholders(8, 1, torch.float32, logits.device, with_entropy=True)
-    _kernels.stats(logits, 0.8, out, chunks=_kernels.Chunks(8, 8))
+    _kernels.stats(logits, Softmax(0.8), out, chunks=_kernels.Chunks(8, 8))
     assert out.ent is not None
     compiled = (out.max, out.sum, out.ent)
     x = logits.double()

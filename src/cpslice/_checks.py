@@ -98,6 +98,86 @@ def temperature(value: object) -> float:
     return tau
 
 
+def temperatures(value: object, count: int, each: str) -> float | Tensor:
+    """A temperature (``temperature``) or one per row or sample (``each``: ``"row"`` or
+    ``"sample"``): a real number, finite and > 0; a ``[count]`` floating-point tensor,
+    each finite and > 0 (checked on the CPU, where it costs no device sync); for samples
+    also a sequence of ``count`` reals (returned as a CPU float64 tensor).
+
+    Raises:
+        TypeError: not a real number, a floating-point tensor or (samples) a sequence of
+            reals.
+        LayoutError: not finite or <= 0 (named by row or sample), or another count.
+    """
+    if not isinstance(value, Tensor) and not (each == "sample" and isinstance(value, Sequence)
+                                              and not isinstance(value, (str, bytes))):
+        return temperature(value)
+    if isinstance(value, Tensor):
+        if not value.is_floating_point():
+            raise TypeError(
+                f"temperature has dtype {value.dtype}; pass a floating-point tensor of one "
+                f"temperature per {each}, or a real number for all"
+            )
+        taus = value
+    else:
+        taus = torch.tensor(
+            [real(f"sample {i}: temperature[{i}]", v) for i, v in enumerate(value)], dtype=torch.float64
+        )
+    if tuple(taus.shape) != (count,):
+        raise LayoutError(
+            f"temperature has shape {tuple(taus.shape)}; one temperature per {each} is "
+            f"[{count}] (or pass one real number for all)"
+        )
+    if taus.device.type == "cpu" and count:
+        bad = (~torch.isfinite(taus) | (taus <= 0)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            where = f"sample {i}: " if each == "sample" else ""
+            raise LayoutError(
+                f"{where}temperature[{i}] = {float(taus[i])} is not allowed: each {each}'s "
+                "temperature must be finite and > 0 (its logits are divided by it)"
+            )
+    return taus
+
+
+def softcap(value: object) -> float | None:
+    """None, or a soft-cap: a real number, finite and > 0.
+
+    Raises:
+        TypeError: not a real number.
+        LayoutError: not finite, or <= 0.
+    """
+    if value is None:
+        return None
+    cap = real("softcap", value)
+    if not (math.isfinite(cap) and cap > 0):
+        raise LayoutError(
+            f"softcap={value!r} is not allowed: it must be finite and > 0 (the softmax "
+            "reads softcap * tanh(logits / softcap))"
+        )
+    return cap
+
+
+def vocab_size(value: object, total: int) -> int:
+    """The ids of the distribution, ``[0, vocab_size)`` of a (padded) vocabulary of
+    ``total`` ids over all TP shards; None: all of them.
+
+    Raises:
+        TypeError: not an integer.
+        LayoutError: < 1, or larger than ``total``.
+    """
+    if value is None:
+        return total
+    size = integer("vocab_size", value)
+    if not 1 <= size <= total:
+        raise LayoutError(
+            f"vocab_size={size} is not allowed: it must be in [1, {total}], the full "
+            "vocabulary over all TP shards (the LM head's rows, padding included); pass "
+            "the tokenizer's vocabulary size"
+        )
+    return size
+
+
 def tensor(name: str, value: object, what: str) -> Tensor:
     """``value`` if it is a tensor, else a TypeError saying ``name`` must be ``what``."""
     if not isinstance(value, Tensor):

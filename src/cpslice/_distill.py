@@ -34,9 +34,20 @@ from . import _checks as checks
 from ._errors import LayoutError
 from ._extract import shard_responses
 from ._layout import Layout
-from ._pack import response_rows
+from ._pack import response_rows, row_temperatures
 from ._plan import resolve_length
-from ._types import ChunkArg, DivergenceArg, RealArg, Share1D, TailArg, TensorArg, TopK, compute_dtype
+from ._types import (
+    ChunkArg,
+    DivergenceArg,
+    IntArg,
+    RealArg,
+    SampleTemperatureArg,
+    Share1D,
+    TailArg,
+    TensorArg,
+    TopK,
+    compute_dtype,
+)
 from ._vocab import args
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
@@ -211,9 +222,11 @@ def response_distillation(
     kind: DivergenceArg = "forward",
     beta: RealArg = 0.5,
     tail: TailArg = "bin",
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> list[Share1D]:
     """This rank's share of each sample's per-token divergence from its teacher's top-k.
 
@@ -225,6 +238,10 @@ def response_distillation(
     (``log_probs_at``) are computed on the response rows only (no copy of the logits
     selects them), then ``topk_divergence`` per token. The loss is then, e.g.,
     ``sum_of_sample_means(div, masks, layout)``.
+
+    ``temperature`` (one real, or one per sample: ``n`` reals or an ``[n]`` tensor),
+    ``softcap`` and ``vocab_size`` are the student's, as ``response_log_probs``'s; a
+    teacher id ``>= vocab_size`` is refused (the teacher's vocabulary is the student's).
 
     Returns:
         One ``[r_i]`` float32 share per sample (float64 for float64 logits), aligned
@@ -244,9 +261,11 @@ def response_distillation(
     x = args.logits(logits)
     length = resolve_length(layout, int(x.shape[0]), "logits")
     local = layout.with_local_length(length)
-    tau = checks.temperature(temperature)
+    tau = row_temperatures(temperature, local)
+    tau = tau if isinstance(tau, float) else tau.to(device=x.device, dtype=compute_dtype(x.dtype))
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * x.shape[1]
+    cap = checks.softcap(softcap)
+    total = checks.vocab_size(vocab_size, args.tp_world(tp_group) * x.shape[1])
     lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, total)
     _check_divergence(kind, beta, tail)
     host_rows, counts = response_rows(local)
@@ -256,7 +275,7 @@ def response_distillation(
     picked[rows] = _shares(ids, local, x.device, picked[:0])
     need = torch.zeros(length, dtype=torch.bool)
     need[host_rows] = True
-    options = Options(False, False, tau, tp_group, chunk, None, False, rows=need)
+    options = Options(False, False, tau, tp_group, chunk, None, False, rows=need, cap=cap, vocab_size=total)
     student, _ = logits_driver.apply(x, picked, options)
     teacher = _shares(lps, local, x.device, student[:0])
     div = topk_divergence(student[rows], teacher, kind=kind, beta=beta, tail=tail)
@@ -273,9 +292,11 @@ def response_distillation_from_hidden(
     kind: DivergenceArg = "forward",
     beta: RealArg = 0.5,
     tail: TailArg = "bin",
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``linear_log_probs_at``, the
@@ -288,9 +309,10 @@ def response_distillation_from_hidden(
     h, w = args.head(hidden, weight)
     length = resolve_length(layout, int(h.shape[0]), "hidden")
     local = layout.with_local_length(length)
-    tau = checks.temperature(temperature)
+    tau = row_temperatures(temperature, local)
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * w.shape[0]
+    checks.softcap(softcap)
+    total = checks.vocab_size(vocab_size, args.tp_world(tp_group) * w.shape[0])
     lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, total)
     _check_divergence(kind, beta, tail)
     host_rows, counts = response_rows(local)
@@ -298,7 +320,8 @@ def response_distillation_from_hidden(
     k = lps[0].shape[1] if lps else 1
     picked = _shares(ids, local, h.device, torch.zeros((0, k), dtype=torch.int64, device=h.device))
     student = hidden_driver.linear_log_probs_at(
-        h[rows], w, picked, temperature=tau, tp_group=tp_group, chunk_size=chunk
+        h[rows], w, picked, tp_group=tp_group, chunk_size=chunk, softcap=softcap, vocab_size=total,
+        temperature=tau if isinstance(tau, float) else tau[host_rows.to(tau.device)],
     )
     teacher = _shares(lps, local, h.device, student[:0])
     div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)

@@ -93,6 +93,22 @@ def shifted_targets(
     return _lay_out(items, layout, fill, 1, (), torch.int64, device)
 
 
+def row_temperatures(temperature: object, layout: Layout) -> float | Tensor:
+    """A per-sample function's ``temperature`` for every local row: a real as it is, or
+    (``n`` reals, an ``[n]`` tensor) each sample's at every row holding one of its tokens
+    and 1 at padding rows, ``[T]`` (the layout's ``local_length``, else the least).
+
+    Raises:
+        TypeError, LayoutError: as ``_checks.temperatures`` (named by sample).
+    """
+    tau = checks.temperatures(temperature, layout.num_samples, "sample")
+    if isinstance(tau, float):
+        return tau
+    if not layout.num_samples:
+        return torch.ones(default_length(layout), dtype=tau.dtype, device=tau.device)
+    return pack([t.expand(n) for t, n in zip(tau, layout.total_lengths)], layout, fill=1.0)
+
+
 class ResponseRows(NamedTuple):
     """This rank's response rows: ``rows`` in extraction order, ``counts[i]`` of sample i."""
 

@@ -12,10 +12,10 @@ from . import _checks as checks
 from ._errors import LayoutError
 from ._extract import extract_responses
 from ._layout import Layout
-from ._pack import response_rows, shifted_targets
+from ._pack import response_rows, row_temperatures, shifted_targets
 from ._plan import resolve_length
 from ._support import SupportArg, take_rows
-from ._types import AnyShare, ChunkArg, EntropyOverArg, RealArg, Share, TensorArg
+from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from ._vocab import args
 from ._vocab.hidden import linear_log_probs_and_entropy
 from ._vocab.logits import log_probs_and_entropy
@@ -29,11 +29,13 @@ def response_log_probs(
     *,
     with_entropy: Literal[False] = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs(
@@ -43,11 +45,13 @@ def response_log_probs(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs(
@@ -57,11 +61,13 @@ def response_log_probs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs(
     logits: TensorArg,
@@ -70,11 +76,13 @@ def response_log_probs(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -85,7 +93,10 @@ def response_log_probs(
     and the entropy shares aligned with them (None unless ``with_entropy``).
     ``support`` (e.g. ``Support.from_responses(ids, offsets, layout)``, over the ``T``
     local rows) and ``entropy_over`` restrict the log-probs (and entropy) to the
-    rollout's top-p / top-k sets, as in ``log_probs_and_entropy``.
+    rollout's top-p / top-k sets, and ``softcap`` and ``vocab_size`` match the rollout's
+    distribution, as in ``log_probs_and_entropy``. ``temperature`` is one real, or one
+    per sample (``n`` reals or an ``[n]`` tensor: rollouts sampled at different
+    temperatures), each sample's applied to its rows.
 
     Collectives: those of ``log_probs_and_entropy`` (one all-gather over ``tp_group``);
     no CP communication (see ``redistribute`` / ``gather_responses`` for that).
@@ -109,11 +120,13 @@ def response_log_probs(
         targets,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
-        temperature=temperature,
+        temperature=row_temperatures(temperature, local),
         tp_group=tp_group,
         chunk_size=chunk_size,
         support=support,
         entropy_over=entropy_over,
+        softcap=softcap,
+        vocab_size=vocab_size,
     )
     return extract_responses(log_probs, local, entropy)
 
@@ -127,11 +140,13 @@ def response_log_probs_from_hidden(
     *,
     with_entropy: Literal[False] = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs_from_hidden(
@@ -142,11 +157,13 @@ def response_log_probs_from_hidden(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs_from_hidden(
@@ -157,11 +174,13 @@ def response_log_probs_from_hidden(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
     hidden: TensorArg,
@@ -171,11 +190,13 @@ def response_log_probs_from_hidden(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -210,14 +231,14 @@ def response_log_probs_from_hidden(
     host_rows, counts = response_rows(local)
     rows = host_rows.to(hidden.device)
     targets = shifted_targets(tokens, local).to(hidden.device)
+    tau = row_temperatures(temperature, local)
     if support is not None:
         # the whole support against the whole hidden (its errors name the caller's
         # rows), then the response rows' sets
         _, weight_, _ = args.head_and_targets(hidden, weight, targets)
-        checks.temperature(temperature)
         args.chunk_size(chunk_size)
-        total = args.tp_world(tp_group) * weight_.shape[0]
-        whole = args.sets(support, entropy_over, length, total, "hidden")
+        vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
+        whole = args.sets(support, entropy_over, length, vocab, "hidden")
         assert whole is not None
         support = take_rows(whole, host_rows)
     log_probs, entropy = linear_log_probs_and_entropy(
@@ -226,11 +247,13 @@ def response_log_probs_from_hidden(
         targets[rows],
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
-        temperature=temperature,
+        temperature=tau if isinstance(tau, float) else tau[host_rows.to(tau.device)],
         tp_group=tp_group,
         chunk_size=chunk_size,
         support=support,
         entropy_over=entropy_over,
+        softcap=softcap,
+        vocab_size=vocab_size,
     )
     shares = list(torch.split(log_probs, counts))
     return shares, None if entropy is None else list(torch.split(entropy, counts))

@@ -51,6 +51,10 @@ if TYPE_CHECKING:
     TensorArg = Tensor
     IntArg = SupportsIndex
     RealArg = SupportsFloat
+    # a temperature: one for all rows, or a [T] float tensor of one per row (the
+    # row-level functions), or one per sample: n reals or an [n] tensor (the per-sample)
+    TemperatureArg = SupportsFloat | Tensor
+    SampleTemperatureArg = SupportsFloat | Sequence[SupportsFloat] | Tensor
     ChunkArg = SupportsIndex | None
     Lengths = Sequence[SupportsIndex]
     # ``cu_seqlens_padded``: a list of ints or an integer tensor, on any device.
@@ -67,7 +71,7 @@ if TYPE_CHECKING:
     Masks = Sequence[AnyShare]
     Denominators = Tensor | Sequence[SupportsFloat] | None
 else:
-    TensorArg = IntArg = RealArg = ChunkArg = Lengths = Boundaries = object
+    TensorArg = IntArg = RealArg = TemperatureArg = SampleTemperatureArg = ChunkArg = Lengths = Boundaries = object
     FormatArg = ModeArg = EntropyOverArg = DivergenceArg = TailArg = IdsArg = object
     Shares = Masks = Denominators = object
 

@@ -10,6 +10,8 @@ from .. import _checks as checks
 from .._cache import boundary
 from .._errors import LayoutError
 from .._support import Support, check_support
+from .._types import compute_dtype
+from .stats import Tau
 
 
 def chunk_size(value: object) -> int | None:
@@ -196,3 +198,12 @@ def sets(
     if support is None:
         return None
     return check_support(support, rows, vocab_total, what)
+
+
+def temperature(value: object, rows: int, like: Tensor) -> Tau:
+    """A real temperature, or ``[T]`` per row moved to ``like``'s device in its compute
+    dtype (see ``_checks.temperatures``)."""
+    tau = checks.temperatures(value, rows, "row")
+    if isinstance(tau, float):
+        return tau
+    return tau.to(device=like.device, dtype=compute_dtype(like.dtype), non_blocking=True)

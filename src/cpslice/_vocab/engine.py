@@ -18,18 +18,19 @@ from torch import Tensor
 
 from .._support import Support
 from .sparse import Elements, Restricted, Split, split
-from .stats import RowGrad, RowStats, Shard, combine, row_grad
+from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
 
 
 class Options(NamedTuple):
-    """A call's settings, everything but its tensors: ``tau`` the temperature; ``chunk_size``
-    rows per chunk (None: the driver's default); ``support`` per-row sets, with
-    ``over_support`` the entropy of rows with a set taken over the set; ``rows`` the rows
-    to compute."""
+    """A call's settings, everything but its inputs: ``tau`` the temperature (one, or a
+    ``[T]`` tensor of one per row); ``chunk_size`` rows per chunk (None: the driver's
+    default); ``support`` per-row sets, with ``over_support`` the entropy of rows with a
+    set taken over the set; ``rows`` the rows to compute; ``cap`` the soft-cap of the
+    logits; ``vocab_size`` the ids of the distribution (None: the whole vocabulary)."""
 
     with_entropy: bool
     entropy_grad: bool
-    tau: float
+    tau: Tau
     tp_group: dist.ProcessGroup | None
     chunk_size: int | None
     support: Support | None
@@ -37,6 +38,12 @@ class Options(NamedTuple):
     rows: Tensor | None = None
     """CPU bool ``[T]``: the rows to compute (None: all). The others get no dense pass,
     results that are not to be read, and no gradient."""
+    cap: float | None = None
+    vocab_size: int | None = None
+
+    @property
+    def softmax(self) -> Softmax:
+        return Softmax(self.tau, self.cap)
 
     @property
     def dense_entropy(self) -> bool:
@@ -86,7 +93,7 @@ def finish(
     parts = [dense] if sets is None else [dense, sets.stats]
     totals, _ = combine(parts, options.tau, shard.group)
     log_p, entropy = totals[0].log_probs, totals[0].entropy
-    valid = (ids >= 0) & (ids < shard.total)
+    valid = (ids >= 0) & (ids < shard.vocab)
     restricted = None
     if sets is not None:
         restricted = Restricted(sets.elements, sets.logits, totals[1])

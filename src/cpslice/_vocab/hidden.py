@@ -25,6 +25,7 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, cast, overload
@@ -44,13 +45,14 @@ from .._types import (
     IntArg,
     PerRow,
     RealArg,
+    TemperatureArg,
     TensorArg,
     compute_dtype,
 )
 from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
 from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowGrad, RowStats, merge, placeholders, shard_of
+from .stats import RowGrad, RowStats, Shard, merge, placeholders, shard_of
 
 # Module-level, so that a test can count the collectives.
 _all_reduce: Callable[..., object] = dist.all_reduce
@@ -139,26 +141,33 @@ def _dense_pass(
     held: Tensor,
     dense: RowStats,
     runs: list[tuple[int, int]],
+    shard: Shard,
     options: Options,
     best: int | None = None,
 ) -> topk.Candidates | None:
     """Fill the rows of ``runs`` of ``dense`` (the picked ids' ``column``/``held`` ``[T, k]``
-    included) from the tiles of ``hidden @ weight.T``; with ``best``, also return each
-    row's ``best`` largest logits and their global ids (rows outside ``runs``: none)."""
+    included) from the tiles of ``hidden @ weight.T`` over the shard's valid columns;
+    with ``best``, also return each row's ``best`` largest logits and their global ids,
+    padded with -inf to ``min(best, V_local)`` (rows outside ``runs``: -inf only)."""
     assert options.chunk_size is not None
     rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = dense.max.dtype
     tiles = Tiles.of(rows, vocab, options.chunk_size)
-    blocks = tiles.blocks(vocab)
+    blocks = tiles.blocks(shard.valid)
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
-        torch.empty((rows, width), dtype=cdt, device=hidden.device),
+        torch.full((rows, width), -math.inf, dtype=cdt, device=hidden.device),
         torch.zeros((rows, width), dtype=torch.int64, device=hidden.device),
     )
-    first_id = shard_of(options.tp_group, vocab).offset
     work = kernels.Workspace()
     for s, e in kernels.pieces(runs, tiles.rows):
+        if not blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
+            dense.max[s:e], dense.sum[s:e] = -math.inf, 0.0
+            if dense.ent is not None:
+                dense.ent[s:e] = 0.0
+            continue
         chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
+        softmax = options.softmax.rows(slice(s, e))
         # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
         parts = _two_slots(dense, e - s)
         running: topk.Candidates | None = None
@@ -169,19 +178,20 @@ def _dense_pass(
             x = torch.mm(hidden[s:e], weight[v0:v1].t())
             slot = min(b, 1)
             part = parts.map(operator.itemgetter(slot))
-            kernels.stats(x, options.tau, part, chunks=chunks, work=work)
+            kernels.stats(x, softmax, part, chunks=chunks, work=work)
             inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
             at = torch.where(inside, column[s:e] - v0, 0)
-            part.picked.copy_(torch.where(inside, x.gather(1, at).to(cdt), 0.0))
+            part.picked.copy_(torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0))
             if best is not None:
-                tile = topk.of_tile(x, first_id + v0, best, cdt)
+                tile = topk.of_tile(x, shard.offset + v0, best, cdt, width=0)  # padded below
                 running = tile if running is None else topk.merge(running, tile, best)
             del x
             if slot:
-                _write(parts, 0, merge(parts, options.tau))
+                _write(parts, 0, merge(parts, softmax.tau))
         _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
         if running is not None:
-            found.values[s:e], found.ids[s:e] = running
+            c = running.values.shape[1]
+            found.values[s:e, :c], found.ids[s:e, :c] = running
     return None if best is None else found
 
 
@@ -192,7 +202,7 @@ def forward(
     it) and what the backward needs; ``options.chunk_size`` is set."""
     assert options.chunk_size is not None
     rows, vocab = hidden.shape[0], weight.shape[0]
-    shard = shard_of(options.tp_group, vocab)
+    shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
     column, held = shard.columns(ids[:, None] if ids.dim() == 1 else ids)
     dense = placeholders(rows, column.shape[1], cdt, hidden.device, options.with_entropy)
@@ -200,7 +210,7 @@ def forward(
     runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
     if options.support is not None:
         el = elements(options.support, ids, shard)
-        x_el = _element_logits(hidden, weight, el, cdt)
+        x_el = options.softmax.logits(_element_logits(hidden, weight, el, cdt))
         if not options.dense_entropy:
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
@@ -208,7 +218,7 @@ def forward(
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
-    _dense_pass(hidden, weight, column, held, dense, runs, options)
+    _dense_pass(hidden, weight, column, held, dense, runs, shard, options)
     return finish(dense, sets, ids, shard, options, runs)
 
 
@@ -218,14 +228,14 @@ def topk_forward(
     """The ``[T, k]`` largest log-probs, descending, their ``[T, k]`` global ids, and what
     the backward (``backward`` at those ids) needs."""
     rows, vocab = hidden.shape[0], weight.shape[0]
-    shard = shard_of(options.tp_group, vocab)
+    shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
     none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
     dense = placeholders(rows, 0, cdt, hidden.device, with_entropy=False)
     everything = [(0, rows)]
-    found = _dense_pass(hidden, weight, none, none.bool(), dense, everything, options, best=k)
+    found = _dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
     assert found is not None
-    log_p, ids, totals = topk.choose(dense, found, k, shard, options.tau)
+    log_p, ids, totals = topk.choose(dense, found, k, shard, options.softmax)
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, everything)
 
 
@@ -307,6 +317,7 @@ def backward(
     dtype, cdt = hidden.dtype, compute_dtype(hidden.dtype)
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, opts.chunk_size)
     held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
+    valid = saved.shard.valid
     tiles = Tiles.of(rows, vocab, opts.chunk_size)
     # forward's tiles that hold a row needing the dense pass
     need = [(0, rows)] if parts.runs is None else parts.runs
@@ -316,19 +327,21 @@ def backward(
     ]
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
+    if grad_w is not None:
+        grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
     by_block = None
     if saved.restricted is not None:
         el = saved.restricted.elements
         assert parts.set_lp is not None
-        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.tau)
+        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.softmax)
         if acc_h is not None:
             for s, e in _blocks(coef.numel(), _element_rows(hidden.shape[1])):
                 acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(cdt))
         if grad_w is not None:
-            by_block = _ByBlock.of(el, coef, vocab, tiles.columns)
+            by_block = _ByBlock.of(el, coef, valid, tiles.columns)
     g_buf = torch.empty(tiles.rows * tiles.columns if pieces else 0, dtype=dtype, device=hidden.device)
     work = kernels.Workspace()
-    for i, (v0, v1) in enumerate(tiles.blocks(vocab)):
+    for i, (v0, v1) in enumerate(tiles.blocks(valid)):
         w_b = weight[v0:v1]
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
         row_b = _in_block(row, held, v0, v1)
@@ -336,7 +349,7 @@ def backward(
             x = torch.mm(hidden[s:e], w_b.t())
             g = g_buf[: x.numel()].view(x.shape)
             kernels.grad(
-                x, saved.max[s:e], saved.log_sum[s:e], opts.tau, _rows(row_b, s, e), g,
+                x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), _rows(row_b, s, e), g,
                 chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
             )
             del x
@@ -429,11 +442,13 @@ def linear_log_probs_and_entropy(
     *,
     with_entropy: Literal[False] = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, None]: ...
 @overload
 def linear_log_probs_and_entropy(
@@ -443,11 +458,13 @@ def linear_log_probs_and_entropy(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def linear_log_probs_and_entropy(
@@ -457,11 +474,13 @@ def linear_log_probs_and_entropy(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]: ...
 def linear_log_probs_and_entropy(
     hidden: TensorArg,
@@ -470,11 +489,13 @@ def linear_log_probs_and_entropy(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
@@ -488,8 +509,10 @@ def linear_log_probs_and_entropy(
             holds token ids ``[r * V_local, (r + 1) * V_local)``; a tied embedding's
             shard too), the dtype of ``hidden``; saved for backward by reference.
         targets, with_entropy, entropy_grad, temperature, tp_group, support,
-            entropy_over: as ``log_probs_and_entropy`` (a support's rows are the ``T``
-            rows of ``hidden``; each set element's logit is ``hidden[t] . weight[id]``).
+            entropy_over, softcap, vocab_size: as ``log_probs_and_entropy`` (a support's
+            rows are the ``T`` rows of ``hidden``; each set element's logit is
+            ``hidden[t] . weight[id]``; a padded vocabulary's rows of ``weight`` are never
+            multiplied out and get zero gradient).
         chunk_size: sizes the tiles, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
             ``TILE_ROWS`` rows (all rows if fewer). None picks
@@ -524,14 +547,16 @@ def linear_log_probs_and_entropy(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * weight_.shape[0]
-    args.in_vocabulary(targets_, total)
-    support_ = args.sets(support, entropy_over, hidden_.shape[0], total, "hidden")
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
+    args.in_vocabulary(targets_, vocab)
+    support_ = args.sets(support, entropy_over, hidden_.shape[0], vocab, "hidden")
     if chunk is None:
         chunk = default_linear_chunk_rows(weight_.shape[0])
-    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
+    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support",
+                      cap=cap, vocab_size=vocab)
     return apply(hidden_, weight_, targets_, options)
 
 
@@ -540,15 +565,17 @@ def linear_log_probs_at(
     weight: TensorArg,
     ids: TensorArg,
     *,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> Tensor:
     """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
     V_local]`` logits: the hidden-state path's tiles, forward and backward.
 
     Args:
-        hidden, weight, temperature, tp_group, chunk_size: as
+        hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size: as
             ``linear_log_probs_and_entropy``.
         ids: ``[T, k]`` int64 global token ids, as ``log_probs_at``'s.
 
@@ -565,12 +592,14 @@ def linear_log_probs_at(
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * weight_.shape[0]
-    args.in_vocabulary(ids_, total, "ids")
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
+    args.in_vocabulary(ids_, vocab, "ids")
     chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    log_p, _ = apply(hidden_, weight_, ids_, Options(False, False, tau, tp_group, chunk, None, False))
+    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
 
 
@@ -579,9 +608,11 @@ def linear_topk_log_probs(
     weight: TensorArg,
     k: IntArg,
     *,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
     V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
@@ -601,8 +632,11 @@ def linear_topk_log_probs(
     """
     hidden_, weight_ = args.head(hidden, weight)
     k_ = args.k_best(k)
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
     chunk = args.chunk_size(chunk_size)
-    topk.check_k(k_, args.tp_world(tp_group) * weight_.shape[0], compute_dtype(hidden_.dtype))
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
+    topk.check_k(k_, vocab, compute_dtype(hidden_.dtype))
     chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    return apply_topk(hidden_, weight_, k_, Options(False, False, tau, tp_group, chunk, None, False))
+    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    return apply_topk(hidden_, weight_, k_, options)

@@ -16,7 +16,7 @@ eager loop divides: within an ulp, and a vector division costs as much as the ex
 
 - ``chunk_stats(x, inv_tau) -> (m, S, A)``, ``d = (x - m) / tau`` clamped at ``FLOOR``
   (an all -inf row has ``m = -inf`` and ``S = A = 0``);
-- ``chunk_grad(x, m, log_s, inv_tau, a, b, out)`` writes ``p * (a * log p + b)``, ``log p
+- ``chunk_grad(x, inv_tau, m, log_s, a, b, out)`` writes ``p * (a * log p + b)``, ``log p
   = (x - m) / tau - log_s`` clamped at ``FLOOR``. The picked ids' columns are not in the
   loop (a per-column compare costs a third of it): ``grad`` overwrites those entries
   afterwards with ``stats.pick_grad``, also rounded once.
@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from .stats import FLOOR, RowGrad, RowStats, pick_grad
+from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
 
 MODES = ("auto", "1", "0")
 
@@ -182,17 +182,19 @@ def _covers(runs: Runs, rows: int) -> bool:
 
 
 class Workspace:
-    """The eager loop's two work buffers of the compute dtype, made on first use at the
-    largest size asked of them and reused for every chunk (and tile) of one pass."""
+    """The eager loop's work buffers of the compute dtype (two; three with a cap), made on
+    first use at the largest size asked of them and reused for every chunk (and tile) of
+    one pass."""
 
     def __init__(self) -> None:
-        self._flat: tuple[Tensor, Tensor] | None = None
+        self._flat: list[Tensor] = []
 
-    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, count: int = 2) -> list[Tensor]:
         n = shape[0] * shape[1]
-        if self._flat is None or self._flat[0].numel() < n:
-            self._flat = (torch.empty(n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
-        return self._flat[0][:n].view(shape), self._flat[1][:n].view(shape)
+        if len(self._flat) < count or self._flat[0].numel() < n:
+            size = max(n, self._flat[0].numel() if self._flat else 0)
+            self._flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(max(count, len(self._flat)))]
+        return [buf[:n].view(shape) for buf in self._flat[:count]]
 
 
 @no_type_check
@@ -207,11 +209,31 @@ def chunk_stats(x, inv_tau):
 
 
 @no_type_check
-def chunk_grad(x, m, log_s, inv_tau, a, b, out):
+def chunk_grad(x, inv_tau, m, log_s, a, b, out):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     d = ((x.to(cdt) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
     out.copy_((p * (a[:, None] * d + b[:, None])).to(out.dtype))
+
+
+@no_type_check
+def chunk_stats_capped(x, inv_tau, cap):
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.tanh(x.to(cdt) / cap) * cap
+    m = y.amax(1)
+    shift = torch.where(m == -math.inf, 0.0, m)
+    d = ((y - shift[:, None]) * inv_tau).clamp(min=FLOOR)
+    p = torch.exp(d)
+    return m, p.sum(1), (p * d).sum(1)
+
+
+@no_type_check
+def chunk_grad_capped(x, inv_tau, m, log_s, a, b, cap, out):
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    t = torch.tanh(x.to(cdt) / cap)
+    d = ((t * cap - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
+    p = torch.exp(d)
+    out.copy_((p * (a[:, None] * d + b[:, None]) * (1 - t * t)).to(out.dtype))
 
 
 HUGE_PAGE = 2**21
@@ -257,15 +279,16 @@ def buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, 
 
 def use_compiled(x: Tensor) -> bool:
     """Whether ``stats``/``grad`` run the compiled kernels on this tile: always in mode
-    ``1``; never in ``0``; in ``auto`` when no compile has failed, the tile is
-    contiguous and holds at least ``AUTO_MIN_ELEMENTS`` elements."""
-    if mode == "0" or x.shape[0] == 0:
+    ``1``; never in ``0``; in ``auto`` when no compile has failed, the tile's rows are
+    contiguous (a padded vocabulary's valid columns are a view of them) and it holds at
+    least ``AUTO_MIN_ELEMENTS`` elements."""
+    if mode == "0" or x.shape[0] == 0 or x.shape[1] == 0:
         return False
     if mode == "1":
         return True
     return (
         _broken is None
-        and x.is_contiguous()
+        and x.stride(-1) == 1
         and x.numel() >= AUTO_MIN_ELEMENTS
         and not torch.compiler.is_compiling()
     )
@@ -278,8 +301,11 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _kernel(fn: Callable[..., Any], x: Tensor) -> tuple[tuple[object, ...], Callable[..., Any]]:
-    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, BACKEND)
+def _kernel(
+    fn: Callable[..., Any], x: Tensor, per_row: bool
+) -> tuple[tuple[object, ...], Callable[..., Any]]:
+    # a per-row temperature is another variant: its own code object, never a recompile
+    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, per_row, BACKEND)
     compiled = _compiled.get(key)
     if compiled is None:
         compiled = torch.compile(_own_code(fn), backend=BACKEND, dynamic=False, fullgraph=True)
@@ -297,12 +323,13 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[0] if first else ''}"
 
 
-def _call(fn: Callable[..., Any], x: Tensor, *args: object) -> tuple[bool, object]:
+def _call(fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object) -> tuple[bool, object]:
     """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape;
     ``(False, None)`` if its first call (the compilation) failed in ``auto``, which
     warns once and turns ``auto`` eager."""
     global _broken
-    key, compiled = _kernel(fn, x)
+    key, compiled = _kernel(fn, x, inv_tau.dim() > 0)
+    args = (inv_tau, *args)
     if key in _ready:
         return True, compiled(x, *args)
     try:
@@ -328,36 +355,71 @@ def _call(fn: Callable[..., Any], x: Tensor, *args: object) -> tuple[bool, objec
     return True, result
 
 
-def _compiled_stats(x: Tensor, tau: float, chunk: int, out: RowStats) -> bool:
-    """``m``, ``S``, ``A`` of every row into ``out`` by the compiled ``chunk_stats``; False
-    (``out`` not fully written) if it failed to compile (in ``auto``)."""
-    inv_tau = torch.full((), 1.0 / tau, dtype=out.max.dtype, device=x.device)
+def _inv_tau(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The inverse temperature as a kernel input: 0-d, or ``[T, 1]`` for one per row."""
+    tau = softmax.tau
+    if isinstance(tau, float):
+        return torch.full((), 1.0 / tau, dtype=dtype, device=device)
+    return (1.0 / tau.to(dtype))[:, None]
+
+
+def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    """The cap as a kernel input (a 0-d tensor, so that no value compiles anew), if any."""
+    return () if softmax.cap is None else (torch.full((), softmax.cap, dtype=dtype, device=device),)
+
+
+def _compiled_stats(x: Tensor, softmax: Softmax, chunk: int, out: RowStats) -> bool:
+    """``m``, ``S``, ``A`` of every row into ``out`` by the compiled ``chunk_stats`` (or
+    ``chunk_stats_capped``); False (``out`` not fully written) if it failed to compile
+    (in ``auto``)."""
+    cdt = out.max.dtype
+    inv_tau = _inv_tau(softmax, cdt, x.device)
+    cap = _capped(softmax, cdt, x.device)
+    fn = chunk_stats if softmax.cap is None else chunk_stats_capped
     c, starts = chunk_starts(x.shape[0], chunk)
     for s in starts:
-        ok, result = _call(chunk_stats, x[s : s + c], inv_tau)
+        rows = slice(s, s + c)
+        ok, result = _call(fn, x[rows], inv_tau if inv_tau.dim() == 0 else inv_tau[rows], *cap)
         if not ok:
             return False
         m, total, a = cast(tuple[Tensor, Tensor, Tensor], result)
-        out.max[s : s + c], out.sum[s : s + c] = m, total
+        out.max[rows], out.sum[rows] = m, total
         if out.ent is not None:
-            out.ent[s : s + c] = a
+            out.ent[rows] = a
     return True
 
 
+def _divide(d: Tensor, tau: Tau, lo: int, hi: int) -> None:
+    """``d /= tau`` of rows ``[lo, hi)`` (in place; nothing for a temperature of 1)."""
+    if isinstance(tau, float):
+        if tau != 1.0:
+            d.div_(tau)
+    else:
+        d.div_(tau[lo:hi, None])
+
+
 def _eager_stats(
-    x: Tensor, tau: float, chunk: int, runs: list[tuple[int, int]], work: Workspace, out: RowStats
+    x: Tensor, softmax: Softmax, chunk: int, runs: list[tuple[int, int]], work: Workspace, out: RowStats
 ) -> None:
     vocab = x.shape[1]
     m, s, a = out.max, out.sum, out.ent
-    for lo, hi in runs:
-        m[lo:hi] = x[lo:hi].amax(1)
-    # A row all -inf contributes S = 0 (and A = 0), not NaN.
-    shift = torch.where(m == -math.inf, 0.0, m)
+    if vocab == 0:  # a shard of padded ids only: no mass, nothing to merge wrong
+        for lo, hi in runs:
+            m[lo:hi], s[lo:hi] = -math.inf, 0.0
+            if a is not None:
+                a[lo:hi] = 0.0
+        return
     for lo, hi in pieces(runs, chunk):
         buf, expd = work.take((hi - lo, vocab), m.dtype, x.device)
-        d = torch.sub(x[lo:hi], shift[lo:hi, None], out=buf)
-        if tau != 1.0:
-            d.div_(tau)
+        if softmax.cap is None:
+            y = x[lo:hi]
+        else:
+            y = torch.div(x[lo:hi], softmax.cap, out=buf).tanh_().mul_(softmax.cap)
+        m[lo:hi] = y.amax(1)
+        # A row all -inf contributes S = 0 (and A = 0), not NaN.
+        shift = torch.where(m[lo:hi] == -math.inf, 0.0, m[lo:hi])
+        d = torch.sub(y, shift[:, None], out=buf)
+        _divide(d, softmax.tau, lo, hi)
         if a is not None:
             d.clamp_(min=FLOOR)
         p = torch.exp(d, out=expd)
@@ -368,7 +430,7 @@ def _eager_stats(
 
 def stats(
     x: Tensor,
-    tau: float,
+    softmax: Softmax,
     out: RowStats,
     *,
     chunks: Chunks,
@@ -377,68 +439,76 @@ def stats(
 ) -> None:
     """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the rows of ``runs``
     of the tile ``x`` into ``out`` (``[n]`` fields of the compute dtype; the other rows are
-    left as they are, e.g. ``stats.placeholders``). The compiled kernels read every row, so
-    they run only when ``runs`` covers them all."""
-    if _covers(runs, x.shape[0]) and use_compiled(x) and _compiled_stats(x, tau, chunks.compiled, out):
+    left as they are, e.g. ``stats.placeholders``), of the logits as ``softmax`` reads
+    them (capped, then tempered; the max is the capped logits'). A tile of no columns (a
+    shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled kernels
+    read every row, so they run only when ``runs`` covers them all."""
+    if (
+        _covers(runs, x.shape[0])
+        and use_compiled(x)
+        and _compiled_stats(x, softmax, chunks.compiled, out)
+    ):
         return
-    _eager_stats(x, tau, chunks.eager, [(0, x.shape[0])] if runs is None else runs, work or Workspace(), out)
+    _eager_stats(x, softmax, chunks.eager, [(0, x.shape[0])] if runs is None else runs, work or Workspace(), out)
 
 
 def _compiled_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, row: RowGrad, chunk: int, out: Tensor
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int, out: Tensor
 ) -> bool:
-    """``chunk_grad`` of every row into ``out``, then the picked ids' entries; False (``out``
-    not fully written) if the kernel failed to compile (in ``auto``)."""
+    """``chunk_grad`` (or ``chunk_grad_capped``) of every row into ``out``, then the picked
+    ids' entries; False (``out`` not fully written) if the kernel failed to compile (in
+    ``auto``)."""
     rows, vocab = x.shape
-    inv_tau = torch.full((), 1.0 / tau, dtype=row.b.dtype, device=x.device)
+    cdt = row.b.dtype
+    inv_tau = _inv_tau(softmax, cdt, x.device)
+    cap = _capped(softmax, cdt, x.device)
+    fn = chunk_grad if softmax.cap is None else chunk_grad_capped
     a = torch.zeros_like(row.b) if row.a is None else row.a
     c, starts = chunk_starts(rows, chunk)
     for s in starts:
         e = s + c
-        ok, _ = _call(chunk_grad, x[s:e], big_m[s:e], log_s[s:e], inv_tau, a[s:e], row.b[s:e], out[s:e])
+        tau_s = inv_tau if inv_tau.dim() == 0 else inv_tau[s:e]
+        ok, _ = _call(fn, x[s:e], tau_s, big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], *cap, out[s:e])
         if not ok:
             return False
     if row.hot is not None:
-        entry = pick_grad(x.gather(1, row.column), big_m, log_s, tau, row, vocab)
-        # the entries of the contiguous ``out`` by their flat index: a scatter_ into a
-        # bfloat16 tensor takes a slow path that costs as much as the kernel
-        flat = torch.arange(rows, device=out.device)[:, None] * vocab + row.column
-        out.view(-1).index_put_((flat.view(-1),), entry.view(-1).to(out.dtype))
+        entry = pick_grad(x.gather(1, row.column), big_m, log_s, softmax, row, vocab)
+        # the entries by (row, column) index: a scatter_ into a bfloat16 tensor takes a
+        # slow path that costs as much as the kernel
+        at = torch.arange(rows, device=out.device)[:, None].expand_as(row.column)
+        out.index_put_((at.reshape(-1), row.column.reshape(-1)), entry.reshape(-1).to(out.dtype))
     return True
 
 
-def _probs_and_factor(
-    d: Tensor, log_s: Tensor, tau: float, a: Tensor | None, b: Tensor, expd: Tensor
-) -> tuple[Tensor, Tensor]:
-    """From ``d = x - M`` of a chunk (overwritten), ``p`` (into ``expd``) and the factor
-    ``a log p + b`` (in ``d``, or ``b``'s column without entropy)."""
-    if tau != 1.0:
-        d.div_(tau)
-    d.sub_(log_s[:, None])
-    if a is not None:
-        d.clamp_(min=FLOOR)
-    p = torch.exp(d, out=expd)
-    factor = b[:, None] if a is None else d.mul_(a[:, None]).add_(b[:, None])
-    return p, factor
-
-
 def _eager_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, row: RowGrad, chunk: int,
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
     runs: list[tuple[int, int]], work: Workspace, out: Tensor,
 ) -> None:
     vocab = x.shape[1]
     cdt = row.b.dtype
-    for s, e in pieces(runs, chunk):
-        buf, expd = work.take((e - s, vocab), cdt, x.device)
-        d = torch.sub(x[s:e], big_m[s:e, None], out=buf)
-        a = None if row.a is None else row.a[s:e]
-        p, factor = _probs_and_factor(d, log_s[s:e], tau, a, row.b[s:e], expd)
-        # Write the float result straight into the gradient when the dtypes agree;
-        # otherwise round once, after the one-hot terms are in.
-        target = out[s:e] if out.dtype == cdt else p
+    capped = softmax.cap is not None
+    for s, e in pieces(runs, chunk) if vocab else []:
+        bufs = work.take((e - s, vocab), cdt, x.device, 3 if capped else 2)
+        buf, expd = bufs[0], bufs[1]
+        if softmax.cap is None:
+            d = torch.sub(x[s:e], big_m[s:e, None], out=buf)
+        else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
+            t = torch.div(x[s:e], softmax.cap, out=bufs[2]).tanh_()
+            d = torch.mul(t, softmax.cap, out=buf).sub_(big_m[s:e, None])
+        _divide(d, softmax.tau, s, e)
+        d.sub_(log_s[s:e, None])
+        if row.a is not None:
+            d.clamp_(min=FLOOR)
+        p = torch.exp(d, out=expd)
+        factor = row.b[s:e, None] if row.a is None else d.mul_(row.a[s:e, None]).add_(row.b[s:e, None])
+        # Write the float result straight into the gradient when the dtypes agree (and no
+        # chain rule follows); otherwise round once, after the one-hot terms are in.
+        target = out[s:e] if out.dtype == cdt and not capped else p
         torch.mul(p, factor, out=target)
         if row.hot is not None:
             target.scatter_add_(1, row.column[s:e], row.hot[s:e].to(target.dtype))
+        if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
+            target.mul_(t.mul_(t).neg_().add_(1.0))
         if target is p:
             out[s:e].copy_(p)
 
@@ -447,7 +517,7 @@ def grad(
     x: Tensor,
     big_m: Tensor,
     log_s: Tensor,
-    tau: float,
+    softmax: Softmax,
     row: RowGrad,
     out: Tensor,
     *,
@@ -455,14 +525,15 @@ def grad(
     runs: Runs = None,
     work: Workspace | None = None,
 ) -> None:
-    """Write the gradient of the rows of ``runs`` of the tile ``x`` into ``out`` (``[n, V]``,
-    contiguous, its dtype; rows outside ``runs`` are left as they are): ``p * (a log p +
-    b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``. The
-    compiled kernels write every row, so they run only when ``runs`` covers them all."""
+    """Write the gradient w.r.t. the raw logits of the rows of ``runs`` of the tile ``x``
+    into ``out`` (``[n, V]`` with contiguous rows, its dtype; rows outside ``runs`` are
+    left as they are): ``p * (a log p + b)`` with ``M``, ``log S`` the rows' totals, plus
+    the one-hot terms of ``row``, through the cap's ``tanh``. The compiled kernels write
+    every row, so they run only when ``runs`` covers them all."""
     if _covers(runs, x.shape[0]) and use_compiled(x):
-        if _compiled_grad(x, big_m, log_s, tau, row, chunks.compiled, out):
+        if _compiled_grad(x, big_m, log_s, softmax, row, chunks.compiled, out):
             return
     _eager_grad(
-        x, big_m, log_s, tau, row, chunks.eager, [(0, x.shape[0])] if runs is None else runs,
+        x, big_m, log_s, softmax, row, chunks.eager, [(0, x.shape[0])] if runs is None else runs,
         work or Workspace(), out,
     )

@@ -24,6 +24,7 @@ from .._types import (
     Logits,
     PerRow,
     RealArg,
+    TemperatureArg,
     TensorArg,
     compute_dtype,
 )
@@ -37,7 +38,8 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
     it) and what the backward needs."""
     rows, vocab = logits.shape
-    shard = shard_of(options.tp_group, vocab)
+    shard = shard_of(options.tp_group, vocab, options.vocab_size)
+    softmax = options.softmax
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     picked_ids = ids[:, None] if ids.dim() == 1 else ids
     column, held = shard.columns(picked_ids)
@@ -48,13 +50,15 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
         runs = kernels.runs_of(~el.host_has_set, chunks.eager)
     cdt = compute_dtype(logits.dtype)
     dense = placeholders(rows, column.shape[1], cdt, logits.device, options.with_entropy)
-    kernels.stats(logits, options.tau, dense, chunks=chunks, runs=runs)
-    dense = dense._replace(picked=torch.where(held, logits.gather(1, column).to(cdt), 0.0))
+    # the distribution's columns only: a padded vocabulary's rows are no ids of it
+    kernels.stats(logits[:, : shard.valid], softmax, dense, chunks=chunks, runs=runs)
+    picked = softmax.logits(logits.gather(1, column).to(cdt))
+    dense = dense._replace(picked=torch.where(held, picked, 0.0))
     sets = None
     if el is not None:
-        x = logits[el.row, el.col].to(cdt)
+        x = softmax.logits(logits[el.row, el.col].to(cdt))
         with_h = options.with_entropy and options.over_support
-        sets = Sets(el, x, set_stats(x, el, dense.picked, options.tau, with_h))
+        sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h))
     return finish(dense, sets, ids, shard, options, runs)
 
 
@@ -62,18 +66,25 @@ def backward(
     logits: Logits, ids: Tensor, entropy: Tensor | None, saved: Saved,
     g_lp: Tensor | None, g_entropy: Tensor | None,
 ) -> Logits:
-    """The gradient w.r.t. ``logits``: one new ``[T, V_local]`` buffer, written once."""
+    """The gradient w.r.t. ``logits``: one new ``[T, V_local]`` buffer, written once (0 at a
+    padded vocabulary's columns)."""
     opts = saved.options
     rows, vocab = logits.shape
+    valid = saved.shard.valid
     chunks = kernels.chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
     runs = saved.dense_rows if parts.runs is None else parts.runs
     covered = runs is None or sum(hi - lo for lo, hi in runs) == rows
     grad = kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
-    kernels.grad(logits, saved.max, saved.log_sum, opts.tau, row, grad, chunks=chunks, runs=runs)
+    if covered and valid < vocab:
+        grad[:, valid:].zero_()
+    kernels.grad(
+        logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid],
+        chunks=chunks, runs=runs,
+    )
     if saved.restricted is not None:
         assert parts.set_lp is not None
-        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.tau)
+        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.softmax)
         scatter_grad(grad, saved.restricted.elements, coef)
     return grad
 
@@ -82,13 +93,14 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     """The ``[T, k]`` largest log-probs, descending, their ``[T, k]`` global ids, and what
     the backward (``backward`` at those ids) needs."""
     rows, vocab = logits.shape
-    shard = shard_of(options.tp_group, vocab)
+    shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(logits.dtype)
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     dense = placeholders(rows, 0, cdt, logits.device, with_entropy=False)
-    kernels.stats(logits, options.tau, dense, chunks=chunks)
-    local = topk.of_tile(logits, shard.offset, k, cdt)
-    log_p, ids, totals = topk.choose(dense, local, k, shard, options.tau)
+    x = logits[:, : shard.valid]
+    kernels.stats(x, options.softmax, dense, chunks=chunks)
+    local = topk.of_tile(x, shard.offset, k, cdt, width=min(k, vocab))
+    log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax)
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, None)
 
 
@@ -154,11 +166,13 @@ def log_probs_and_entropy(
     *,
     with_entropy: Literal[False] = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, None]: ...
 @overload
 def log_probs_and_entropy(
@@ -167,11 +181,13 @@ def log_probs_and_entropy(
     *,
     with_entropy: Literal[True],
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def log_probs_and_entropy(
@@ -180,11 +196,13 @@ def log_probs_and_entropy(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]: ...
 def log_probs_and_entropy(
     logits: TensorArg,
@@ -192,11 +210,13 @@ def log_probs_and_entropy(
     *,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
     support: SupportArg = None,
     entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]:
     """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
     temperature)`` over the full (possibly tensor-parallel) vocabulary.
@@ -212,7 +232,10 @@ def log_probs_and_entropy(
         with_entropy: also return the entropy of each row's distribution.
         entropy_grad: with False the entropy is a detached metric (no gradient,
             nothing saved for it).
-        temperature: finite, > 0; the logits are divided by it.
+        temperature: finite, > 0; the (capped) logits are divided by it. A ``[T]`` float
+            tensor gives one per row (rollouts sampled at different temperatures; each
+            finite and > 0, checked where it is on the CPU; on a device a bad one
+            gives that row NaN).
         tp_group: the tensor-parallel group the vocabulary is split over; None means
             the whole vocabulary is local.
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
@@ -229,6 +252,17 @@ def log_probs_and_entropy(
         entropy_over: ``"full"`` (default): the entropy over the whole vocabulary,
             one full pass over every row. ``"support"``: rows with a set take the
             entropy of their restricted distribution, with no full pass over them.
+        softcap: ``c`` (finite, > 0) for a model whose output is soft-capped (Gemma 2
+            and 3's ``final_logit_softcapping``): the softmax reads ``c * tanh(x / c) /
+            temperature``, applied inside the chunk kernels (no capped copy of the
+            logits), the gradient through the ``tanh``. None: the logits as given.
+        vocab_size: the ids of the distribution, ``[0, vocab_size)`` of a padded
+            vocabulary (megatron pads the LM head to a multiple of
+            ``make_vocab_size_divisible_by * tp``; the inference engine samples only the
+            tokenizer's ids): the padded ids, on whichever shard, are excluded from the
+            softmax, the entropy and any top-k, and get zero gradient; a target or set
+            id ``>= vocab_size`` is refused like one outside the vocabulary. At most the
+            full vocabulary (all shards); None: all of it.
 
     Returns:
         ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
@@ -248,10 +282,13 @@ def log_probs_and_entropy(
 
     Raises:
         TypeError: logits not a floating-point tensor, targets not an int64 tensor,
-            temperature not a real number, chunk_size not an integer.
+            temperature not a real number or a floating-point tensor, softcap not a real
+            number, chunk_size or vocab_size not an integer.
         LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
-            different devices, temperature not finite and > 0, chunk_size < 1, a CPU
-            target outside ``[0, tp_size * V_local)`` (checked only on the CPU, where
+            different devices, temperature (or a row's) not finite and > 0 or not
+            ``[T]``, softcap not finite and > 0, chunk_size < 1, vocab_size < 1 or
+            beyond the full vocabulary, a CPU target outside ``[0, vocab_size)``
+            (checked only on the CPU, where
             it costs no device sync; elsewhere that row's log-prob is NaN), a support
             over another number of rows or with a CPU id outside the vocabulary (on
             a device such a row's log-prob is NaN),
@@ -262,12 +299,14 @@ def log_probs_and_entropy(
     logits (masked tokens) are fine.
     """
     logits_, targets_ = args.logits_and_targets(logits, targets)
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, logits_.shape[0], logits_)
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * logits_.shape[1]
-    args.in_vocabulary(targets_, total)
-    support_ = args.sets(support, entropy_over, logits_.shape[0], total)
-    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support")
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
+    args.in_vocabulary(targets_, vocab)
+    support_ = args.sets(support, entropy_over, logits_.shape[0], vocab)
+    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support",
+                      cap=cap, vocab_size=vocab)
     return apply(logits_, targets_, options)
 
 
@@ -275,9 +314,11 @@ def log_probs_at(
     logits: TensorArg,
     ids: TensorArg,
     *,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> Tensor:
     """``log_softmax(logits / temperature)`` over the full (possibly tensor-parallel)
     vocabulary, at ``k`` given ids per row: a student's log-probs at its teacher's top-k.
@@ -287,7 +328,8 @@ def log_probs_at(
             backward by reference).
         ids: ``[T, k]`` int64 *global* token ids, any ``k >= 1``, repeats allowed; an id in
             another rank's shard takes its logit from that rank.
-        temperature, tp_group, chunk_size: as ``log_probs_and_entropy``.
+        temperature, tp_group, chunk_size, softcap, vocab_size: as
+            ``log_probs_and_entropy`` (an id ``>= vocab_size`` is refused).
 
     Returns:
         ``[T, k]`` float32 (float64 for float64 logits), the same on every rank of
@@ -309,11 +351,13 @@ def log_probs_at(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     logits_, ids_ = args.logits_and_targets(logits, ids, "ids")
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, logits_.shape[0], logits_)
     chunk = args.chunk_size(chunk_size)
-    total = args.tp_world(tp_group) * logits_.shape[1]
-    args.in_vocabulary(ids_, total, "ids")
-    log_p, _ = apply(logits_, ids_, Options(False, False, tau, tp_group, chunk, None, False))
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
+    args.in_vocabulary(ids_, vocab, "ids")
+    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    log_p, _ = apply(logits_, ids_, options)
     return log_p
 
 
@@ -321,9 +365,11 @@ def topk_log_probs(
     logits: TensorArg,
     k: IntArg,
     *,
-    temperature: RealArg = 1.0,
+    temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``k`` most likely ids over the full (possibly tensor-parallel)
     vocabulary and their log-probs: the teacher's side of top-k distillation.
@@ -333,8 +379,9 @@ def topk_log_probs(
     entries through the log-softmax (``log_probs_at`` at the chosen ids).
 
     Args:
-        logits, temperature, tp_group, chunk_size: as ``log_probs_and_entropy``.
-        k: ids per row, ``1 <= k <=`` the full vocabulary.
+        logits, temperature, tp_group, chunk_size, softcap: as ``log_probs_and_entropy``.
+        k: ids per row, ``1 <= k <=`` the vocabulary (``vocab_size``).
+        vocab_size: as ``log_probs_and_entropy``: no padded id is ever chosen.
 
     Returns:
         ``(log_probs, ids)``: ``[T, k]`` float32 (float64 for float64 logits), descending,
@@ -352,7 +399,10 @@ def topk_log_probs(
     """
     logits_ = args.logits(logits)
     k_ = args.k_best(k)
-    tau = checks.temperature(temperature)
+    tau = args.temperature(temperature, logits_.shape[0], logits_)
     chunk = args.chunk_size(chunk_size)
-    topk.check_k(k_, args.tp_world(tp_group) * logits_.shape[1], compute_dtype(logits_.dtype))
-    return apply_topk(logits_, k_, Options(False, False, tau, tp_group, chunk, None, False))
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
+    topk.check_k(k_, vocab, compute_dtype(logits_.dtype))
+    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    return apply_topk(logits_, k_, options)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .._support import Support, host_offsets
 from .kernels import runs_of
-from .stats import FLOOR, RowStats, Shard, Totals, placeholders
+from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
 
 _I64 = torch.int64
 
@@ -61,7 +61,7 @@ def elements(support: Support, targets: Tensor, shard: Shard) -> Elements:
     hit = ids == targets[set_row]
     in_set = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, hit.to(_I64)) > 0
     row = torch.cat([set_row, torch.arange(rows, device=device)])
-    outside = ((ids < 0) | (ids >= shard.total)).to(_I64)
+    outside = ((ids < 0) | (ids >= shard.vocab)).to(_I64)
     bad_row = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, outside) > 0
     col, held = shard.columns(torch.cat([ids, targets]))
     counted = torch.cat([torch.ones_like(hit), has_set & ~in_set])
@@ -76,16 +76,17 @@ def elements(support: Support, targets: Tensor, shard: Shard) -> Elements:
     )
 
 
-def set_stats(x: Tensor, el: Elements, picked: Tensor, tau: float, with_entropy: bool) -> RowStats:
+def set_stats(x: Tensor, el: Elements, picked: Tensor, tau: Tau, with_entropy: bool) -> RowStats:
     """This shard's restricted statistics from the ``[E]`` logits ``x`` of the elements
-    (compute dtype), ``picked`` ``[T, 1]`` the dense statistics' target logits. Rows
+    (compute dtype, as the softmax reads them: capped), ``picked`` ``[T, 1]`` the dense
+    statistics' target logits. Rows
     without a set get ``stats.placeholders``, the same on every shard."""
     rows = picked.shape[0]
     xm = torch.where(el.member, x, -math.inf)
     m = torch.full((rows,), -math.inf, dtype=x.dtype, device=x.device)
     m = m.scatter_reduce(0, el.row, xm, "amax")
     shift = torch.where(m == -math.inf, 0.0, m)
-    d = (xm - shift[el.row]) / tau
+    d = (xm - shift[el.row]) / rows_of(tau, el.row)
     if with_entropy:
         d = d.clamp(min=FLOOR)
     e = torch.where(el.member, torch.exp(d), 0.0)
@@ -149,12 +150,16 @@ def split(
     return Split(dense_lp, g_entropy, set_lp, set_h, runs)
 
 
-def element_grad(restricted: Restricted, set_lp: Tensor, set_entropy: Tensor | None, tau: float) -> Tensor:
-    """``[E]``: the gradient w.r.t. each element's logit (zero where it does not count on
-    this shard), from the upstream gradients of the restricted log-prob and entropy (zero
-    on rows they do not apply to)."""
+def element_grad(
+    restricted: Restricted, set_lp: Tensor, set_entropy: Tensor | None, softmax: Softmax
+) -> Tensor:
+    """``[E]``: the gradient w.r.t. each element's raw logit (zero where it does not count
+    on this shard), through the cap's ``tanh`` (``restricted.logits`` are capped), from
+    the upstream gradients of the restricted log-prob and entropy (zero on rows they do
+    not apply to)."""
     el, x, tot = restricted.elements, restricted.logits, restricted.totals
     r = el.row
+    tau = rows_of(softmax.tau, r)
     log_q = (x - tot.max[r]) / tau - tot.log_sum[r]
     glp = set_lp[r]
     if set_entropy is not None and tot.entropy is not None:
@@ -163,6 +168,8 @@ def element_grad(restricted: Restricted, set_lp: Tensor, set_entropy: Tensor | N
     else:
         coef = -torch.exp(log_q) * glp
     coef = torch.where(el.is_target, coef + glp, coef) / tau
+    if softmax.cap is not None:  # x = cap * tanh(raw / cap)
+        coef = coef * (1 - torch.square(x / softmax.cap))
     return torch.where(el.member, coef, 0.0)
 
 

@@ -46,12 +46,16 @@ _all_gather: _Gather = getattr(dist, "all_gather_single", None) or dist.all_gath
 
 class Shard(NamedTuple):
     """This rank's piece of the vocabulary: global ids ``[offset, offset + size)`` of
-    ``[0, size * world)`` (all shards of equal size), and the TP group (None: no TP)."""
+    ``[0, size * world)`` (all shards of equal size), the TP group (None: no TP), and
+    ``vocab``, the ids of the distribution: a padded vocabulary's rows ``>= vocab``
+    (megatron pads the LM head to a multiple of ``make_vocab_size_divisible_by * tp``)
+    are outside it, so this shard's first ``valid`` columns are its part of it."""
 
     rank: int
     world: int
     size: int
     group: dist.ProcessGroup | None
+    vocab: int
 
     @property
     def offset(self) -> int:
@@ -59,22 +63,57 @@ class Shard(NamedTuple):
 
     @property
     def total(self) -> int:
-        """The full vocabulary, all shards."""
+        """The full vocabulary, all shards, padding included."""
         return self.world * self.size
+
+    @property
+    def valid(self) -> int:
+        """This shard's columns inside the distribution (a prefix; 0 for a shard of padded
+        ids only)."""
+        return min(self.size, max(0, self.vocab - self.offset))
 
     def columns(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """For global ``ids`` (any shape): their column in this shard (0 where it does not
-        hold them) and whether it holds them."""
+        hold them) and whether it holds them (among its valid columns)."""
         local = ids - self.offset
-        held = (local >= 0) & (local < self.size)
+        held = (local >= 0) & (local < self.valid)
         return torch.where(held, local, 0), held
 
 
-def shard_of(tp_group: dist.ProcessGroup | None, size: int) -> Shard:
-    """The ``Shard`` of ``size`` columns this rank holds of ``tp_group``'s vocabulary."""
-    if tp_group is None:
-        return Shard(0, 1, size, None)
-    return Shard(dist.get_rank(tp_group), dist.get_world_size(tp_group), size, tp_group)
+def shard_of(tp_group: dist.ProcessGroup | None, size: int, vocab: int | None = None) -> Shard:
+    """The ``Shard`` of ``size`` columns this rank holds of ``tp_group``'s vocabulary, of
+    which the distribution's ids are ``[0, vocab)`` (None: all of them)."""
+    rank, world = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    return Shard(rank, world, size, tp_group, world * size if vocab is None else vocab)
+
+
+Tau = float | Tensor
+"""A temperature: one for every row, or a ``[T]`` tensor of one per row."""
+
+
+def per_row(tau: Tau) -> Tau:
+    """``tau`` against a row's columns: ``[T, 1]`` for one per row."""
+    return tau if isinstance(tau, float) else tau[:, None]
+
+
+def rows_of(tau: Tau, index: Tensor | slice) -> Tau:
+    """``tau`` of some rows (a slice, or a row index per element)."""
+    return tau if isinstance(tau, float) else tau[index]
+
+
+class Softmax(NamedTuple):
+    """What the softmax reads of a logit ``x``: ``cap * tanh(x / cap) / tau`` (soft-capping,
+    Gemma's ``final_logit_softcapping``), or ``x / tau`` without a ``cap``."""
+
+    tau: Tau
+    cap: float | None = None
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The (capped) logits ``x`` (the compute dtype), before the temperature."""
+        return x if self.cap is None else torch.tanh(x / self.cap) * self.cap
+
+    def rows(self, index: Tensor | slice) -> "Softmax":
+        return Softmax(rows_of(self.tau, index), self.cap)
 
 
 class RowStats(NamedTuple):
@@ -108,7 +147,7 @@ def placeholders(
     )
 
 
-def merge(parts: RowStats, tau: float) -> RowStats:
+def merge(parts: RowStats, tau: Tau) -> RowStats:
     """The statistics over the union of the disjoint columns of ``parts`` (each field with
     a leading dimension of the parts): the max, the rescaled sums, the picked logits (at
     most one part holds each). A row that is -inf in every part keeps ``(-inf, 0, ., 0)``."""
@@ -133,10 +172,10 @@ class Totals(NamedTuple):
     entropy: Tensor | None
 
 
-def totals(stats: RowStats, tau: float) -> Totals:
+def totals(stats: RowStats, tau: Tau) -> Totals:
     """``Totals`` from the merged statistics of the whole vocabulary."""
     log_s = torch.log(stats.sum)
-    log_p = (stats.picked - stats.max[:, None]) / tau - log_s[:, None]
+    log_p = (stats.picked - stats.max[:, None]) / per_row(tau) - log_s[:, None]
     entropy = None if stats.ent is None else log_s - stats.ent / stats.sum
     return Totals(stats.max, log_s, log_p, entropy)
 
@@ -163,7 +202,7 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def combine(
     parts: Sequence[RowStats],
-    tau: float,
+    tau: Tau,
     group: dist.ProcessGroup | None,
     extra: Tensor | None = None,
 ) -> tuple[list[Totals], Tensor | None]:
@@ -205,7 +244,7 @@ def row_grad(
     g_lp: Tensor,
     g_entropy: Tensor | None,
     entropy: Tensor | None,
-    tau: float,
+    tau: Tau,
     column: Tensor,
     held: Tensor,
     *,
@@ -216,7 +255,7 @@ def row_grad(
     (None: none) and the saved entropy. With ``placeholders``, a row whose ``g_entropy`` is
     0 adds no ``g_H H`` term even where ``H`` is not finite (a placeholder)."""
     g_sum = g_lp.sum(1)
-    hot = torch.where(held, g_lp / tau, 0.0) if with_hot else None
+    hot = torch.where(held, g_lp / per_row(tau), 0.0) if with_hot else None
     if g_entropy is None:
         return RowGrad(None, -g_sum / tau, hot, column)
     assert entropy is not None
@@ -228,22 +267,25 @@ def row_grad(
 
 
 def pick_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, tau: float, grad: RowGrad, vocab: int
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, grad: RowGrad, vocab: int
 ) -> Tensor:
-    """``[T, k]``: the whole gradient at each picked id's column of a ``[T, vocab]`` tile
-    (``x`` ``[T, k]`` the logits there), the one-hot terms of every picked id at that
-    column included, in the compute dtype: the entries a kernel that leaves the one-hot
-    terms out must overwrite."""
+    """``[T, k]``: the whole gradient w.r.t. the raw logit at each picked id's column of a
+    ``[T, vocab]`` tile (``x`` ``[T, k]`` the logits there), the one-hot terms of every
+    picked id at that column included, through the cap's ``tanh``, in the compute dtype:
+    the entries a kernel that leaves the one-hot terms out must overwrite."""
     b = grad.b[:, None]
-    d = ((x.to(b.dtype) - big_m[:, None]) / tau - log_s[:, None]).clamp(min=FLOOR)
+    y = softmax.logits(x.to(b.dtype))
+    d = ((y - big_m[:, None]) / per_row(softmax.tau) - log_s[:, None]).clamp(min=FLOOR)
     factor = b if grad.a is None else grad.a[:, None] * d + b
     value = torch.exp(d) * factor
-    if grad.hot is None:
+    if grad.hot is not None and grad.hot.shape[1] == 1:
+        value = value + grad.hot
+    elif grad.hot is not None:
+        # ids repeated in a row: every copy's entry holds the one-hot terms of all copies
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        _, copy = torch.unique(rows * vocab + grad.column, return_inverse=True)
+        hot = grad.hot.new_zeros(x.numel()).index_add_(0, copy.view(-1), grad.hot.reshape(-1))
+        value = value + hot[copy]
+    if softmax.cap is None:
         return value
-    if grad.hot.shape[1] == 1:
-        return value + grad.hot
-    # ids repeated in a row: every copy's entry holds the one-hot terms of all copies
-    rows = torch.arange(x.shape[0], device=x.device)[:, None]
-    _, copy = torch.unique(rows * vocab + grad.column, return_inverse=True)
-    hot = grad.hot.new_zeros(x.numel()).index_add_(0, copy.view(-1), grad.hot.reshape(-1))
-    return value + hot[copy]
+    return value * (1 - torch.square(y / softmax.cap))

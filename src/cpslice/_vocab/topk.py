@@ -11,13 +11,14 @@ are ``(x - M) / tau - log S`` as for any picked ids, so the gradient is that of
 The softmax is monotone in the logits, so the largest logits are the most likely ids.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from .stats import RowStats, Shard, Totals, combine
+from .stats import RowStats, Shard, Softmax, Totals, combine, per_row
 
 EXACT_FLOAT32_IDS = 2**24
 """Candidate ids travel as floats with the statistics (one all-gather): float32 holds
@@ -32,15 +33,20 @@ class Candidates(NamedTuple):
     ids: Tensor
 
 
-def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype) -> Candidates:
+def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) -> Candidates:
     """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` tile ``x`` whose column
-    0 is global id ``first_id``."""
+    0 is global id ``first_id``, padded with -inf candidates to ``width`` (every shard
+    sends as many, one of padded ids only too)."""
     values, columns = torch.topk(x, min(k, x.shape[1]), dim=1)
+    pad = width - values.shape[1]
+    if pad > 0:
+        values = torch.nn.functional.pad(values.to(dtype), (0, pad), value=-math.inf)
+        columns = torch.nn.functional.pad(columns, (0, pad))
     return Candidates(values.to(dtype), columns + first_id)
 
 
 def merge(a: Candidates, b: Candidates, k: int) -> Candidates:
-    """The best ``k`` of two rows of candidates each."""
+    """The best ``k`` of two rows of candidates each (as many as there are, up to ``k``)."""
     values = torch.cat([a.values, b.values], 1)
     ids = torch.cat([a.ids, b.ids], 1)
     best, at = torch.topk(values, min(k, values.shape[1]), dim=1)
@@ -61,11 +67,14 @@ def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
         )
 
 
-def choose(dense: RowStats, local: Candidates, k: int, shard: Shard, tau: float) -> tuple[Tensor, Tensor, Totals]:
-    """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates,
-    descending, after one all-gather of this shard's ``dense`` statistics (without picked
-    ids) and its candidates."""
+def choose(
+    dense: RowStats, local: Candidates, k: int, shard: Shard, softmax: Softmax
+) -> tuple[Tensor, Tensor, Totals]:
+    """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates
+    (raw logits: the cap is monotone), descending, after one all-gather of this shard's
+    ``dense`` statistics (without picked ids) and its candidates."""
     rows, c = local.values.shape
+    tau = softmax.tau
     extra = torch.cat([local.values.t(), local.ids.t().to(local.values.dtype)])
     (totals,), gathered = combine([dense], tau, shard.group, extra)
     assert gathered is not None
@@ -73,5 +82,5 @@ def choose(dense: RowStats, local: Candidates, k: int, shard: Shard, tau: float)
     values = gathered[:, :c].permute(2, 0, 1).reshape(rows, -1)
     ids = gathered[:, c:].permute(2, 0, 1).reshape(rows, -1)
     best, at = torch.topk(values, k, dim=1)
-    log_p = (best - totals.max[:, None]) / tau - totals.log_sum[:, None]
+    log_p = (softmax.logits(best) - totals.max[:, None]) / per_row(tau) - totals.log_sum[:, None]
     return log_p, ids.gather(1, at).to(torch.int64), totals
