@@ -68,19 +68,26 @@ def log_probs_kinds(i: Any, r: Any) -> None:
     lp, _ = cpslice.log_probs_and_entropy(logits, targets, temperature=r, chunk_size=i)
     want = torch.log_softmax(logits.double() / float(r), -1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(lp.double(), want, atol=1e-5, rtol=0)
-    shares, _ = cpslice.response_log_probs(logits, _tokens(), _layout(), temperature=r, chunk_size=i)
-    assert [s.shape[0] for s in shares] == RESPONSE
+    capped, _ = cpslice.log_probs_and_entropy(logits, targets, softcap=r, vocab_size=i + 4)
+    assert bool(capped.isfinite().all())
+    for tau in (r, [r, r]):  # one for all samples, or one per sample
+        shares, _ = cpslice.response_log_probs(
+            logits, _tokens(), _layout(), temperature=tau, chunk_size=i, softcap=r, vocab_size=i + 4
+        )
+        assert [s.shape[0] for s in shares] == RESPONSE
 
 
 def hidden_kinds(i: Any, r: Any) -> None:
     gen = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
     targets = torch.arange(9) % 7
-    lp, _ = cpslice.linear_log_probs_and_entropy(hidden, weight, targets, temperature=r, chunk_size=i)
-    want, _ = cpslice.log_probs_and_entropy(hidden @ weight.T, targets, temperature=r)
+    lp, _ = cpslice.linear_log_probs_and_entropy(
+        hidden, weight, targets, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4
+    )
+    want, _ = cpslice.log_probs_and_entropy(hidden @ weight.T, targets, temperature=r, softcap=r, vocab_size=i + 4)
     torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
     shares, _ = cpslice.response_log_probs_from_hidden(
-        hidden, weight, _tokens(), _layout(), temperature=r, chunk_size=i
+        hidden, weight, _tokens(), _layout(), temperature=[r, r], chunk_size=i, softcap=r, vocab_size=i + 4
     )
     assert [s.shape[0] for s in shares] == RESPONSE
 
@@ -90,17 +97,18 @@ def distill_kinds(i: Any, r: Any) -> None:
     logits, hidden, weight = _logits(9), torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
     ids = torch.arange(18).view(9, 2) % 7
     k = i if int(i) <= 7 else 2
-    top, top_ids = cpslice.topk_log_probs(logits, k, temperature=r, chunk_size=i)
+    top, top_ids = cpslice.topk_log_probs(logits, k, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4)
     assert top.shape == (9, int(k))
     assert cpslice.linear_topk_log_probs(hidden, weight, k, temperature=r, chunk_size=i)[1].shape == (9, int(k))
-    at = cpslice.log_probs_at(logits, ids, temperature=r, chunk_size=i)
+    at = cpslice.log_probs_at(logits, ids, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4)
     assert cpslice.linear_log_probs_at(hidden, weight, ids, temperature=r, chunk_size=i).shape == at.shape
     beta = r if 0 < float(r) < 1 else np.float32(0.25)
     assert cpslice.topk_divergence(at, at, kind="jsd", beta=beta).shape == (9,)
     teacher = [top[:2], top[5:6]]
     teacher_ids = [top_ids[:2], top_ids[5:6]]
     shares = cpslice.response_distillation(
-        logits, teacher, teacher_ids, _layout(), beta=beta, temperature=r, chunk_size=i
+        logits, teacher, teacher_ids, _layout(), beta=beta, temperature=[r, r], chunk_size=i, softcap=r,
+        vocab_size=i + 4,
     )
     assert [s.shape[0] for s in shares] == RESPONSE
     shares = cpslice.response_distillation_from_hidden(
@@ -176,8 +184,11 @@ def test_every_public_function_is_called() -> None:
     assert set(cpslice.__all__) - NOT_CALLABLE == set(CALLS)
 
 
-@pytest.mark.parametrize("r", REALS, ids=repr)
-@pytest.mark.parametrize("i", INTS, ids=repr)
+# every int kind and every real kind at least once per call (not their whole product)
+PAIRS = [(INTS[j % len(INTS)], r) for j, r in enumerate(REALS)]
+
+
+@pytest.mark.parametrize(("i", "r"), PAIRS, ids=repr)
 @pytest.mark.parametrize("call", sorted(set(CALLS.values()), key=_name), ids=_name)
 def test_numpy_scalars_and_ints_are_accepted(call: Callable[..., None], i: Any, r: Any) -> None:
     call(i, r)
