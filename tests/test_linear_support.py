@@ -20,6 +20,7 @@ from cpslice import (
     LayoutError,
     Support,
     linear_log_probs_and_entropy,
+    log_probs_and_entropy,
     response_log_probs,
     response_log_probs_from_hidden,
 )
@@ -96,6 +97,28 @@ class _Spy(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if isinstance(x, Tensor) and x.dtype == torch.float32:
                 self.float32.append(x.untyped_storage().nbytes() // 4)
         return out
+
+
+@pytest.mark.parametrize("over", ["full", "support"])
+def test_bfloat16_equals_the_materialized_path_to_float32_rounding(over: str) -> None:
+    """A set element's logit is rounded to bfloat16 as the head's matmul rounds its
+    logits, so the hidden path equals ``log_probs_and_entropy(hidden @ weight.T, ...)``
+    on the materialized bfloat16 logits to float32 rounding. The inputs are multiples of
+    1/8 and H = 4: every product sum is exact in float32 whatever the order, so both
+    paths round the same exact logit to bfloat16 (which keeps 8 of its ~14 bits); an
+    element logit left unrounded differs by up to half a bfloat16 ulp (~0.1 here)."""
+    t, v = 64, 40
+    gen = torch.Generator().manual_seed(21)
+    hidden = (torch.randint(-64, 65, (t, 4), generator=gen) / 8).bfloat16()
+    weight = (torch.randint(-64, 65, (v, 4), generator=gen) / 8).bfloat16()
+    targets = torch.randint(0, v, (t,), generator=gen)
+    sets = [torch.randperm(v, generator=gen)[: 1 + row % 6].tolist() if row % 3 else [] for row in range(t)]
+    kw: dict[str, Any] = {"with_entropy": True, "temperature": 1.3, "support": csr(sets), "entropy_over": over}
+    lp, ent = linear_log_probs_and_entropy(hidden, weight, targets, chunk_size=16, **kw)
+    want_lp, want_ent = log_probs_and_entropy(hidden @ weight.T, targets, **kw)
+    scale = float((hidden.float() @ weight.float().T).abs().max()) / 1.3
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=16 * 2.0**-24 * scale)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=16 * 2.0**-24 * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
