@@ -122,7 +122,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
-        "entropy", "err", "grad", "err", "result",
+        "entropy", "err", "grad", "err", "distill", "err", "result",
     ]
     rows = _rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
@@ -237,14 +237,14 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, st
 
 def _rows(stdout: str) -> dict[str, list[str]]:
     """The result table: layout name -> its columns (ranks, samples, empty ranks, the
-    three errors, result)."""
+    four errors, result)."""
     lines = stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
     rows = {}
     for line in lines[head + 1 :]:
         if line.startswith("errors: "):
             break
-        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=8)
+        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=9)
         rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
     return rows
 
@@ -271,7 +271,7 @@ def test_the_error_measure_turns_nan_into_a_failure() -> None:
         assert max_error(want, got) == math.inf, bad
     assert max_error([torch.tensor([-1.0, -2.0, math.inf])], want[:1]) == math.inf
     # and the layout fails: inf is worse than every error, and above the tolerance
-    errors = Errors(1e-6, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0))
+    errors = Errors(1e-6, 0.0, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0, 0.0))
     result = CaseResult(Case("none", "thd"), 1, 1, 4, 0, errors, TOLERANCE, 0.1)
     assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
 
@@ -340,8 +340,8 @@ def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     assert list(rows) == ["zigzag thd", "zigzag bshd", "allgather thd"], out
     assert rows["zigzag thd"][-1] == "pass"
     assert rows["zigzag bshd"][2:] == [
-        "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
-    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "not run"]
+        "-", "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
+    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "-", "not run"]
     assert out.splitlines()[-1] == "1 of 3 layouts FAIL, 1 not run"
 
 

@@ -6,7 +6,8 @@ samples that leave some CP ranks without any response); a padded case gives each
 sample its own width (``padded_widths``). A ``Batch`` holds each
 sample's whole logits and loss weights and the float64 ``torch.log_softmax``
 reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
-and the same under per-token top-p / top-k sets (``response_sets``).
+and the same under per-token top-p / top-k sets (``response_sets``); a teacher's top-k
+(``teacher_top_k``) and the divergence from it (``distill_reference``).
 """
 
 import random
@@ -186,3 +187,44 @@ def reference(
         ref_ent.append(ent.detach())
         ref_grad.append(grad)
     return ref_lp, ref_ent, ref_grad
+
+
+TEACHER_K = 4
+"""Ids per response token of the teacher's top-k (``teacher_top_k``)."""
+
+
+def teacher_top_k(batch: Batch, vocab: int, seed: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Per sample, a teacher's ``[R_i, TEACHER_K]`` float32 log-probs and int64 ids: the
+    top-k of a random teacher's ``log_softmax`` over the whole vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    lps, ids = [], []
+    for r in batch.response:
+        top = torch.log_softmax(LOGIT_SCALE * torch.randn(r, vocab, generator=gen, dtype=torch.float64), -1)
+        values, at = torch.topk(top, TEACHER_K, dim=1)
+        lps.append(values.float())
+        ids.append(at)
+    return lps, ids
+
+
+def distill_reference(
+    batch: Batch, teacher_lp: Sequence[Tensor], teacher_ids: Sequence[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per sample, float64: each response token's Jensen-Shannon divergence (beta 0.5:
+    bounded, so float32's rounding stays far below the tolerance) from the teacher over
+    the ``k`` ids and one bin of the rest of the mass (``1 - sum p``, floored at
+    float32's epsilon as the library floors a float32 bin), and the gradient ``[L_i,
+    V]`` of ``sum w_lp * divergence``, written out over probabilities."""
+    floor = torch.finfo(torch.float32).eps
+    ref_div, ref_grad = [], []
+    for i, (t, r) in enumerate(zip(batch.total, batch.response)):
+        x = batch.logits[i].double().requires_grad_()
+        student = torch.log_softmax(x / TEMPERATURE, -1)[t - r - 1 : t - 1].gather(1, teacher_ids[i])
+        q, p = student.exp(), teacher_lp[i].double().exp()
+        q = torch.cat([q, (1 - q.sum(1, keepdim=True)).clamp(min=floor)], 1)
+        p = torch.cat([p, (1 - p.sum(1, keepdim=True)).clamp(min=floor)], 1)
+        m = (p + q) / 2
+        div = ((p * (p.log() - m.log())).sum(1) + (q * (q.log() - m.log())).sum(1)) / 2
+        (grad,) = torch.autograd.grad((batch.w_lp[i].double() * div).sum(), x)
+        ref_div.append(div.detach())
+        ref_grad.append(grad)
+    return ref_div, ref_grad

@@ -14,7 +14,9 @@ rank's packed rows of its TP vocabulary shard.
 
 ``check_support_batch`` runs the same batch with every response token restricted to
 a random set of kept ids (``Support.from_responses``, entropy over the set), in the
-rank's own layout. Expected shares, loss weights and gradient rows are read from
+rank's own layout, and ``check_distill_batch`` the per-token divergence from a
+teacher's top-k (``response_distillation``: the student's log-probs at the teacher's
+ids under TP, only on the response rows). Expected shares, loss weights and gradient rows are read from
 ``oracle``, never from the code under check. ``max_error`` is the one error measure:
 NaN, inf or a share of the wrong shape count as an infinite error.
 """
@@ -28,13 +30,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._distill import response_distillation
 from .._layout import Layout
 from .._pack import pack
 from .._redistribute import redistribute
 from .._response import response_log_probs
 from .._support import Support
 from . import oracle
-from .batches import TEMPERATURE, VOCAB_PER_RANK, Batch, batches_for, reference, response_sets
+from .batches import (
+    TEMPERATURE,
+    VOCAB_PER_RANK,
+    Batch,
+    batches_for,
+    distill_reference,
+    reference,
+    response_sets,
+    teacher_top_k,
+)
 from .cases import Case, Config
 
 CHUNK_ROWS = 5
@@ -47,6 +59,7 @@ class Errors(NamedTuple):
     log_prob: float
     entropy: float
     grad: float
+    distill: float
 
     def worst(self, other: "Errors") -> "Errors":
         return Errors(*(max(a, b) for a, b in zip(self, other)))
@@ -182,7 +195,7 @@ def check_batch(
         err_lp = max(err_lp, max_error(lp, oracle.shares(batch.ref_lp, where)))
         err_ent = max(err_ent, max_error(ent, oracle.shares(batch.ref_ent, where)))
     err_grad = _grad_error(s, batch, lp, ent, where, batch.ref_grad)
-    return Errors(err_lp, err_ent, err_grad), empty
+    return Errors(err_lp, err_ent, err_grad, 0.0), empty
 
 
 def check_support_batch(
@@ -209,21 +222,44 @@ def check_support_batch(
         max_error(lp, oracle.shares(ref_lp, s.view)),
         max_error(ent, oracle.shares(ref_ent, s.view)),
         _grad_error(s, batch, lp, ent, s.view, ref_grad),
+        0.0,
     )
+
+
+def check_distill_batch(
+    case: Case, batch: Batch, config: Config, tp_rank: int, tp_group: dist.ProcessGroup
+) -> Errors:
+    """This rank's errors for the batch as the divergence from a teacher's top-k, in the
+    case's layout: the divergence shares and the logits' gradient of their weighted sum.
+
+    Collectives: the TP all-gather of ``response_distillation``; every rank enters it.
+    """
+    s = set_up(case, batch, tp_rank)
+    teacher_lp, teacher_ids = teacher_top_k(batch, VOCAB_PER_RANK * config.tp_size, config.seed + 303)
+    ref_div, ref_grad = distill_reference(batch, teacher_lp, teacher_ids)
+    div = response_distillation(
+        s.logits, teacher_lp, teacher_ids, s.layout, kind="jsd", temperature=TEMPERATURE,
+        tp_group=tp_group, chunk_size=CHUNK_ROWS,
+    )
+    anchor = s.logits.sum() * 0  # a rank holding no response still runs backward
+    (grad,) = torch.autograd.grad(weighted(oracle.shares(batch.w_lp, s.view), div, anchor), s.logits)
+    want = oracle.rows([g[:, s.shard] for g in ref_grad], s.view)
+    return Errors(0.0, 0.0, max_error([grad], [want]), max_error(div, oracle.shares(ref_div, s.view)))
 
 
 def check_case(
     case: Case, config: Config, tp_rank: int, tp_group: dist.ProcessGroup,
     cp_group: dist.ProcessGroup,
 ) -> tuple[Errors, tuple[bool, ...]]:
-    """This rank's worst errors over the case's batches, each checked plain and under
-    per-token sets, and per batch whether this rank held no response."""
-    errors = Errors(0.0, 0.0, 0.0)
+    """This rank's worst errors over the case's batches, each checked plain, under
+    per-token sets and as distillation, and per batch whether this rank held no
+    response."""
+    errors = Errors(0.0, 0.0, 0.0, 0.0)
     empty = []
     for batch in batches_for(case, config):
         e, none_held = check_batch(case, batch, tp_rank, tp_group, cp_group)
         errors = errors.worst(e).worst(
             check_support_batch(case, batch, config, tp_rank, tp_group)
-        )
+        ).worst(check_distill_batch(case, batch, config, tp_rank, tp_group))
         empty.append(none_held)
     return errors, tuple(empty)

@@ -73,7 +73,8 @@ def header(config: Config) -> str:
         f"shorter than 2*cp, responses across chunk and rank boundaries){sparse};\n"
         f"{kinds}"
         "  log-probs, entropy and the logits' gradient of a weighted loss against "
-        "float64 torch.log_softmax"
+        "float64 torch.log_softmax; the same under per-token top-p sets (Support) and as "
+        "the divergence from a teacher's top-k (response_distillation)"
         + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
     )
 
@@ -96,15 +97,15 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
     width = max([15, *(len(r.case.name) + 1 for r in results)])
     head = (
         f"{'layout':<{width}}{'ranks (cp x tp)':>16}{'samples':>9}{'empty ranks':>13}"
-        f"{'log-prob err':>14}{'entropy err':>13}{'grad err':>10}  result"
+        f"{'log-prob err':>14}{'entropy err':>13}{'grad err':>10}{'distill err':>13}  result"
     )
     lines = [head]
     for r in results:
-        lp, ent, grad = (None, None, None) if r.errors is None else r.errors
+        lp, ent, grad, distill = (None, None, None, None) if r.errors is None else r.errors
         empty = "-" if r.empty_ranks is None else r.empty_ranks
         lines.append(
             f"{r.case.name:<{width}}{f'{r.cp_size} x {r.tp_size}':>16}{r.samples:>9}"
-            f"{empty:>13}{_fmt(lp):>14}{_fmt(ent):>13}{_fmt(grad):>10}  {r.verdict}"
+            f"{empty:>13}{_fmt(lp):>14}{_fmt(ent):>13}{_fmt(grad):>10}{_fmt(distill):>13}  {r.verdict}"
         )
     failed = sum(r.ran and not r.passed for r in results)
     not_run = sum(not r.ran for r in results)
