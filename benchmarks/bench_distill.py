@@ -19,7 +19,7 @@ back-propagates the mean into the student's logits (or hidden states and LM head
 - ``head``: the materialized head, ``hidden @ weight.T`` then ``log_probs_at``.
 
 Each method runs in a fresh subprocess. After one warm-up step the allocator's free heap
-is returned and the peak RSS reset (``bench_logprob.peak_growth``); peak memory is the
+is returned and the peak RSS reset (``harness.peak_growth``); peak memory is the
 growth of the peak RSS during the next step beyond the RSS before it, the inputs
 existing, in units of one ``[T, V]`` buffer of the logits' dtype (the logits' gradient,
 itself one such buffer, included) and, for the hidden-state methods, in float32 ``[T,
@@ -47,7 +47,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import peak_growth  # noqa: E402
+from benchmarks.harness import peak_growth  # noqa: E402
 
 LOGITS_METHODS = ("cpslice", "log-probs", "dense", "verl")
 HIDDEN_METHODS = ("hidden", "head")

@@ -45,7 +45,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import peak_growth  # noqa: E402
+from benchmarks.harness import peak_growth  # noqa: E402
 
 METHODS = ("cpslice", "materialized", "naive")
 TEMPERATURE = 0.9

@@ -31,11 +31,8 @@ Run: ``.venv/bin/python benchmarks/bench_logprob.py [--quick] [--methods cpslice
 """
 
 import argparse
-import ctypes
-import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +47,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import host_store  # noqa: E402
+from benchmarks.harness import host_store, peak_growth  # noqa: E402
 
 METHODS = ("cpslice", "compiled", "megatron", "naive", "saved")
 DTYPES = ("float32", "bfloat16")
@@ -69,40 +66,6 @@ class Result:
     cpu_ms: float  # median process CPU time of a step (all threads): robust to other load
     first_s: float  # the first step (for compiled: compile included)
     second_first_s: float | None = None  # compiled: first step of a second process
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    """Return the allocator's free heap to the system (glibc keeps up to tens of MiB
-    of freed memory, which the next step would reuse unseen), then reset the peak RSS
-    (``VmHWM``) to the current RSS."""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-    with open("/proc/self/clear_refs", "w") as f:  # Linux: '5' resets VmHWM to the RSS
-        f.write("5")
-
-
-def peak_growth(step: Callable[[], object]) -> int:
-    """Bytes the peak RSS grows by during one ``step()`` beyond the RSS before it (the
-    free heap returned and the peak reset first: ``_reset_peak``)."""
-    _reset_peak()
-    base = _rss_bytes()
-    step()
-    return _peak_bytes() - base
 
 
 class _SavedSoftmax(torch.autograd.Function):

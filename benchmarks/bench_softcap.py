@@ -15,7 +15,7 @@ Every method computes each row's log-prob of its target and the entropy of
 
 Each method runs in a fresh subprocess. After one warm-up step (the compile) the
 allocator's free heap is returned and the peak RSS reset
-(``bench_logprob.peak_growth``); peak memory is the growth of the peak RSS during the
+(``harness.peak_growth``); peak memory is the growth of the peak RSS during the
 next step beyond the RSS before it, the logits existing, in ``[T, V]`` buffers of the
 logits' dtype (the gradient, one such buffer, included). Time is the median of a few
 further steps. Targets: ``softcap`` within 1.15x the time of ``uncapped`` and the same
@@ -41,7 +41,7 @@ from torch import Tensor
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_logprob import peak_growth  # noqa: E402
+from benchmarks.harness import peak_growth  # noqa: E402
 
 METHODS = ("uncapped", "softcap", "materialized", "softcap-eager")
 CAP = 30.0

@@ -1,11 +1,17 @@
-"""What the benchmarks that run torch.distributed share (not a benchmark itself:
-``cpslice bench`` runs the ``bench_*.py`` modules only).
+"""What the benchmarks share (not a benchmark itself: ``cpslice bench`` runs the
+``bench_*.py`` modules only).
 
-A store this process serves on a port it holds from the start (port 0: the system
-picks it, so no other program can take it between choosing and binding), the ranks
-that join it, spawned, and a median time taken in step on every rank.
+The peak memory of one step (``peak_growth``: the growth of the peak RSS beyond the RSS
+before it), and for the benchmarks that run torch.distributed a store this process
+serves on a port it holds from the start (port 0: the system picks it, so no other
+program can take it between choosing and binding), the ranks that join it, spawned,
+and a median time taken in step on every rank.
 """
 
+import ctypes
+import gc
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -56,3 +62,37 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+def _reset_peak() -> None:
+    """Return the allocator's free heap to the system (glibc keeps up to tens of MiB
+    of freed memory, which the next step would reuse unseen), then reset the peak RSS
+    (``VmHWM``) to the current RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: '5' resets VmHWM to the RSS
+        f.write("5")
+
+
+def peak_growth(step: Callable[[], object]) -> int:
+    """Bytes the peak RSS grows by during one ``step()`` beyond the RSS before it (the
+    free heap returned and the peak reset first: ``_reset_peak``)."""
+    _reset_peak()
+    base = _rss_bytes()
+    step()
+    return _peak_bytes() - base
