@@ -272,6 +272,8 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_arguments.py", "tests/test_distill.py::test_refusals",
          "tests/test_distill.py::test_response_refusals_name_the_sample",
          "tests/test_transforms.py::test_refusals",
+         "tests/test_padded.py::test_refusals_are_layout_errors",
+         "tests/test_padded.py::test_wrong_kinds_are_type_errors",
          "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
