@@ -273,6 +273,8 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_distill.py::test_response_refusals_name_the_sample",
          "tests/test_transforms.py::test_refusals",
          "tests/test_padded.py::test_refusals_are_layout_errors",
+         "tests/test_support.py::test_support_refusals", "tests/test_support.py::test_log_prob_refusals",
+         "tests/test_support.py::test_from_responses_refusals",
          "tests/test_padded.py::test_wrong_kinds_are_type_errors",
          "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
