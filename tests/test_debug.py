@@ -23,31 +23,38 @@ def _run(code: str, debug: str | None) -> subprocess.CompletedProcess[str]:
 
 
 def test_unset_means_no_wrapper_and_plain_errors() -> None:
+    # one interpreter, cpslice imported afresh for each value (torch once: seconds)
     code = """
-import sys, torch, cpslice, cpslice._plan
-assert not hasattr(cpslice.extract_responses, "__wrapped__")
-assert not hasattr(cpslice._plan.runs, "__wrapped__")
-assert "megatron" not in sys.modules, "import cpslice must not import megatron"
-layout = cpslice.Layout([10], [4], cp_mode="zigzag", cp_size=2)
-try:
-    cpslice.extract_responses(torch.zeros(6, dtype=torch.int64), layout)
-except TypeError as e:
-    assert "must be floating point" in str(e), e
-else:
-    raise SystemExit("no error")
-try:
-    cpslice.shard_responses(torch.zeros(4), layout)
-except TypeError as e:
-    assert "list of per-sample tensors" in str(e), e
-try:
-    cpslice.extract_responses(torch.tensor(1.0), layout)
-except TypeError as e:
-    assert "0-d" in str(e), e
+import os, sys, torch
+for value in (None, "", "0"):
+    for name in [m for m in sys.modules if m == "cpslice" or m.startswith("cpslice.")]:
+        del sys.modules[name]
+    os.environ.pop("CPSLICE_DEBUG", None)
+    if value is not None:
+        os.environ["CPSLICE_DEBUG"] = value
+    import cpslice, cpslice._plan
+    assert not hasattr(cpslice.extract_responses, "__wrapped__"), value
+    assert not hasattr(cpslice._plan.runs, "__wrapped__"), value
+    assert "megatron" not in sys.modules, "import cpslice must not import megatron"
+    layout = cpslice.Layout([10], [4], cp_mode="zigzag", cp_size=2)
+    try:
+        cpslice.extract_responses(torch.zeros(6, dtype=torch.int64), layout)
+    except TypeError as e:
+        assert "must be floating point" in str(e), e
+    else:
+        raise SystemExit("no error")
+    try:
+        cpslice.shard_responses(torch.zeros(4), layout)
+    except TypeError as e:
+        assert "list of per-sample tensors" in str(e), e
+    try:
+        cpslice.extract_responses(torch.tensor(1.0), layout)
+    except TypeError as e:
+        assert "0-d" in str(e), e
 print("ok")
 """
-    for value in (None, "", "0"):
-        proc = _run(code, value)
-        assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    proc = _run(code, None)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_one_checks_every_function_with_bound_dimensions() -> None:
