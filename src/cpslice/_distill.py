@@ -25,6 +25,7 @@ contributes 0 (never ``0 * log 0`` = NaN): a tail of 0 when the ids hold all the
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -213,6 +214,41 @@ def _shares(whole: Sequence[Tensor], layout: Layout, device: torch.device, empty
     return torch.cat(parts).to(device) if parts else empty
 
 
+class _Step(NamedTuple):
+    """A distillation step's checked arguments: this rank's layout (its local length
+    set), the per-row temperature, the chunk, the cap, the distribution's size, the
+    teacher's per-sample tensors and their ``k``, and the response rows (CPU) and
+    per-sample counts."""
+
+    layout: Layout
+    tau: float | Tensor
+    chunk: int | None
+    cap: float | None
+    vocab: int
+    lps: list[Tensor]
+    ids: list[Tensor]
+    k: int
+    rows: Tensor
+    counts: list[int]
+
+
+def _prepare(
+    x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: object,
+    softcap: object, vocab_size: object, tp_group: dist.ProcessGroup | None,
+    teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
+) -> _Step:
+    """Every check of a distillation step, in order, before any collective."""
+    local = layout.with_local_length(resolve_length(layout, int(x.shape[0]), what))
+    tau = row_temperatures(temperature, local)
+    chunk = args.chunk_size(chunk_size)
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * vocab_local)
+    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, vocab)
+    _check_divergence(kind, beta, tail)
+    rows, counts = response_rows(local)
+    return _Step(local, tau, chunk, cap, vocab, lps, ids, lps[0].shape[1] if lps else 1, rows, counts)
+
+
 def response_distillation(
     logits: TensorArg,
     teacher_log_probs: Sequence[TopK],
@@ -259,27 +295,20 @@ def response_distillation(
             hold. Raised before any collective.
     """
     x = args.logits(logits)
-    length = resolve_length(layout, int(x.shape[0]), "logits")
-    local = layout.with_local_length(length)
-    tau = row_temperatures(temperature, local)
-    tau = tau if isinstance(tau, float) else tau.to(device=x.device, dtype=compute_dtype(x.dtype))
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    total = checks.vocab_size(vocab_size, args.tp_world(tp_group) * x.shape[1])
-    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, total)
-    _check_divergence(kind, beta, tail)
-    host_rows, counts = response_rows(local)
-    rows = host_rows.to(x.device)
-    k = lps[0].shape[1] if lps else 1
-    picked = torch.zeros((length, k), dtype=torch.int64, device=x.device)
-    picked[rows] = _shares(ids, local, x.device, picked[:0])
-    need = torch.zeros(length, dtype=torch.bool)
-    need[host_rows] = True
-    options = Options(False, False, tau, tp_group, chunk, None, False, rows=need, cap=cap, vocab_size=total)
+    step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
+                    teacher_log_probs, teacher_ids, kind, beta, tail)
+    rows = step.rows.to(x.device)
+    picked = torch.zeros((x.shape[0], step.k), dtype=torch.int64, device=x.device)
+    picked[rows] = _shares(step.ids, step.layout, x.device, picked[:0])
+    need = torch.zeros(x.shape[0], dtype=torch.bool)
+    need[step.rows] = True
+    tau = step.tau if isinstance(step.tau, float) else step.tau.to(device=x.device, dtype=compute_dtype(x.dtype))
+    options = Options(False, False, tau, tp_group, step.chunk, None, False, rows=need, cap=step.cap,
+                      vocab_size=step.vocab)
     student, _ = logits_driver.apply(x, picked, options)
-    teacher = _shares(lps, local, x.device, student[:0])
+    teacher = _shares(step.lps, step.layout, x.device, student[:0])
     div = topk_divergence(student[rows], teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, counts))
+    return list(torch.split(div, step.counts))
 
 
 def response_distillation_from_hidden(
@@ -307,22 +336,15 @@ def response_distillation_from_hidden(
     gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w = args.head(hidden, weight)
-    length = resolve_length(layout, int(h.shape[0]), "hidden")
-    local = layout.with_local_length(length)
-    tau = row_temperatures(temperature, local)
-    chunk = args.chunk_size(chunk_size)
-    checks.softcap(softcap)
-    total = checks.vocab_size(vocab_size, args.tp_world(tp_group) * w.shape[0])
-    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, total)
-    _check_divergence(kind, beta, tail)
-    host_rows, counts = response_rows(local)
-    rows = host_rows.to(h.device)
-    k = lps[0].shape[1] if lps else 1
-    picked = _shares(ids, local, h.device, torch.zeros((0, k), dtype=torch.int64, device=h.device))
+    step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
+                    teacher_log_probs, teacher_ids, kind, beta, tail)
+    empty = torch.zeros((0, step.k), dtype=torch.int64, device=h.device)
+    picked = _shares(step.ids, step.layout, h.device, empty)
+    tau = step.tau if isinstance(step.tau, float) else step.tau[step.rows.to(step.tau.device)]
     student = hidden_driver.linear_log_probs_at(
-        h[rows], w, picked, tp_group=tp_group, chunk_size=chunk, softcap=softcap, vocab_size=total,
-        temperature=tau if isinstance(tau, float) else tau[host_rows.to(tau.device)],
+        h[step.rows.to(h.device)], w, picked, temperature=tau, tp_group=tp_group, chunk_size=step.chunk,
+        softcap=step.cap, vocab_size=step.vocab,
     )
-    teacher = _shares(lps, local, h.device, student[:0])
+    teacher = _shares(step.lps, step.layout, h.device, student[:0])
     div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, counts))
+    return list(torch.split(div, step.counts))
