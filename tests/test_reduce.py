@@ -256,6 +256,13 @@ def test_index_tensors_are_built_once_per_layout_and_device() -> None:
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
                                 denominators=[float("nan")]),
          LayoutError, r"sample 0: denominators\[0\] is nan"),
+        # a tensor's NaN too (a CPU tensor is checked; NaN < 0 is False, so it needs isnan)
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                denominators=torch.tensor([float("nan")])),
+         LayoutError, r"sample 0: denominators\[0\] is nan; a denominator is .* >= 0"),
+        (lambda L: sum_of_sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                       denominators=torch.tensor([float("nan")], dtype=torch.float64)),
+         LayoutError, r"sample 0: denominators\[0\] is nan"),
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=["2"]),  # type: ignore[list-item]
          TypeError, r"sample 0: denominators\[0\] must be a real number, got a str '2'"),
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=3.0),  # type: ignore[arg-type]
