@@ -26,6 +26,7 @@ from cpslice._reduce import _EXTREMES, _divide, _local_extreme, _sums
 from tests.checked import refused
 
 from .oracle import Config, local_length, local_values, shares
+from .sample_stats import masked_extreme, masked_means
 from .strategies import configs
 
 
@@ -174,13 +175,6 @@ def _whole_columns(cfg: Config, masks: list[torch.Tensor], gen: torch.Generator)
     return out
 
 
-def _extreme_reference(v: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Tensor:
-    on = v.detach()[m != 0]
-    if not len(on):
-        return torch.full(v.shape[1:], -math.inf if largest else math.inf, dtype=v.dtype)
-    return on.amax(0) if largest else on.amin(0)
-
-
 @settings(max_examples=30, deadline=None)
 @given(configs(), st.integers(0, 2))
 def test_columns_and_extremes_of_every_rank_combine_to_the_whole_response_ones(
@@ -208,14 +202,14 @@ def test_columns_and_extremes_of_every_rank_combine_to_the_whole_response_ones(
     means = _divide(sums, part.whole)
     grads = torch.autograd.grad((means * weight).sum(), whole, allow_unused=True,
                                 materialize_grads=True)
-    for i, (v, m) in enumerate(zip(whole, masks)):
-        on, d = m != 0, float(m.double().sum())
-        want = (v.detach()[on] * m[on].double()[:, None]).sum(0) / d if d else torch.zeros(M)
-        assert torch.allclose(means[i].detach(), want.double(), rtol=1e-12, atol=1e-12), i
-        want_grad = m.double()[:, None] * weight[i] / d if d else torch.zeros(len(m), M)
-        assert torch.allclose(grads[i], want_grad.double(), rtol=1e-12, atol=1e-12), i
-        assert torch.equal(largest[i], _extreme_reference(v, m, True)), i
-        assert torch.equal(least[i], _extreme_reference(v, m, False)), i
+    want = masked_means(whole, masks)
+    want_grads = torch.autograd.grad((want * weight).sum(), whole, allow_unused=True,
+                                     materialize_grads=True)
+    assert torch.allclose(means.detach(), want.detach(), rtol=1e-12, atol=1e-12)
+    for got_grad, want_grad in zip(grads, want_grads):
+        assert torch.allclose(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(largest, masked_extreme(whole, masks, largest=True))
+    assert torch.equal(least, masked_extreme(whole, masks, largest=False))
     if cfg.cp == 1:  # no CP: the public functions themselves, with no process group
         layout = cfg.layout(0).with_local_length(local_length(cfg))
         mine = shares(whole, cfg, 0)
