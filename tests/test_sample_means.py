@@ -23,6 +23,7 @@ from cpslice import (
     LayoutError,
     extract_responses,
     pack,
+    response_log_probs,
     sample_max,
     sample_means,
     sample_min,
@@ -163,8 +164,14 @@ def _to_samples(cfg: Config, rank: int, local: Tensor) -> list[Tensor]:
 # ---------------------------------------------------------------- the ranks
 
 
+DOC_LOSSES = ("gspo_loss", "opsm_loss", "corrected_pg_loss")
+
+
 def _doc_functions() -> dict[str, Any]:
-    return block_defining("docs/api-guide.md", "gspo_loss")
+    """The namespaces of docs/api-guide.md's blocks of the GSPO / OPSM losses and of the
+    off-policy corrections."""
+    page = "docs/api-guide.md"
+    return {**block_defining(page, "gspo_loss"), **block_defining(page, "corrected_pg_loss")}
 
 
 def _rl_batch(cp: int) -> dict[str, Any]:
@@ -279,7 +286,7 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         batch = _rl_batch(cp)
         layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
                         cp_size=cp)
-        for fn in ("gspo_loss", "opsm_loss"):
+        for fn in DOC_LOSSES:
             out[cp, "docs", fn, rank] = _rl_loss(docs[fn], batch, layout, group)
     return out
 
@@ -399,7 +406,7 @@ def test_low_precision_means_over_long_responses(
 
 
 @pytest.mark.parametrize("cp", GROUPS)
-@pytest.mark.parametrize("fn", ["gspo_loss", "opsm_loss"])
+@pytest.mark.parametrize("fn", DOC_LOSSES)
 def test_doc_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
     ranks: dict[Any, Any], cp: int, fn: str
 ) -> None:
@@ -418,6 +425,11 @@ def test_doc_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
         negative = [bool((a * m).sum() < 0) for a, m in zip(batch["adv"], batch["masks"])]
         assert any(negative[i] and i % 2 == 0 for i in range(len(negative)))  # dropped
         assert any(negative[i] and i % 2 for i in range(len(negative)))  # kept
+    if fn == "corrected_pg_loss":  # the geometric-mean mask keeps some and drops some
+        whole = Layout(batch["total"], batch["response"])
+        lp, _ = response_log_probs(pack(batch["logits"], whole), batch["tokens"], whole)
+        _, keep, _ = docs["rollout_corrections"](lp, batch["old"], batch["masks"], whole)
+        assert 0 < int(keep.sum()) < len(keep), keep
 
 
 @pytest.mark.parametrize("cp", GROUPS)
