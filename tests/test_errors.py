@@ -282,6 +282,7 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
          "tests/test_reduce.py::test_error_reducer_arguments",
          "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
+         "tests/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
          "tests/test_linear.py::test_refusals",
          "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
          "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",

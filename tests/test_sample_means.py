@@ -307,6 +307,28 @@ def _replicas(cp: int) -> list[list[int]]:
 # ---------------------------------------------------------------- the checks
 
 
+def _check_means(ranks: dict[Any, Any], cp: int, key: str, name: str, case: Case, *,
+                 columns: bool) -> None:
+    """The ranks' results under ``key`` equal ``case``'s float64 no-CP means (``[n]``, or
+    ``[n, 3]`` with ``columns``), each from one all_reduce (sum) of that shape each way,
+    whatever the rank holds; their loss parts sum to the no-CP loss and its gradients."""
+    means, loss, grads = case.reference(columns)
+    assert means.shape == ((case.n, 3) if columns else (case.n,)) and not torch.isnan(means).any()
+    for replica in _replicas(cp):
+        got = [ranks[cp, key, name, r] for r in replica]
+        for r, result in zip(replica, got):
+            got_means = torch.tensor(result["means"], dtype=torch.float64)
+            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
+            assert result["forward"] == result["backward"] == [(list(means.shape), "SUM")], r
+        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
+        for i, want in enumerate(grads):
+            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64).view(want.shape)
+                                 for g in got]).sum(0)
+            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
+        if name == "sparse":
+            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+
+
 @pytest.mark.parametrize("cp", GROUPS)
 @pytest.mark.parametrize(
     ("mode", "name"),
@@ -316,23 +338,7 @@ def _replicas(cp: int) -> list[list[int]]:
 def test_means_and_gradients_equal_the_float64_no_cp_ones(
     ranks: dict[Any, Any], cp: int, mode: str, name: str
 ) -> None:
-    case = Case(name, cp, mode)
-    means, loss, grads = case.reference()
-    assert not torch.isnan(means).any()
-    for replica in _replicas(cp):
-        got = [ranks[cp, mode, name, r] for r in replica]
-        for r, result in zip(replica, got):
-            got_means = torch.tensor(result["means"], dtype=torch.float64)
-            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
-            # one all_reduce (sum) of [n] floats each way, whatever this rank holds
-            assert result["forward"] == result["backward"] == [([case.n], "SUM")], r
-        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
-        for i, want in enumerate(grads):
-            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64)
-                                 for g in got]).sum(0)
-            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
-        if name == "sparse":
-            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+    _check_means(ranks, cp, mode, name, Case(name, cp, mode), columns=False)
 
 
 @pytest.mark.parametrize("cp", GROUPS)
@@ -340,23 +346,7 @@ def test_means_and_gradients_equal_the_float64_no_cp_ones(
 def test_m_statistics_in_one_all_reduce_equal_the_float64_no_cp_ones(
     ranks: dict[Any, Any], cp: int, name: str
 ) -> None:
-    case = Case(name, cp, "zigzag")
-    means, loss, grads = case.reference(columns=True)
-    assert means.shape == (case.n, 3) and not torch.isnan(means).any()
-    for replica in _replicas(cp):
-        got = [ranks[cp, "columns", name, r] for r in replica]
-        for r, result in zip(replica, got):
-            got_means = torch.tensor(result["means"], dtype=torch.float64)
-            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
-            # the m statistics share the one all_reduce of [n, m] each way
-            assert result["forward"] == result["backward"] == [([case.n, 3], "SUM")], r
-        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
-        for i, want in enumerate(grads):
-            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64).view(-1, 3)
-                                 for g in got]).sum(0)
-            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
-        if name == "sparse":
-            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+    _check_means(ranks, cp, "columns", name, Case(name, cp, "zigzag"), columns=True)
 
 
 @pytest.mark.parametrize("cp", GROUPS)
