@@ -100,6 +100,9 @@ def test_a_2d_share_is_refused_as_values() -> None:
                  r"sample_max and sample_min take \[r_i, m\]"):
         sum_of_tokens([torch.zeros(2, 3)], [torch.ones(2)], layout)
     assert sample_means([torch.ones(2, 1)], [torch.ones(2)], layout).shape == (1, 1)
+    # any trailing shape: [r_i, *m] gives [n, *m]
+    assert sample_means([torch.ones(2, 2, 3)], [torch.ones(2)], layout).tolist() == [[[1.0] * 3] * 2]
+    assert sample_max([torch.ones(2, 2, 3)], [torch.ones(2)], layout).shape == (1, 2, 3)
 
 
 # ---------------------------------------------------------------- mask dtypes, denominators
