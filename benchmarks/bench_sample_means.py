@@ -1,9 +1,11 @@
-"""GSPO's sequence-level ratio: sample_means against gathering whole responses, cp 4.
+"""Sequence-level statistics at cp 4: sample_means (and sample_max) against gathering
+whole responses.
 
 Zigzag CP at cp 4 on gloo (spawned processes). Each rank holds its zigzag shares of
 every sample's log-probs (extracted from a ``[T]`` leaf, so gradients flow) and of the
-rollout's old log-probs. Every method computes, on every rank, ``ratio_i = exp(mean of
-log_prob - old_log_prob over the whole masked response)`` and the same loss part
+rollout's old log-probs. The first table is GSPO's sequence-level ratio: every method
+computes, on every rank, ``ratio_i = exp(mean of log_prob - old_log_prob over the whole
+masked response)`` and the same loss part
 ``sum_i ratio_i * (this rank's advantages of sample i, summed)``, then runs backward:
 
 - ``sample_means``: one ``all_reduce`` of ``[n]`` float32 forward, one backward;
@@ -15,10 +17,24 @@ log_prob - old_log_prob over the whole masked response)`` and the same loss part
 - ``gather_responses`` of the per-token log-ratio: one ``all_to_all`` forward, one
   backward, whole responses on every rank.
 
+The second table is the off-policy corrections' step: per sample, ``m = 4`` masked
+means of per-token statistics of the log-ratio ``d`` (``d`` itself: GSPO's ratio and
+the geometric-mean mask; the k3 KL ``exp(-d) - 1 + d``; the negative log-prob, for the
+perplexity; the chi-square term ``(exp(d) - 1)^2``) and the largest ``d`` (rejection
+by the largest per-token ratio, no gradient), then a loss of the ratio, the rejection
+mask and the KL and chi-square means, and backward:
+
+- ``sample_means`` of ``[r_i, 4]`` + ``sample_max``: one ``all_reduce`` of ``[n, 4]``
+  forward, one backward, and one ``all_reduce`` (MAX) of ``[n]``;
+- one ``sample_means`` per statistic + ``sample_max``: 4 + 4 + 1 ``all_reduce``s of ``[n]``;
+- per-sample all-gather (slime's way): as above, an all-gather per sample of each list
+  the statistics come from (log-probs, old log-probs), every statistic and the maximum
+  then computed from the whole responses; backward, one exchange per sample.
+
 Bytes are what one rank sends, forward + backward, counted from the sizes (a ring
-all-reduce of ``N`` elements sends ``2 (c-1)/c N``; an all-gather of ``m`` per rank
-sends ``(c-1) m``). Times are medians of forward + backward, every method returning
-the same ratios (checked).
+all-reduce of ``N`` elements, sum or max, sends ``2 (c-1)/c N``; an all-gather of ``m``
+per rank sends ``(c-1) m``). Times are medians of forward + backward, every method of
+a table returning the same results and gradients (checked).
 
 Run: ``.venv/bin/python -m benchmarks.bench_sample_means [--quick]``.
 """
@@ -36,7 +52,9 @@ from torch import Tensor
 from benchmarks.harness import join_store, median_ms, spawn_ranks
 
 CP = 4
+M = 4  # the statistics of the second table
 Row = tuple[str, int, int, float]  # method, collectives per step, bytes sent, ms
+Result = tuple[int, int, list[Row], list[Row]]  # samples, tokens, the two tables' rows
 
 
 class _GatherShare(torch.autograd.Function):
@@ -63,7 +81,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=CP)
     # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
-    from cpslice import Layout, extract_responses, gather_responses, sample_means
+    from cpslice import Layout, extract_responses, gather_responses, sample_max, sample_means
     from cpslice import shard_responses as shard
     from cpslice._plan import needed_length, response_base, selection
     from cpslice._redistribute import _route
@@ -128,6 +146,47 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
         torch.autograd.backward(loss_of(ratio))
         return ratio.detach()
 
+    def statistics(lp: Tensor, old: Tensor) -> Tensor:
+        """``[r, M]`` per token: d, the k3 KL, -log p, the chi-square term."""
+        d = lp - old
+        return torch.stack([d, torch.exp(-d) - 1 + d, -lp, (torch.exp(d) - 1) ** 2], -1)
+
+    def corrections(means: Tensor, largest: Tensor) -> Tensor:
+        """The step's loss: the ratio of the samples their largest log-ratio does not
+        reject (here the half above the median is, alike on every rank), and the KL and
+        chi-square means; backward. Returns the statistics and the max."""
+        keep = (largest <= largest.median()).float()
+        loss = loss_of(means[:, 0].exp() * keep) + 0.1 * means[:, 1].sum() + 0.01 * means[:, 3].sum()
+        torch.autograd.backward(loss)
+        return torch.cat([means.detach(), largest[:, None]], 1)
+
+    def ours_stats() -> Tensor:
+        lp, _ = extract_responses(values, layout)
+        stats = [statistics(a, b) for a, b in zip(lp, old)]
+        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout)
+        return corrections(sample_means(stats, masks, layout), largest)
+
+    def one_per_statistic() -> Tensor:
+        lp, _ = extract_responses(values, layout)
+        stats = [statistics(a, b) for a, b in zip(lp, old)]
+        means = [sample_means([s[:, j] for s in stats], masks, layout) for j in range(M)]
+        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout)
+        return corrections(torch.stack(means, 1), largest)
+
+    def per_sample_stats() -> Tensor:
+        lp, _ = extract_responses(values, layout)
+        means, largest = [], []
+        for i in range(n):
+            gap = pad[i] - lp[i].shape[0]
+            full_lp = _gather_share(torch.nn.functional.pad(lp[i], (0, gap)))[order[i]]
+            with torch.no_grad():
+                full_old = _gather_share(torch.nn.functional.pad(old[i], (0, gap)))[order[i]]
+            stats = statistics(full_lp, full_old)
+            means.append((stats * mask_f[i][:, None]).sum(0) / mask_sums[i])
+            d = (full_lp - full_old).detach()[masks[i]]
+            largest.append(d.max() if len(d) else d.new_tensor(float("-inf")))
+        return corrections(torch.stack(means), torch.stack(largest))
+
     def result(fn: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
         values.grad = None
         ratio = fn()
@@ -135,11 +194,13 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
         assert grad is not None
         return ratio, grad.clone()
 
-    ref, ref_grad = result(ours)
-    for fn in (per_sample, gathered):  # the same ratios and the same gradients
-        got, grad = result(fn)
-        assert torch.allclose(got, ref, rtol=1e-5), (fn.__name__, (got - ref).abs().max())
-        assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6), fn.__name__
+    for first, others in ((ours, (per_sample, gathered)),
+                          (ours_stats, (one_per_statistic, per_sample_stats))):
+        ref, ref_grad = result(first)
+        for fn in others:  # the same results and the same gradients
+            got, grad = result(fn)
+            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (fn.__name__, (got - ref).abs().max())
+            assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6), fn.__name__
 
     itemsize = 4
     ring = 2 * (CP - 1) / CP
@@ -152,35 +213,54 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
          median_ms(per_sample, repeat)),
         ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, median_ms(gathered, repeat)),
     ]
+    # an all_reduce of N elements sends ring * N: the means' [n, M] forward and backward
+    # (in one call or in M), the maximum's [n] forward only
+    means_bytes, max_bytes = int(2 * ring * M * n) * itemsize, int(ring * n) * itemsize
+    stats_rows: list[Row] = [
+        ("sample_means [n, 4] + sample_max", 3, means_bytes + max_bytes,
+         median_ms(ours_stats, repeat)),
+        ("sample_means per statistic + sample_max", 2 * M + 1, means_bytes + max_bytes,
+         median_ms(one_per_statistic, repeat)),
+        ("per-sample all-gather", 3 * n, 3 * (CP - 1) * sum(pad) * itemsize,
+         median_ms(per_sample_stats, repeat)),
+    ]
     if rank == 0:
-        out.put((n, sum(response), rows))
+        out.put((n, sum(response), rows, stats_rows))
     dist.destroy_process_group()
 
 
-def run(quick: bool = False) -> tuple[int, int, list[Row]]:
-    """Spawn CP ranks and measure: (samples, response tokens, rows of rank 0)."""
+def run(quick: bool = False) -> Result:
+    """Spawn CP ranks and measure: (samples, response tokens, the rows of rank 0 of the
+    GSPO table and of the statistics table)."""
     n, mean, repeat = (64, 256, 5) if quick else (512, 1024, 5)
-    result: tuple[int, int, list[Row]] = spawn_ranks(_worker, CP, (n, mean, repeat), timeout=1200)
+    result: Result = spawn_ranks(_worker, CP, (n, mean, repeat), timeout=1200)
     return result
 
 
-def report(result: tuple[int, int, list[Row]]) -> str:
-    n, tokens, rows = result
-    ours_bytes, ours_ms = rows[0][2], rows[0][3]
-    lines = [
-        f"GSPO sequence ratio, zigzag cp {CP}, {n} samples, {tokens:,} response tokens; "
-        "per rank, forward + backward",
-        f"{'method':<22} {'collectives':>11} {'bytes sent':>13} {'x sample_means':>14} "
-        f"{'ms':>9} {'x sample_means':>14}",
-    ]
+def _table(rows: list[Row]) -> list[str]:
+    """The rows side by side, each against the first."""
+    width = max(len(name) for name, *_ in rows)
+    first_bytes, first_ms = rows[0][2], rows[0][3]
+    lines = [f"{'method':<{width}} {'collectives':>11} {'bytes sent':>13} {'x first':>9} "
+             f"{'ms':>9} {'x first':>9}"]
     for name, calls, sent, ms in rows:
-        lines.append(f"{name:<22} {calls:>11} {sent:>13,} {sent / ours_bytes:>13.1f}x "
-                     f"{ms:>9.1f} {ms / ours_ms:>13.2f}x")
-    return "\n".join(lines)
+        lines.append(f"{name:<{width}} {calls:>11} {sent:>13,} {sent / first_bytes:>8.1f}x "
+                     f"{ms:>9.1f} {ms / first_ms:>8.2f}x")
+    return lines
+
+
+def report(result: Result) -> str:
+    n, tokens, rows, stats_rows = result
+    head = f"zigzag cp {CP}, {n} samples, {tokens:,} response tokens; per rank, forward + backward"
+    return "\n".join([
+        f"GSPO sequence ratio, {head}", *_table(rows), "",
+        f"{M} statistics per sample (means) and the largest log-ratio, {head}",
+        *_table(stats_rows),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="sample_means against gathering responses")
+    parser = argparse.ArgumentParser(description="sample_means, sample_max against gathering responses")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     print(report(run(args.quick)))

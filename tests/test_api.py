@@ -11,7 +11,7 @@ PUBLIC = {
     "log_probs_and_entropy", "response_log_probs",
     "linear_log_probs_and_entropy", "response_log_probs_from_hidden",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
-    "clear_caches", "sample_means",
+    "clear_caches", "sample_means", "sample_max", "sample_min",
     "log_probs_at", "linear_log_probs_at", "topk_log_probs", "linear_topk_log_probs",
     "topk_divergence", "response_distillation", "response_distillation_from_hidden",
 }

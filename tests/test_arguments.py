@@ -147,6 +147,9 @@ def no_numbers(i: Any, r: Any) -> None:
     assert cpslice.gather_responses(shares, layout)[0] is shares[0]
     assert cpslice.response_rows(layout).counts == RESPONSE
     assert cpslice.extraction_strategy(layout) == "none-thd"
+    masks = [torch.ones(n) for n in RESPONSE]
+    assert cpslice.sample_max(shares, masks, layout).shape == (2, 7)
+    assert cpslice.sample_min([s[:, 0] for s in shares], masks, layout).shape == (2,)
     cpslice.clear_caches()
 
 
@@ -169,7 +172,7 @@ CALLS: dict[str, Callable[..., None]] = {
     "sum_of_tokens": reducer_kinds,
     **dict.fromkeys(
         ["extract_responses", "shard_responses", "redistribute", "gather_responses",
-         "response_rows", "extraction_strategy", "clear_caches"],
+         "response_rows", "extraction_strategy", "sample_max", "sample_min", "clear_caches"],
         no_numbers,
     ),
 }

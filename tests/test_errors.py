@@ -6,6 +6,7 @@ cpslice's own exception and message pass.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,21 @@ def test_pack_keeps_an_exact_fill() -> None:
     assert shifted_targets(tokens, layout, fill=np.int32(-7)).tolist() == [6, -7, 9, -7]
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64],
+                         ids=str)
+def test_pack_takes_a_fill_at_its_dtypes_limits_and_refuses_one_beyond(dtype: torch.dtype) -> None:
+    info = torch.iinfo(dtype)
+    layout = Layout([3, 2], [1, 1], cp_mode="zigzag", cp_size=2)
+    tokens = [torch.tensor([5, 6, 7], dtype=dtype), torch.tensor([8, 9], dtype=dtype)]
+    for fill in (info.min, info.max):  # the limits themselves are held exactly
+        out = pack(tokens, layout, fill=fill)
+        assert out.dtype == dtype and out.tolist() == [5, fill, 8, fill], fill
+    for fill in (info.min - 1, info.max + 1):
+        with refused(LayoutError, rf"fill {fill} is outside the range of {re.escape(str(dtype))} "
+                     rf"\[{info.min}, {info.max}\]"):
+            pack(tokens, layout, fill=fill)
+
+
 def test_layout_error_is_a_value_error() -> None:
     assert issubclass(LayoutError, ValueError)
 
@@ -266,6 +282,7 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
          "tests/test_reduce.py::test_error_reducer_arguments",
          "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
+         "tests/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
          "tests/test_linear.py::test_refusals",
          "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
          "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",

@@ -1,6 +1,9 @@
 """The reducers need no communication, so their CP property is checked in one process:
-the parts of every rank add up to the no-CP value, for values and gradients."""
+the parts of every rank add up to the no-CP value, for values and gradients; for
+``sample_means`` / ``sample_max`` / ``sample_min``, the per-rank parts their one
+all_reduce combines (tests/test_sample_means.py runs the collectives on gloo)."""
 
+import math
 from typing import Any
 
 import pytest
@@ -12,14 +15,18 @@ from cpslice import (
     Layout,
     LayoutError,
     extract_responses,
+    sample_max,
     sample_means,
+    sample_min,
     shard_responses,
     sum_of_sample_means,
     sum_of_tokens,
 )
+from cpslice._reduce import _EXTREMES, _divide, _local_extreme, _sums
 from tests.checked import refused
 
-from .oracle import Config, local_length, local_values
+from .oracle import Config, local_length, local_values, shares
+from .sample_stats import masked_extreme, masked_means
 from .strategies import configs
 
 
@@ -86,8 +93,16 @@ def test_a_2d_share_is_refused_as_values() -> None:
         sum_of_tokens([torch.zeros(2)], [torch.ones(2, 1)], layout)
     # checked or not, the argument that is wrong is the one named, not the one after it
     with pytest.raises((LayoutError, TypeError)) as info:
-        sample_means([torch.zeros(2, 1)], [torch.ones(2)], layout)
+        sum_of_sample_means([torch.zeros(2, 1)], [torch.ones(2)], layout)
     assert "values" in str(info.value) and "loss_masks" not in str(info.value), str(info.value)
+    # the refusal says where [r_i, m] goes: sample_means takes it, one mean per column
+    with refused(LayoutError, r"reduce one value per token to a loss part; sample_means, "
+                 r"sample_max and sample_min take \[r_i, m\]"):
+        sum_of_tokens([torch.zeros(2, 3)], [torch.ones(2)], layout)
+    assert sample_means([torch.ones(2, 1)], [torch.ones(2)], layout).shape == (1, 1)
+    # any trailing shape: [r_i, *m] gives [n, *m]
+    assert sample_means([torch.ones(2, 2, 3)], [torch.ones(2)], layout).tolist() == [[[1.0] * 3] * 2]
+    assert sample_max([torch.ones(2, 2, 3)], [torch.ones(2)], layout).shape == (1, 2, 3)
 
 
 # ---------------------------------------------------------------- mask dtypes, denominators
@@ -147,6 +162,95 @@ def test_parts_and_gradients_sum_to_the_no_cp_ones_for_every_mask_and_denominato
                              for w, m, di in zip(weights, masks, d)], dtype=torch.float64)
         assert torch.allclose(means.double(), want, rtol=1e-12, atol=1e-12)
         assert means.dtype == torch.float64 or not cfg.total  # no samples: no dtype to keep
+
+
+M = 3  # statistics per token in the [r_i, m] tests
+
+
+def _whole_columns(cfg: Config, masks: list[torch.Tensor], gen: torch.Generator) -> list[torch.Tensor]:
+    """Per sample ``[R_i, M]`` float64 leaves; masked positions hold -inf, +inf or NaN."""
+    out = []
+    for r, m in zip(cfg.response, masks):
+        v = torch.randn(r, M, generator=gen, dtype=torch.float64)
+        junk = torch.tensor([float("-inf"), float("nan"), float("inf")], dtype=torch.float64)
+        junk = junk.repeat(r * M)[: r * M].view(r, M)
+        out.append(torch.where((m == 0)[:, None], junk, v).requires_grad_())
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(configs(), st.integers(0, 2))
+def test_columns_and_extremes_of_every_rank_combine_to_the_whole_response_ones(
+    cfg: Config, kind: int
+) -> None:
+    """sample_means' [n, m] sums (and gradients) and sample_max / sample_min's parts, per
+    rank, summed / maxed over the ranks: the float64 whole-response statistics."""
+    if not cfg.total:
+        return
+    gen = torch.Generator().manual_seed(sum(cfg.total) + kind)
+    masks = _masks(kind, cfg.response, gen)
+    whole = _whole_columns(cfg, masks, gen)
+    weight = torch.randn(len(cfg.total), M, generator=gen, dtype=torch.float64)
+    sums = torch.zeros(len(cfg.total), M, dtype=torch.float64)
+    largest = torch.full_like(sums, -math.inf)
+    least = torch.full_like(sums, math.inf)
+    for rank in range(cfg.cp):
+        layout = cfg.layout(rank).with_local_length(local_length(cfg))
+        mine = shares(whole, cfg, rank)
+        part = _sums(mine, masks, layout, columns=True)
+        assert part.local.shape == (len(cfg.total), M)
+        sums = sums + part.local
+        largest = torch.maximum(largest, _local_extreme(_EXTREMES["sample_max"], mine, masks, layout))
+        least = torch.minimum(least, _local_extreme(_EXTREMES["sample_min"], mine, masks, layout))
+    means = _divide(sums, part.whole)
+    grads = torch.autograd.grad((means * weight).sum(), whole, allow_unused=True,
+                                materialize_grads=True)
+    want = masked_means(whole, masks)
+    want_grads = torch.autograd.grad((want * weight).sum(), whole, allow_unused=True,
+                                     materialize_grads=True)
+    assert torch.allclose(means.detach(), want.detach(), rtol=1e-12, atol=1e-12)
+    for got_grad, want_grad in zip(grads, want_grads):
+        assert torch.allclose(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(largest, masked_extreme(whole, masks, largest=True))
+    assert torch.equal(least, masked_extreme(whole, masks, largest=False))
+    if cfg.cp == 1:  # no CP: the public functions themselves, with no process group
+        layout = cfg.layout(0).with_local_length(local_length(cfg))
+        mine = shares(whole, cfg, 0)
+        assert torch.equal(sample_means(mine, masks, layout), means)
+        assert torch.equal(sample_max(mine, masks, layout), largest)
+        assert torch.equal(sample_min(mine, masks, layout), least)
+
+
+def test_extremes_keep_the_dtype_count_nonzero_masks_and_carry_no_gradient() -> None:
+    layout = Layout([4, 3, 3, 2], [3, 2, 2, 0])
+    values = [torch.tensor([0.5, float("nan"), -2.0], dtype=torch.bfloat16, requires_grad=True),
+              torch.tensor([float("inf"), 3.0], dtype=torch.bfloat16),
+              torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+              torch.zeros(0, dtype=torch.bfloat16)]
+    # a fractional mask keeps its token unscaled; an int 2 keeps it too; 0 drops it
+    masks = [torch.tensor([0.25, 0.0, 2.0]), torch.tensor([0, 2]), torch.zeros(2, dtype=torch.bool),
+             torch.zeros(0)]
+    for fn, want in ((sample_max, [0.5, 3.0, -math.inf, -math.inf]),
+                     (sample_min, [-2.0, 3.0, math.inf, math.inf])):
+        got = fn(values, masks, layout)
+        assert got.dtype == torch.bfloat16 and not got.requires_grad
+        assert got.tolist() == want, fn.__name__
+    columns = [torch.stack([v, -v], 1) for v in values]
+    got = sample_max(columns, masks, layout)
+    assert got.shape == (4, 2) and got[:, 1].tolist() == [2.0, -3.0, -math.inf, -math.inf]
+    assert sample_min([], [], Layout([], [])).shape == (0,)
+
+
+def test_extremes_without_cp_need_no_process_group_and_with_cp_say_so() -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    values, masks = [torch.tensor([1.0, 3.0])], [torch.ones(2)]
+    cp = Layout([8], [2], cp_mode="zigzag", cp_size=2, cp_rank=1)
+    for fn, want in ((sample_max, [3.0]), (sample_min, [1.0])):
+        assert fn(values, masks, Layout([3], [2], cp_mode="zigzag", cp_size=1)).tolist() == want
+        with pytest.raises(RuntimeError, match=rf"{fn.__name__} at cp_size 2 needs torch.distributed"):
+            fn(shard_responses(values, cp), masks, cp)
 
 
 def test_fractional_masks_divide_by_their_actual_sum() -> None:
@@ -256,6 +360,13 @@ def test_index_tensors_are_built_once_per_layout_and_device() -> None:
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
                                 denominators=[float("nan")]),
          LayoutError, r"sample 0: denominators\[0\] is nan"),
+        # a tensor's NaN too (a CPU tensor is checked; NaN < 0 is False, so it needs isnan)
+        (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                denominators=torch.tensor([float("nan")])),
+         LayoutError, r"sample 0: denominators\[0\] is nan; a denominator is .* >= 0"),
+        (lambda L: sum_of_sample_means([torch.zeros(2)], [torch.ones(2)], L,
+                                       denominators=torch.tensor([float("nan")], dtype=torch.float64)),
+         LayoutError, r"sample 0: denominators\[0\] is nan"),
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=["2"]),  # type: ignore[list-item]
          TypeError, r"sample 0: denominators\[0\] must be a real number, got a str '2'"),
         (lambda L: sample_means([torch.zeros(2)], [torch.ones(2)], L, denominators=3.0),  # type: ignore[arg-type]
@@ -265,3 +376,20 @@ def test_index_tensors_are_built_once_per_layout_and_device() -> None:
 def test_error_reducer_arguments(call: Any, error: type[Exception], match: str) -> None:
     with refused(error, match):
         call(Layout([3], [2]))
+
+
+@pytest.mark.parametrize("fn", [sample_means, sample_max, sample_min], ids=lambda f: f.__name__)
+def test_shares_of_one_call_have_one_trailing_shape(fn: Any) -> None:
+    layout = Layout([3, 4, 2], [2, 3, 1])
+    with refused(LayoutError, r"sample 1: values\[1\] has shape \(3, 2\) but values\[0\] has "
+                 r"\(2, 3\) \(the shares of one call have one trailing shape"):
+        fn([torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(1, 3)], [torch.ones(r) for r in (2, 3, 1)],
+           layout)
+    with refused(LayoutError, r"sample 2: values\[2\] has shape \(0,\) but values\[0\] has \(2, 3\)"):
+        fn([torch.zeros(2, 3), torch.zeros(3, 3), torch.zeros(0)], [torch.ones(r) for r in (2, 3, 0)],
+           Layout([3, 4, 2], [2, 3, 0]))
+    with refused(LayoutError, r"sample 1: values\[1\] has 2 positions but this rank's share is 3"):
+        fn([torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3)], [torch.ones(r) for r in (2, 3, 1)],
+           layout)
+    with refused(TypeError, r"sample 0: values\[0\] has dtype torch.int64; it must be floating point"):
+        fn([torch.zeros(2, 3, dtype=torch.int64)], [torch.ones(2)], Layout([3], [2]))

@@ -1,10 +1,12 @@
-"""sample_means on real gloo process groups against float64 no-CP references, and the
-GSPO and OPSM examples of docs/api-guide.md under zigzag CP.
+"""sample_means, sample_max and sample_min on real gloo process groups against float64
+no-CP references, and the GSPO and OPSM examples of docs/api-guide.md under zigzag CP.
 
 One spawned run of 4 ranks does all the distributed work (cp 4 on the world group,
-cp 2 on two subgroups of 2, zigzag and allgather); each rank builds its local tensor
-from the naive oracle's map of rows to positions, extracts its shares, and returns
-its means and gradients; the parent compares them with references computed here.
+cp 2 on two subgroups of 2, zigzag and allgather; the [n, m] statistics and the
+extremes under zigzag); each rank builds its local tensor from the naive oracle's map
+of rows to positions, extracts its shares, and returns its results, gradients and
+every all_reduce it made (shape and op); the parent compares them with references
+computed here.
 """
 
 import dataclasses
@@ -16,13 +18,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import Layout, LayoutError, extract_responses, pack, sample_means, shard_responses
+from cpslice import (
+    Layout,
+    LayoutError,
+    extract_responses,
+    pack,
+    response_log_probs,
+    sample_max,
+    sample_means,
+    sample_min,
+    shard_responses,
+)
 from cpslice._types import CpMode
 
 from ._dist import run_distributed
 from ._docs import block_defining
 from .lengths import edge_lengths, sparse_lengths
 from .oracle import Config, least_length, local_map
+from .sample_stats import masked_extreme, masked_means
 
 WORLD = 4
 GROUPS = (4, 2)  # cp sizes: the world group, and two subgroups {0, 1}, {2, 3}
@@ -32,6 +45,10 @@ ALIGNED = ("zigzag aligned", "allgather aligned")
 CASES = ("mixed", "denominators", "sparse", "bfloat16", "float16")
 LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 VOCAB = 16
+# the [r_i, m] cases: zigzag, m = 3 statistics, each weighted so in the loss
+COLUMN_CASES = ("mixed", "denominators", "sparse")
+WEIGHTS = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+EXTREME_CASES = ("mixed", "sparse")  # fully masked samples; ranks that hold nothing
 
 
 # ---------------------------------------------------------------- the batches
@@ -92,17 +109,19 @@ class Case:
             cfg = dataclasses.replace(cfg, local_length=least_length(cfg))
         return cfg
 
-    def reference(self) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """float64 no-CP: the means, the loss sum_i exp(mean_i) * sum(adv_i), its gradients."""
-        leaves = [v.clone().requires_grad_() for v in self.values]
-        means = []
-        for i, (v, m) in enumerate(zip(leaves, self.masks)):
-            on = m != 0
-            s = (v[on] * m[on].double()).sum()
-            d = float(m.double().sum()) if self.denominators is None else float(self.denominators[i])
-            means.append(s / d if d else s * 0)
-        mean = torch.stack(means) if means else torch.zeros(0, dtype=torch.float64)
-        loss = sum((mean[i].exp() * a.sum() for i, a in enumerate(self.advantages)),
+    def columns(self) -> list[Tensor]:
+        """``[R_i, 3]`` statistics per token: v, 2v + 1, -v (masked: -inf, +inf or NaN)."""
+        return [torch.stack([v, 2 * v + 1, -v], 1) for v in self.values]
+
+    def whole(self, columns: bool) -> list[Tensor]:
+        return self.columns() if columns else self.values
+
+    def reference(self, columns: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """float64 no-CP: the means, the loss sum_i (exp(mean_i) . w) * sum(adv_i) (w:
+        ``WEIGHTS`` for columns, 1 otherwise), its gradients."""
+        leaves = [v.clone().requires_grad_() for v in self.whole(columns)]
+        mean = masked_means(leaves, self.masks, self.denominators)
+        loss = sum((_weighted(mean[i].exp(), columns) * a.sum() for i, a in enumerate(self.advantages)),
                    torch.zeros((), dtype=torch.float64))
         grads: list[Tensor] = []
         if loss.requires_grad:
@@ -111,10 +130,16 @@ class Case:
         return mean.detach(), loss.detach(), grads
 
 
+def _weighted(stats: Tensor, columns: bool) -> Tensor:
+    """A sample's ``exp(mean)`` as one number: ``WEIGHTS . stats`` for columns."""
+    return (stats * WEIGHTS).sum() if columns else stats
+
+
 def _local(cfg: Config, rank: int, per_sample: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """The rank's local per-position tensor holding ``per_sample`` at the response span."""
+    """The rank's local per-position tensor ``[T, *m]`` holding ``per_sample``
+    (``[R_i, *m]``) at the response span."""
     rows = local_map(cfg, rank)
-    out = torch.zeros(len(rows), dtype=torch.float64)
+    out = torch.zeros(len(rows), *per_sample[0].shape[1:], dtype=torch.float64)
     for row, where in enumerate(rows):
         if where is not None:
             i, p = where
@@ -126,7 +151,7 @@ def _local(cfg: Config, rank: int, per_sample: list[Tensor], dtype: torch.dtype)
 
 def _to_samples(cfg: Config, rank: int, local: Tensor) -> list[Tensor]:
     """The inverse of ``_local``: per sample, the rank's rows at their response index."""
-    out = [torch.zeros(r, dtype=torch.float64) for r in cfg.response]
+    out = [torch.zeros(r, *local.shape[1:], dtype=torch.float64) for r in cfg.response]
     for row, where in enumerate(local_map(cfg, rank)):
         if where is not None:
             i, p = where
@@ -139,8 +164,14 @@ def _to_samples(cfg: Config, rank: int, local: Tensor) -> list[Tensor]:
 # ---------------------------------------------------------------- the ranks
 
 
+DOC_LOSSES = ("gspo_loss", "opsm_loss", "corrected_pg_loss")
+
+
 def _doc_functions() -> dict[str, Any]:
-    return block_defining("docs/api-guide.md", "gspo_loss")
+    """The namespaces of docs/api-guide.md's blocks of the GSPO / OPSM losses and of the
+    off-policy corrections."""
+    page = "docs/api-guide.md"
+    return {**block_defining(page, "gspo_loss"), **block_defining(page, "corrected_pg_loss")}
 
 
 def _rl_batch(cp: int) -> dict[str, Any]:
@@ -171,14 +202,60 @@ def _rl_loss(fn: Any, batch: dict[str, Any], layout: Layout, group: Any) -> tupl
     return float(loss.detach()), [g.tolist() for g in grads]
 
 
+Calls = list[tuple[list[int], str]]  # every all_reduce: its tensor's shape and its op
+
+
+def _means(case: Case, mode: str, cp: int, me: int, group: Any, calls: Calls, *,
+           columns: bool) -> dict[str, Any]:
+    """One rank's sample_means of ``case`` (``[n]``, or ``[n, 3]`` with ``columns``), its
+    loss part and gradients, and the all_reduces forward and backward."""
+    cfg = case.config(mode, cp)
+    layout = cfg.layout(me)
+    local = _local(cfg, me, case.whole(columns), case.dtype).requires_grad_()
+    shares, _ = extract_responses(local, layout)
+    adv, _ = extract_responses(_local(cfg, me, case.advantages, torch.float64), layout)
+    calls.clear()
+    means = sample_means(shares, case.masks, layout, group=group, denominators=case.denominators)
+    forward = list(calls)
+    part = sum((_weighted(means[i].double().exp(), columns) * a.sum() for i, a in enumerate(adv)),
+               means[:0].double().sum())
+    torch.autograd.backward(part)
+    assert local.grad is not None
+    # plain Python across the queue: a tensor would be shared through a file
+    # descriptor that dies with this process
+    return dict(
+        means=means.double().tolist(), dtype=str(means.dtype), part=float(part.detach()),
+        grads=[g.tolist() for g in _to_samples(cfg, me, local.grad)],
+        held=sum(s.shape[0] for s in shares), forward=forward, backward=calls[len(forward):],
+    )
+
+
+def _extremes(case: Case, cp: int, me: int, group: Any, calls: Calls, *,
+              columns: bool) -> dict[str, Any]:
+    """One rank's sample_max and sample_min of ``case`` under zigzag, from shares of a
+    leaf that requires grad, and each call's all_reduces."""
+    cfg = case.config("zigzag", cp)
+    layout = cfg.layout(me)
+    local = _local(cfg, me, case.whole(columns), torch.float64).requires_grad_()
+    shares, _ = extract_responses(local, layout)
+    out: dict[str, Any] = dict(held=sum(s.shape[0] for s in shares))
+    for fn in (sample_max, sample_min):
+        calls.clear()
+        got = fn(shares, case.masks, layout, group=group)
+        out[fn.__name__] = dict(values=got.tolist(), dtype=str(got.dtype),
+                                grad=got.requires_grad, calls=list(calls))
+    return out
+
+
 def _worker(rank: int, world: int) -> dict[Any, Any]:
     torch.set_num_threads(1)
     subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    calls: list[int] = []
+    calls: Calls = []
     real = dist.all_reduce
 
     def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:  # the real collective
-        calls.append(tensor.numel())
+        op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+        calls.append((list(tensor.shape), op.name))
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counted
@@ -189,29 +266,15 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         me = rank % cp
         for mode in MODES + ALIGNED:
             for name in CASES if mode in MODES else ("mixed", "sparse"):
-                case = Case(name, cp, mode)
-                cfg = case.config(mode, cp)
-                layout = cfg.layout(me)
-                local = _local(cfg, me, case.values, case.dtype).requires_grad_()
-                shares, _ = extract_responses(local, layout)
-                adv, _ = extract_responses(_local(cfg, me, case.advantages, torch.float64), layout)
-                calls.clear()
-                means = sample_means(shares, case.masks, layout, group=group,
-                                     denominators=case.denominators)
-                forward = list(calls)
-                part = sum((means[i].double().exp() * a.sum() for i, a in enumerate(adv)),
-                           means[:0].double().sum())
-                torch.autograd.backward(part)
-                assert local.grad is not None
-                # plain Python across the queue: a tensor would be shared through a file
-                # descriptor that dies with this process
-                out[cp, mode, name, rank] = dict(
-                    means=means.double().tolist(), dtype=str(means.dtype),
-                    part=float(part.detach()),
-                    grads=[g.tolist() for g in _to_samples(cfg, me, local.grad)],
-                    held=sum(s.numel() for s in shares),
-                    forward=forward, backward=calls[len(forward):],
-                )
+                out[cp, mode, name, rank] = _means(Case(name, cp, mode), mode, cp, me, group,
+                                                   calls, columns=False)
+        for name in COLUMN_CASES:
+            out[cp, "columns", name, rank] = _means(Case(name, cp, "zigzag"), "zigzag", cp, me,
+                                                    group, calls, columns=True)
+        for name in EXTREME_CASES:
+            for columns in (False, True):
+                out[cp, "extremes", name, columns, rank] = _extremes(
+                    Case(name, cp, "zigzag"), cp, me, group, calls, columns=columns)
         # a layout for another group size: refused on every rank, before any collective
         wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
         try:
@@ -223,7 +286,7 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         batch = _rl_batch(cp)
         layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
                         cp_size=cp)
-        for fn in ("gspo_loss", "opsm_loss"):
+        for fn in DOC_LOSSES:
             out[cp, "docs", fn, rank] = _rl_loss(docs[fn], batch, layout, group)
     return out
 
@@ -244,6 +307,28 @@ def _replicas(cp: int) -> list[list[int]]:
 # ---------------------------------------------------------------- the checks
 
 
+def _check_means(ranks: dict[Any, Any], cp: int, key: str, name: str, case: Case, *,
+                 columns: bool) -> None:
+    """The ranks' results under ``key`` equal ``case``'s float64 no-CP means (``[n]``, or
+    ``[n, 3]`` with ``columns``), each from one all_reduce (sum) of that shape each way,
+    whatever the rank holds; their loss parts sum to the no-CP loss and its gradients."""
+    means, loss, grads = case.reference(columns)
+    assert means.shape == ((case.n, 3) if columns else (case.n,)) and not torch.isnan(means).any()
+    for replica in _replicas(cp):
+        got = [ranks[cp, key, name, r] for r in replica]
+        for r, result in zip(replica, got):
+            got_means = torch.tensor(result["means"], dtype=torch.float64)
+            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
+            assert result["forward"] == result["backward"] == [(list(means.shape), "SUM")], r
+        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
+        for i, want in enumerate(grads):
+            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64).view(want.shape)
+                                 for g in got]).sum(0)
+            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
+        if name == "sparse":
+            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+
+
 @pytest.mark.parametrize("cp", GROUPS)
 @pytest.mark.parametrize(
     ("mode", "name"),
@@ -253,23 +338,43 @@ def _replicas(cp: int) -> list[list[int]]:
 def test_means_and_gradients_equal_the_float64_no_cp_ones(
     ranks: dict[Any, Any], cp: int, mode: str, name: str
 ) -> None:
-    case = Case(name, cp, mode)
-    means, loss, grads = case.reference()
-    assert not torch.isnan(means).any()
-    for replica in _replicas(cp):
-        got = [ranks[cp, mode, name, r] for r in replica]
-        for r, result in zip(replica, got):
-            got_means = torch.tensor(result["means"], dtype=torch.float64)
-            assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
-            # one all_reduce of [n] floats each way, whatever this rank holds
-            assert result["forward"] == [case.n] and result["backward"] == [case.n], r
-        assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
-        for i, want in enumerate(grads):
-            total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64)
-                                 for g in got]).sum(0)
-            assert torch.allclose(total, want, rtol=1e-12, atol=1e-12), (name, i)
-        if name == "sparse":
-            assert any(g["held"] == 0 for g in got), "some rank holds nothing"
+    _check_means(ranks, cp, mode, name, Case(name, cp, mode), columns=False)
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("name", COLUMN_CASES)
+def test_m_statistics_in_one_all_reduce_equal_the_float64_no_cp_ones(
+    ranks: dict[Any, Any], cp: int, name: str
+) -> None:
+    _check_means(ranks, cp, "columns", name, Case(name, cp, "zigzag"), columns=True)
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("name", EXTREME_CASES)
+@pytest.mark.parametrize("columns", [False, True], ids=["[n]", "[n, m]"])
+def test_extremes_in_one_all_reduce_equal_the_whole_response_ones(
+    ranks: dict[Any, Any], cp: int, name: str, columns: bool
+) -> None:
+    case = Case(name, cp, "zigzag")
+    whole = case.whole(columns)
+    # what the test is about is in the batch: a sample with nothing unmasked, and (the
+    # mixed batch) -inf and NaN, and +inf in the columns, at masked positions, where they
+    # would win
+    assert any(not bool((m != 0).any()) for m in case.masks)
+    masked = torch.cat([v[m == 0].flatten() for v, m in zip(whole, case.masks)])
+    if name == "mixed":
+        assert masked.isnan().any() and masked.isneginf().any()
+        assert masked.isposinf().any() or not columns
+    for fn, op, largest in (("sample_max", "MAX", True), ("sample_min", "MIN", False)):
+        want = masked_extreme(whole, case.masks, largest)
+        assert want.isinf().any() and not want.isnan().any()
+        for r in range(WORLD):
+            got = ranks[cp, "extremes", name, columns, r][fn]
+            assert torch.equal(torch.tensor(got["values"], dtype=torch.float64), want), (fn, r)
+            assert got["dtype"] == "torch.float64" and not got["grad"], (fn, r)
+            assert got["calls"] == [(list(want.shape), op)], (fn, r)  # one, of [n] or [n, m]
+    if name == "sparse":
+        assert any(ranks[cp, "extremes", name, columns, r]["held"] == 0 for r in range(WORLD))
 
 
 @pytest.mark.parametrize("cp", GROUPS)
@@ -291,7 +396,7 @@ def test_low_precision_means_over_long_responses(
 
 
 @pytest.mark.parametrize("cp", GROUPS)
-@pytest.mark.parametrize("fn", ["gspo_loss", "opsm_loss"])
+@pytest.mark.parametrize("fn", DOC_LOSSES)
 def test_doc_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
     ranks: dict[Any, Any], cp: int, fn: str
 ) -> None:
@@ -310,6 +415,11 @@ def test_doc_losses_sum_over_cp_to_the_no_cp_loss_and_gradients(
         negative = [bool((a * m).sum() < 0) for a, m in zip(batch["adv"], batch["masks"])]
         assert any(negative[i] and i % 2 == 0 for i in range(len(negative)))  # dropped
         assert any(negative[i] and i % 2 for i in range(len(negative)))  # kept
+    if fn == "corrected_pg_loss":  # the geometric-mean mask keeps some and drops some
+        whole = Layout(batch["total"], batch["response"])
+        lp, _ = response_log_probs(pack(batch["logits"], whole), batch["tokens"], whole)
+        _, keep, _ = docs["rollout_corrections"](lp, batch["old"], batch["masks"], whole)
+        assert 0 < int(keep.sum()) < len(keep), keep
 
 
 @pytest.mark.parametrize("cp", GROUPS)

@@ -31,7 +31,9 @@ from ._pack import response_rows as response_rows
 from ._pack import shifted_targets as shifted_targets
 from ._redistribute import gather_responses as gather_responses
 from ._redistribute import redistribute as redistribute
+from ._reduce import sample_max as sample_max
 from ._reduce import sample_means as sample_means
+from ._reduce import sample_min as sample_min
 from ._reduce import sum_of_sample_means as sum_of_sample_means
 from ._reduce import sum_of_tokens as sum_of_tokens
 from ._response import response_log_probs as response_log_probs
@@ -70,7 +72,9 @@ __all__ = [
     "response_log_probs",
     "response_log_probs_from_hidden",
     "response_rows",
+    "sample_max",
     "sample_means",
+    "sample_min",
     "shard_responses",
     "shifted_targets",
     "sum_of_sample_means",

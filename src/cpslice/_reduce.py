@@ -1,11 +1,14 @@
-"""Loss reducers under CP. ``sum_of_sample_means`` and ``sum_of_tokens`` need no
-communication: each rank's partial result sums over the CP group to exactly the
-no-CP result. ``sample_means`` gives every rank each sample's complete mean, with
-one ``all_reduce`` of ``[n]`` floats forward and one backward.
+"""Per-sample reducers under CP. ``sum_of_sample_means`` and ``sum_of_tokens`` need
+no communication: each rank's partial result sums over the CP group to exactly the
+no-CP result. ``sample_means`` gives every rank each sample's complete means of ``m``
+statistics, with one ``all_reduce`` of ``[n, m]`` floats forward and one backward;
+``sample_max`` / ``sample_min`` each sample's complete masked maximum / minimum, with
+one ``all_reduce`` (MAX / MIN) and no gradient.
 
-Every reducer accumulates in float32 (float64 for float64 values), whatever the
-values' dtype, and returns the values' dtype: a bfloat16 sum of a thousand tokens
-would otherwise stall where the spacing of bfloat16 numbers exceeds each addend.
+Every sum accumulates in float32 (float64 for float64 values), whatever the values'
+dtype, and returns the values' dtype: a bfloat16 sum of a thousand tokens would
+otherwise stall where the spacing of bfloat16 numbers exceeds each addend. A maximum
+accumulates nothing: it is taken and reduced in the values' dtype, exactly.
 """
 
 import math
@@ -26,7 +29,8 @@ from ._types import Denominators, Masks, Shares, compute_dtype
 
 _I64 = torch.int64
 
-PerSample = Float[Tensor, " n"]
+# [n] for [r_i] values, [n, m] for [r_i, m] (any trailing shape, the values')
+PerSample = Float[Tensor, "n *m"]
 Scalar = Float[Tensor, ""]
 
 
@@ -54,16 +58,29 @@ def _index(layout: Layout, device: torch.device) -> _Index:
     )
 
 
-def _check_shares(values: object, layout: Layout) -> list[Tensor]:
+def _check_shares(values: object, layout: Layout, *, columns: bool) -> list[Tensor]:
+    """This rank's shares ``[r_i]``, or with ``columns`` ``[r_i, *m]``, of one dtype and
+    one trailing shape."""
     counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
-    shares = checks.per_sample(
-        "values", values, counts, "this rank's share", one_dim=True, floating=True
-    )
+    shares = checks.per_sample("values", values, counts, "this rank's share", floating=True)
     for i, v in enumerate(shares):
+        if not columns and v.dim() != 1:
+            raise LayoutError(
+                f"sample {i}: values[{i}] has shape {tuple(v.shape)}; it must be 1-D "
+                f"[this rank's share] = [{counts[i]}] (sum_of_sample_means and sum_of_tokens "
+                "reduce one value per token to a loss part; sample_means, sample_max and "
+                "sample_min take [r_i, m])"
+            )
         if v.dtype != shares[0].dtype:
             raise LayoutError(
                 f"sample {i}: values[{i}] is {v.dtype} but values[0] is {shares[0].dtype} "
                 "(the shares of one call have one dtype)"
+            )
+        if v.shape[1:] != shares[0].shape[1:]:
+            raise LayoutError(
+                f"sample {i}: values[{i}] has shape {tuple(v.shape)} but values[0] has "
+                f"{tuple(shares[0].shape)} (the shares of one call have one trailing shape: "
+                "[r_i, m] for every sample, [0, m] where this rank holds none of it)"
             )
     return shares
 
@@ -117,15 +134,22 @@ def _refuse(i: int, value: float) -> None:
     )
 
 
+def _columns(x: Tensor, like: Tensor) -> Tensor:
+    """A per-token ``[L]`` tensor viewed ``[L, 1, ...]``, to broadcast over ``like``'s
+    trailing dimensions (the statistics)."""
+    return x.view(-1, *[1] * (like.dim() - 1))
+
+
 class _Sums(NamedTuple):
-    local: Tensor  # [n] this rank's masked sums, accumulation dtype, in the graph
+    local: Tensor  # [n, *m] this rank's masked sums, accumulation dtype, in the graph
     whole: Tensor  # [n] the whole masks' sums (the default denominators)
     dtype: torch.dtype  # the values' dtype
 
 
-def _sums(values: object, loss_masks: object, layout: Layout) -> _Sums:
-    """Per sample: the sum of value * mask over this rank's share, and the whole mask sum."""
-    shares = _check_shares(values, layout)
+def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool) -> _Sums:
+    """Per sample (and statistic): the sum of value * mask over this rank's share, and
+    the whole mask sum."""
+    shares = _check_shares(values, layout, columns=columns)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
     if not n:
@@ -137,10 +161,10 @@ def _sums(values: object, loss_masks: object, layout: Layout) -> _Sums:
     index = _index(layout, device)
     flat = torch.cat(shares).to(acc)
     whole_mask = torch.cat(masks).to(device=device, dtype=acc)
-    mask = whole_mask.index_select(0, index.local)
+    mask = _columns(whole_mask.index_select(0, index.local), flat)
     # where, not a bare product: a masked -inf or NaN must not poison the sum (or its grad)
     masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
-    local = torch.zeros(n, dtype=acc, device=device).index_add(0, index.local_sample, masked)
+    local = flat.new_zeros((n, *flat.shape[1:])).index_add(0, index.local_sample, masked)
     whole = torch.zeros(n, dtype=acc, device=device).index_add(
         0, index.whole_sample, whole_mask
     )
@@ -148,7 +172,9 @@ def _sums(values: object, loss_masks: object, layout: Layout) -> _Sums:
 
 
 def _divide(sums: Tensor, denominators: Tensor) -> Tensor:
-    """``sums / denominators``, 0 where a denominator is 0 (never NaN, never inf)."""
+    """``sums / denominators``, 0 where a denominator is 0 (never NaN, never inf); one
+    denominator per sample divides each of its statistics."""
+    denominators = _columns(denominators, sums)
     zero = denominators == 0
     return torch.where(zero, torch.zeros_like(sums), sums / torch.where(zero, 1, denominators))
 
@@ -162,7 +188,9 @@ def sum_of_sample_means(
 ) -> Scalar:
     """This rank's part of ``sum_i mean_i``, the masked mean of each sample's response.
 
-    ``values[i]`` is this rank's share ``[r_i]`` (from ``extract_responses``);
+    ``values[i]`` is this rank's share ``[r_i]`` (from ``extract_responses``), one value
+    per token: a loss part is one number, and with no communication to share, a second
+    statistic costs nothing more as a second call (``sample_means`` takes ``[r_i, m]``);
     ``loss_masks[i]`` is sample ``i``'s *whole* mask ``[R_i]`` (bool, int or float,
     the same on every rank; a fractional mask weights its token). Each sample's
     masked sum over the share is divided by the whole mask's sum, or by
@@ -181,7 +209,7 @@ def sum_of_sample_means(
         LayoutError: a list or share length disagrees with the layout; a share is
             not 1-D; denominators has the wrong length or a negative (or NaN) value.
     """
-    sums = _sums(values, loss_masks, layout)
+    sums = _sums(values, loss_masks, layout, columns=False)
     if denominators is None:
         d = sums.whole
     else:
@@ -200,7 +228,7 @@ def sum_of_tokens(values: Shares, loss_masks: Masks, layout: Layout) -> Scalar:
     Raises:
         TypeError, LayoutError: as ``sum_of_sample_means``.
     """
-    sums = _sums(values, loss_masks, layout)
+    sums = _sums(values, loss_masks, layout, columns=False)
     return sums.local.sum().to(sums.dtype)
 
 
@@ -229,8 +257,8 @@ class _AllReduceSum(torch.autograd.Function):
 _all_reduce_sum = cast(Callable[[Tensor, Any], Tensor], _AllReduceSum.apply)
 
 
-def _check_group(layout: Layout, group: dist.ProcessGroup | None) -> None:
-    checks.cp_group("sample_means", "the layout", layout.cp_rank, layout.cp_size, group)
+def _check_group(what: str, layout: Layout, group: dist.ProcessGroup | None) -> None:
+    checks.cp_group(what, "the layout", layout.cp_rank, layout.cp_size, group)
 
 
 def sample_means(
@@ -243,49 +271,140 @@ def sample_means(
 ) -> PerSample:
     """Each sample's masked mean over its *whole* response, on every rank of the CP group.
 
-    For sequence-level losses: GSPO's ratio ``exp(mean(log_prob - old_log_prob))``,
-    off-policy sequence masking, sequence-level clipping.
+    For sequence-level losses and corrections: GSPO's ratio ``exp(mean(log_prob -
+    old_log_prob))``, off-policy sequence masking, sequence-level importance sampling
+    (a sum: ``denominators`` of ones), mismatch metrics; several at once as columns.
 
     Args:
-        values: this rank's shares ``[r_i]`` (from ``extract_responses``), floating point.
+        values: this rank's shares ``[r_i]`` (from ``extract_responses``), floating
+            point; or ``[r_i, m]``, ``m`` statistics per token (any trailing shape, the
+            same for every share of the call: an empty share is ``[0, m]``).
         loss_masks: the *whole* masks ``[R_i]`` (bool, int or float; the same on every
-            rank); a fractional mask weights its token.
+            rank), one per token for all its statistics; a fractional mask weights its
+            token.
         layout: this rank's layout.
         group: the CP process group (``None``: the default group); unused without CP.
         denominators: ``[n]`` tensor or list of floats, the same on every rank, in
-            place of the whole masks' sums (e.g. a token count per rollout group).
-            A CPU tensor is checked for negative values (a device tensor is not: that
-            would cost a sync).
+            place of the whole masks' sums (e.g. a token count per rollout group), one
+            per sample for all its statistics. A CPU tensor is checked for negative or
+            NaN values (a device tensor is not: that would cost a sync).
 
     Returns:
-        ``[n]``, the values' dtype (accumulated in float32, float64 for float64
-        values): sample ``i``'s masked sum over its whole response divided by its
-        whole mask's sum (or ``denominators[i]``); 0 where that is 0, never NaN.
-        Masked positions never contribute, even when they hold -inf or NaN.
-        Differentiable: each rank's loss part may use the means anywhere, and the
-        gradient is that of the **sum over the CP group** of the parts (as for
+        ``[n]`` for ``[r_i]`` values, ``[n, m]`` for ``[r_i, m]``; the values' dtype
+        (accumulated in float32, float64 for float64 values): sample ``i``'s masked
+        sum over its whole response divided by its whole mask's sum (or
+        ``denominators[i]``); 0 where that is 0, never NaN. A layout of no samples
+        gives ``[0]``. Masked positions never contribute, even when they hold -inf or
+        NaN. Differentiable: each rank's loss part may use the means anywhere, and
+        the gradient is that of the **sum over the CP group** of the parts (as for
         ``sum_of_sample_means``), so every rank's loss part must be built from the
         result (a rank that holds nothing included) and every rank runs backward.
 
-    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` of ``[n]``
-    floats forward and, when the result is in a graph, one backward, whatever each
-    rank holds (none for a layout of no samples, on every rank alike); every rank
-    must call it (under ``torch.no_grad()``: only the forward one). Without CP
-    (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed.
+    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` of ``[n]`` (or
+    ``[n, m]``) floats forward and, when the result is in a graph, one backward,
+    whatever each rank holds (none for a layout of no samples, on every rank alike);
+    every rank must call it (under ``torch.no_grad()``: only the forward one). Without
+    CP (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed.
 
     Raises:
         RuntimeError: CP without torch.distributed initialized.
-        TypeError, LayoutError: as ``sum_of_sample_means``; a group whose size or
-            rank disagrees with the layout.
+        TypeError, LayoutError: as ``sum_of_sample_means`` (but shares may have
+            trailing dimensions); shares of different trailing shapes; a group whose
+            size or rank disagrees with the layout.
     """
-    sums = _sums(values, loss_masks, layout)
+    sums = _sums(values, loss_masks, layout, columns=True)
     if denominators is None:
         d = sums.whole
     else:
         d = _denominators(denominators, layout, sums.local.device, sums.local.dtype)
     local = sums.local
     if layout.cp_size > 1:
-        _check_group(layout, group)
+        _check_group("sample_means", layout, group)
         if layout.num_samples:  # n is the same on every rank: all skip, or none
             local = _all_reduce_sum(local, group)
     return _divide(local, d).to(sums.dtype)
+
+
+class _Extreme(NamedTuple):
+    identity: float  # what a sample with no unmasked token gets
+    reduce: str  # scatter_reduce's name of the reduction
+    op: dist.ReduceOp.RedOpType  # all_reduce's
+
+
+_EXTREMES = {
+    "sample_max": _Extreme(-math.inf, "amax", dist.ReduceOp.MAX),
+    "sample_min": _Extreme(math.inf, "amin", dist.ReduceOp.MIN),
+}
+
+
+def _local_extreme(how: _Extreme, values: object, loss_masks: object, layout: Layout) -> Tensor:
+    """Per sample (and statistic): the extreme of this rank's unmasked share elements,
+    ``how.identity`` where it holds none; ``[n, *m]``, detached, the values' dtype."""
+    shares = _check_shares(values, layout, columns=True)
+    masks = _check_masks(loss_masks, layout)
+    n = layout.num_samples
+    if not n:
+        return torch.zeros(0)
+    flat = torch.cat(shares).detach()
+    index = _index(layout, flat.device)
+    kept = _columns((torch.cat(masks) != 0).to(flat.device).index_select(0, index.local), flat)
+    # where: a masked position's value, -inf or NaN included, is never compared
+    flat = torch.where(kept, flat, how.identity)
+    samples = _columns(index.local_sample, flat).expand_as(flat)
+    out = flat.new_full((n, *flat.shape[1:]), how.identity)
+    return out.scatter_reduce(0, samples, flat, how.reduce)
+
+
+def _extreme(
+    what: str, values: object, loss_masks: object, layout: Layout,
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """``sample_max`` or ``sample_min`` (``what``): see there."""
+    how = _EXTREMES[what]
+    local = _local_extreme(how, values, loss_masks, layout)
+    if layout.cp_size > 1:
+        _check_group(what, layout, group)
+        if layout.num_samples:  # n is the same on every rank: all enter it, or none
+            dist.all_reduce(local, op=how.op, group=group)
+    return local
+
+
+def sample_max(
+    values: Shares, loss_masks: Masks, layout: Layout, *, group: dist.ProcessGroup | None = None
+) -> PerSample:
+    """Each sample's masked maximum over its *whole* response, on every rank of the CP
+    group: e.g. rejection of a sequence by its largest per-token log-ratio (verl's
+    ``seq_max_k*``).
+
+    Arguments as ``sample_means`` (``values`` ``[r_i]`` or ``[r_i, m]``): a token
+    counts where its mask is nonzero, at its value (a fractional mask keeps its token
+    but does not scale it); masked positions never count, even when they hold -inf or
+    NaN. An unmasked NaN is the backend's to order under CP (gloo's MAX keeps or drops
+    it by rank order): mask it.
+
+    Returns:
+        ``[n]`` or ``[n, m]``, the values' dtype (taken and reduced in it: exact);
+        ``-inf`` for a sample with no unmasked token (the identity of the maximum);
+        ``[0]`` for a layout of no samples. No gradient: the result is detached (for
+        masks and metrics), whether or not the values require grad.
+
+    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` (MAX) of ``[n]``
+    (or ``[n, m]``), whatever each rank holds (none for a layout of no samples, on
+    every rank alike); every rank must call it. Without CP, none, and no process group
+    is needed.
+
+    Raises:
+        RuntimeError, TypeError, LayoutError: as ``sample_means``.
+    """
+    return _extreme("sample_max", values, loss_masks, layout, group)
+
+
+def sample_min(
+    values: Shares, loss_masks: Masks, layout: Layout, *, group: dist.ProcessGroup | None = None
+) -> PerSample:
+    """Each sample's masked minimum over its *whole* response, on every rank of the CP
+    group: ``sample_max``'s twin, with an all_reduce (MIN) and ``+inf`` (the identity
+    of the minimum) for a sample with no unmasked token. Arguments, result, collectives
+    and errors as ``sample_max``.
+    """
+    return _extreme("sample_min", values, loss_masks, layout, group)
