@@ -270,7 +270,9 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
          "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",
          "tests/test_arguments.py", "tests/test_distill.py::test_refusals",
-         "tests/test_distill.py::test_response_refusals_name_the_sample"],
+         "tests/test_distill.py::test_response_refusals_name_the_sample",
+         "tests/test_row_offsets.py::test_refusals_are_layout_errors",
+         "tests/test_row_offsets.py::test_wrong_kinds_are_type_errors"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
