@@ -2,13 +2,14 @@
 equality, hashing, ``repr`` and the derived layouts keep; the worked example of
 docs/layouts.md through pack, shifted_targets and extraction; every refusal."""
 
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, shifted_targets
+
+from .refusals import refusal
 
 # docs/layouts.md: S = 12, prompts of 6 and 2 tokens left-padded to 6 (o = 0, 4),
 # responses of 4 and 5, zigzag over c = 2 ranks (chunks of 3 columns)
@@ -123,21 +124,13 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-def _raise(code: str) -> Exception:
-    try:
-        eval(code, {"Layout": Layout, "torch": torch})
-    except Exception as e:  # noqa: BLE001 - returned for the caller to inspect
-        return e
-    raise AssertionError(f"{code} was accepted")
-
-
 @pytest.mark.parametrize(("code", "message"), REFUSALS)
 def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error: Any = _raise(code)
+    error = refusal(code)
     assert isinstance(error, LayoutError) and message in str(error), error
 
 
 @pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
 def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = _raise(code)
+    error = refusal(code)
     assert type(error) is TypeError and message in str(error), error
