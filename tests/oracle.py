@@ -25,6 +25,7 @@ class Config:
     extra: int  # extra padding rows at the end of the local tensor (when no local_length)
     padded: tuple[int, ...] | None = None  # thd: each sample's W_i, given to the Layout
     align: int | None = None  # thd: W_i = L_i rounded up to a multiple of align
+    row_offsets: tuple[int, ...] | None = None  # bshd: sample i at columns [o_i, o_i + L_i)
 
     def layout(self, rank: int, *, with_local: bool = True) -> Layout:
         return Layout(
@@ -38,6 +39,7 @@ class Config:
             local_length=self.local_length if with_local else None,
             padded_lengths=None if self.padded is None else list(self.padded),
             align=self.align,
+            row_offsets=None if self.row_offsets is None else list(self.row_offsets),
         )
 
 
@@ -65,6 +67,13 @@ def widths(cfg: Config) -> list[int]:
     return out
 
 
+def _holds(cfg: Config, i: int, p: int) -> tuple[int, int] | None:
+    """What position ``p`` of sample ``i``'s extent holds: ``(i, p - o_i)`` for its
+    tokens at ``[o_i, o_i + L_i)``, padding (None) before and after them."""
+    o = cfg.row_offsets[i] if cfg.row_offsets is not None else 0
+    return (i, p - o) if o <= p < o + cfg.total[i] else None
+
+
 def least_length(cfg: Config) -> int:
     if cfg.mode == "zigzag":
         # two chunks of W_i / 2c per sample
@@ -83,20 +92,18 @@ def local_map(cfg: Config, rank: int) -> list[tuple[int, int] | None]:
     rows: list[tuple[int, int] | None] = []
     width = widths(cfg)
     if cfg.mode == "none":
-        for i, length in enumerate(cfg.total):
-            rows += [(i, p) if p < length else None for p in range(width[i])]
+        for i in range(len(cfg.total)):
+            rows += [_holds(cfg, i, p) for p in range(width[i])]
     elif cfg.mode == "zigzag":
         c = cfg.cp
-        for i, length in enumerate(cfg.total):
+        for i in range(len(cfg.total)):
             chunk = width[i] // (2 * c)
             for k in (rank, 2 * c - 1 - rank):
                 for p in range(k * chunk, (k + 1) * chunk):
-                    rows.append((i, p) if p < length else None)
+                    rows.append(_holds(cfg, i, p))
     else:
         stream: list[tuple[int, int] | None] = [
-            (i, p) if p < length else None
-            for i, length in enumerate(cfg.total)
-            for p in range(width[i])
+            _holds(cfg, i, p) for i in range(len(cfg.total)) for p in range(width[i])
         ]
         stream += [None] * (cfg.cp * t - len(stream))
         rows = list(stream[rank * t : (rank + 1) * t])
@@ -143,8 +150,10 @@ def response_rows(cfg: Config, rank: int) -> list[int]:
 
 def config_of(layout: Layout) -> Config:
     """The oracle's Config of a Layout (its plain numbers only; no local length: the least)."""
+    offsets = layout.row_offsets if layout.qkv_format == "bshd" else None
     return Config(tuple(layout.total_lengths), tuple(layout.response_lengths), layout.qkv_format,
-                  layout.max_seq_len, layout.cp_mode, layout.cp_size, layout.local_length, 0)
+                  layout.max_seq_len, layout.cp_mode, layout.cp_size, layout.local_length, 0,
+                  row_offsets=offsets)
 
 
 def shares(whole: list[Tensor], cfg: Config, rank: int) -> list[Tensor]:

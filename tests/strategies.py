@@ -2,7 +2,10 @@
 single-token samples, samples shorter than 2 * cp_size, responses crossing chunk
 and rank boundaries, ranks that hold nothing, and (thd) samples that carry their
 own padding: an ``align``, or ``padded_lengths`` several chunks longer than needed,
-with a stretched last sample, so that some ranks hold samples that are all padding."""
+with a stretched last sample, so that some ranks hold samples that are all padding;
+(bshd) left-padded rows: random ``row_offsets``, zeros, samples pushed to their row's
+end, and Hugging Face batches (prompts left-padded to a common width, the responses
+after them), whose left padding crosses zigzag chunks."""
 
 import dataclasses
 
@@ -42,6 +45,27 @@ def padding(
 
 
 @st.composite
+def rows(
+    draw: st.DrawFn, total: tuple[int, ...], response: tuple[int, ...]
+) -> tuple[int, tuple[int, ...] | None]:
+    """``(max_seq_len, row_offsets)`` for a bshd layout of these samples."""
+    kind = draw(st.sampled_from(("none", "none", "zeros", "random", "end", "left-padded")))
+    if kind == "left-padded":  # prompts right-aligned at a common column, then responses
+        prompt = [t - r for t, r in zip(total, response)]
+        width = max(prompt, default=0)
+        seq = max(1, width + max(response, default=0) + draw(st.integers(0, 3)))
+        return seq, tuple(width - p for p in prompt)
+    seq = max(total, default=1) + draw(st.integers(0, 5))
+    if kind == "none":
+        return seq, None
+    if kind == "zeros":
+        return seq, (0,) * len(total)
+    if kind == "end":
+        return seq, tuple(seq - t for t in total)
+    return seq, tuple(draw(st.integers(0, seq - t)) for t in total)
+
+
+@st.composite
 def configs(
     draw: st.DrawFn,
     modes: tuple[CpMode, ...] = ("none", "zigzag", "allgather"),
@@ -52,10 +76,10 @@ def configs(
     mode = draw(st.sampled_from(modes))
     fmt: QkvFormat = "thd" if mode == "allgather" else draw(st.sampled_from(("thd", "bshd")))
     cp = 1 if mode == "none" else draw(st.integers(1, max_cp))
-    seq = max(total, default=1) + draw(st.integers(0, 5)) if fmt == "bshd" else None
+    seq, offsets = draw(rows(total, response)) if fmt == "bshd" else (None, None)
     padded, align = draw(padding(total, mode, cp)) if fmt == "thd" else (None, None)
     extra = draw(st.integers(0, 4))
-    cfg = Config(total, response, fmt, seq, mode, cp, None, extra, padded, align)
+    cfg = Config(total, response, fmt, seq, mode, cp, None, extra, padded, align, offsets)
     # allgather: T is the piece length, given to the Layout or inferred from the tensor;
     # other modes: a local tensor may carry padding rows beyond what the layout needs.
     if mode == "allgather" and draw(st.booleans()):

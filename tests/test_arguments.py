@@ -38,8 +38,14 @@ def layout_kinds(i: Any, r: Any) -> None:
     assert zig.cp_rank == 1 and zig.for_rank(np.uint8(0)).cp_rank == 0
     assert zig.with_local_length(np.int64(10)).local_length == 10
     assert _layout(qkv_format="bshd", max_seq_len=np.int64(6)).max_seq_len == 6
+    left = _layout(qkv_format="bshd", max_seq_len=np.int16(8), row_offsets=[np.int64(3), i])
+    assert left.row_offsets == (3, int(i))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    assert Layout.from_attention_mask(mask, [np.int32(1), i - 1], cp_size=np.int64(1)).row_offsets == (1, 2)
     assert _layout(align=np.int32(4)).padded_lengths == (8, 4)
     assert _layout(padded_lengths=[np.int64(6), i + 4]).padded_lengths == (6, 7)
+    assert _layout(qkv_format="bshd", max_seq_len=9, row_offsets=[np.int32(1), i]).row_offsets == (
+        1, int(i))
     assert Layout(range(2, 4), range(1, 3)).total_lengths == (2, 3)
     cu: list[Any] = [np.int64(0), np.int64(6), np.int32(12)]
     assert Layout.from_cu_seqlens(cu, TOTAL, RESPONSE, local_length=i + 9).padded_lengths == (6, 6)
@@ -53,6 +59,9 @@ def from_parallel_state(i: Any, r: Any, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(_megatron, "cp_rank_and_size", lambda: (0, 1))
     layout = Layout.from_parallel_state(TOTAL, RESPONSE, local_length=np.int64(9), align=i)
     assert layout.local_length == 9
+    rows = Layout.from_parallel_state(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=9,
+                                      row_offsets=[i, np.int64(0)])
+    assert rows.row_offsets == (int(i), 0)
 
 
 def pack_kinds(i: Any, r: Any) -> None:

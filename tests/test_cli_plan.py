@@ -196,6 +196,26 @@ def test_bshd_none_with_trailing_padding(capsys: pytest.CaptureFixture[str]) -> 
     assert out.endswith("  padding at local [24, 26)\n")
 
 
+def test_left_padded_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    # docs/layouts.md's left-padded example: S = 12, o = 0, 4, zigzag over 2 ranks
+    code, out, _ = run(
+        ["plan", "--total", "10,7", "--response", "4,5", "--format", "bshd", "--max-seq-len",
+         "12", "--row-offsets", "0,4", "--cp-size", "2", "--mode", "zigzag"],
+        capsys,
+    )
+    assert code == 0
+    assert "max_seq_len 12, row offsets given, strategy zigzag" in out
+    assert "sample 1: L 7 = prompt 2 + response 5, at columns [4, 11) of its row;" in out
+    rank0, rank1 = (block + "\n" for block in out.rstrip("\n").split("\n\n")[1:])
+    assert "\n  ppp r..|... Rr.\n" in rank0
+    assert ("  sample 1: holds left padding at local [6, 9) + positions [5, 7) at local [9, 11) "
+            "+ padding [7, 8) at local [11, 12)\n") in rank0
+    assert "  sample 1: response share local [9, 10), positions [5, 6) (1 of 5)\n" in rank0
+    assert "\n  ppP RRR|.pP RRR\n" in rank1
+    assert ("  sample 1: holds left padding at local [6, 7) + positions [0, 2) at local [7, 9) "
+            "+ positions [2, 5) at local [9, 12)\n") in rank1
+
+
 def test_long_pictures_are_run_length_coded(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
         ["plan", "--total", "3000,500", "--response", "1000,0", "--cp-size", "4",
@@ -221,6 +241,10 @@ LAYOUTS = [
     ["--total", "10,7,13", "--response", "9,6,3", "--cp-size", "3", "--mode", "allgather",
      "--padded-lengths", "10,16,40"],
     ["--total", "10,7,13", "--response", "4,6,3", "--padded-lengths", "12,7,20"],
+    ["--total", "10,7,3", "--response", "4,5,1", "--cp-size", "2", "--mode", "zigzag",
+     "--format", "bshd", "--max-seq-len", "12", "--row-offsets", "0,4,9"],
+    ["--total", "10,7", "--response", "4,5", "--format", "bshd", "--max-seq-len", "13",
+     "--row-offsets", "3,6", "--local-length", "30"],
 ]
 
 
@@ -238,6 +262,7 @@ def test_printed_shares_are_what_extraction_returns(
     cp_size = int(opts.get("--cp-size", "1"))
     align = opts.get("--align")
     padded = opts.get("--padded-lengths")
+    offsets = opts.get("--row-offsets")
     for rank, block in enumerate(out.split("\n\n")[1:]):
         layout = Layout(
             [int(v) for v in opts["--total"].split(",")],
@@ -250,6 +275,7 @@ def test_printed_shares_are_what_extraction_returns(
             local_length=length,
             padded_lengths=[int(v) for v in padded.split(",")] if padded else None,
             align=int(align) if align else None,
+            row_offsets=[int(v) for v in offsets.split(",")] if offsets else None,
         )
         shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
         printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
@@ -305,6 +331,18 @@ def test_printed_shares_are_what_extraction_returns(
         (["plan", "--total", "10", "--response", "4", "--format", "bshd", "--max-seq-len", "12",
           "--align", "4"],
          "--align is given with --format 'bshd'"),
+        (["plan", "--total", "10", "--response", "4", "--row-offsets", "2"],
+         "cpslice plan: error: --row-offsets is given with --format 'thd', whose samples start "
+         "where the previous one ends; pass --format bshd for left-padded rows, or drop it"),
+        (["plan", "--total", "10", "--response", "4", "--format", "bshd", "--max-seq-len", "12",
+          "--row-offsets", "3"],
+         "sample 0: row_offset 3 + total_length 10 = 13 > --max-seq-len 12"),
+        (["plan", "--total", "10,2", "--response", "4,1", "--format", "bshd", "--max-seq-len",
+          "12", "--row-offsets", "0,-1"], "sample 1: row_offset -1 < 0"),
+        (["plan", "--total", "10,2", "--response", "4,1", "--format", "bshd", "--max-seq-len",
+          "12", "--row-offsets", "0"], "--row-offsets has 1 samples but --total has 2"),
+        (["plan", "--total", "10", "--response", "4", "--row-offsets", "1.5"],
+         "argument --row-offsets: '1.5' is not a comma-separated list of ints"),
         ([], "cpslice: error: the following arguments are required: COMMAND"),
         (["frob"], "cpslice: error: argument COMMAND: invalid choice: 'frob'"),
     ],

@@ -2,10 +2,10 @@
 layouts each mode checks, a real small verify run (exit 0 and its table), the error
 measure's NaN, the verifier catching bugs planted in copies of the package (``PLANTS``:
 layout arithmetic, NaN log-probs, a length read from the layout instead of the tensor,
-padded widths, no-CP bshd rows; exit 1), a rank that raises (its layout FAIL, the rest
-not run), the start-up timeout apart from a hang, Ctrl-C, a missing megatron-core, and
-bench's discovery of benchmarks/, its adapters, its source-checkout check and its
-target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
+padded widths, no-CP bshd rows, left-padded rows; exit 1), a rank that raises (its
+layout FAIL, the rest not run), the start-up timeout apart from a hang, Ctrl-C, a
+missing megatron-core, and bench's discovery of benchmarks/, its adapters, its
+source-checkout check and its target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
 from tests/_verify_ranks.py: the library carries none."""
 
 import importlib.util
@@ -91,13 +91,14 @@ def test_unknown_options_are_one_line_and_exit_2(
 
 def test_which_layouts_each_mode_checks() -> None:
     padded = (Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
+    left = Case("zigzag", "bshd", left_padded=True)
     assert select_cases(2, "all", None) == (
         Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 8), *padded, Case("none", "bshd"))
+        Case("allgather", "thd", 8), *padded, left, Case("none", "bshd"))
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
         Case("allgather", "thd", 4), Case("none", "thd", padded=True),
-        Case("allgather", "thd", padded=True))
+        Case("allgather", "thd", padded=True), Case("none", "bshd", left_padded=True))
     assert select_cases(2, "all", "thd", 12) == (
         Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
         Case("allgather", "thd", 12), *padded)
@@ -105,7 +106,9 @@ def test_which_layouts_each_mode_checks() -> None:
         Case("allgather", "thd"), Case("allgather", "thd", 3))
     assert Case("allgather", "thd", 8).name == "allgather thd align 8"
     assert padded[0].name == "zigzag thd padded"
-    assert select_cases(4, "all", "bshd") == (Case("zigzag", "bshd"), Case("none", "bshd"))
+    assert left.name == "zigzag bshd left-padded"
+    assert select_cases(4, "all", "bshd") == (
+        Case("zigzag", "bshd"), Case("zigzag", "bshd", left_padded=True), Case("none", "bshd"))
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
     assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
@@ -119,6 +122,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert lines[0].startswith("cpslice verify: 2 gloo processes (cp 2 x tp 1)")
     assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
     assert "  none bshd: rows of odd length, without CP on every CP rank" in out
+    assert "  left-padded: bshd rows as Hugging Face trainers hold them" in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
@@ -126,7 +130,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     ]
     rows = _rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
-             "zigzag thd padded", "allgather thd padded", "none bshd"]
+             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded", "none bshd"]
     assert list(rows) == names, out
     for name, r in rows.items():
         assert r[0] == "2 x 1" and r[-1] == "pass", (name, r)
@@ -136,7 +140,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
             assert int(r[2]) >= 1, (name, r)
         assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "7 layouts: all pass"
+    assert lines[-1] == "8 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
     assert [line.split(" pass ")[0].strip() for line in err.splitlines()
             if " pass " in line] == names
@@ -178,10 +182,14 @@ PLANTS = {
           "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
         ("--cp-size", "2", "--format", "thd"),
     ),
-    # bshd rows without CP rounded up to an even width (only zigzag rounds them)
-    "no-CP bshd rows rounded to even": Plant(
+    # bshd rows without CP rounded up to an even width (only zigzag rounds them); and,
+    # in the same run (each run costs a start-up), the row offsets left out of _plan's
+    # runs: every bshd sample at column 0, consistently in pack and extraction
+    "bshd rows: no-CP rounded to even, row offsets ignored": Plant(
         (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
-          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),),
+          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
+         ("_plan.py", "    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets",
+          "    offset = 0 * torch.repeat_interleave(torch.tensor(layout.row_offsets")),
         ("--cp-size", "2", "--format", "bshd"),
     ),
 }
@@ -310,11 +318,13 @@ def test_a_planted_padded_width_bug_fails(planted: dict[str, tuple[int, str, str
 
 
 @PLANTED_TIMEOUT
-def test_a_planted_bshd_row_bug_without_cp_fails(planted: dict[str, tuple[int, str, str]]) -> None:
-    # in a CP world the default set still runs none bshd, its rows of odd length
-    code, out, err = planted["no-CP bshd rows rounded to even"]
+def test_planted_bshd_row_bugs_fail(planted: dict[str, tuple[int, str, str]]) -> None:
+    # in a CP world the default set still runs none bshd, its rows of odd length; and
+    # its left-padded rows catch offsets that pack and extraction both ignore
+    code, out, err = planted["bshd rows: no-CP rounded to even, row offsets ignored"]
     assert code == 1, out + err
-    assert _verdicts(out) == {"zigzag bshd": "pass", "none bshd": "FAIL"}, out + err
+    assert _verdicts(out) == {"zigzag bshd": "pass", "zigzag bshd left-padded": "FAIL",
+                              "none bshd": "FAIL"}, out + err
 
 
 def test_bshd_rows_without_cp_are_odd() -> None:

@@ -19,6 +19,7 @@ from cpslice import (
     pack,
     redistribute,
     response_log_probs,
+    response_rows,
     shard_responses,
     sum_of_sample_means,
     sum_of_tokens,
@@ -202,3 +203,40 @@ def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
     assert "sample 0: values[0] has 1 positions but rank 1's share in src is 0" in wrong_length
     assert "one dtype and trailing shape" in mixed
     assert "local_length=T" in no_local
+
+
+def _left_padded(rank: int, world: int) -> list[str]:
+    """``redistribute`` from left-padded bshd rows to thd layouts and back: the shares
+    each rank receives, the whole responses, and the gradient of every source row."""
+    total, response, offsets = [10, 3, 7, 1], [4, 2, 6, 0], [0, 9, 5, 11]
+    rows = Layout(total, response, qkv_format="bshd", max_seq_len=12, row_offsets=offsets,
+                  cp_mode="zigzag", cp_rank=rank, cp_size=world)
+    zig = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world)
+    packed = Layout(total, response, cp_mode="allgather", cp_rank=rank, cp_size=world,
+                    local_length=6)
+    code = [torch.arange(t, dtype=torch.float32) + 1000 * i for i, t in enumerate(total)]
+    spans = [c[t - r - 1 : t - 1] for c, t, r in zip(code, total, response)]
+    weights = [torch.arange(r, dtype=torch.float32) + 1 for r in response]
+    failures = []
+    for src, dst in ((rows, zig), (zig, rows), (packed, rows), (rows, packed)):
+        name = f"{src.qkv_format} {src.cp_mode} -> {dst.qkv_format} {dst.cp_mode}"
+        values = pack(code, src, fill=-1).requires_grad_()
+        shares, _ = extract_responses(values, src)
+        moved = redistribute(shares, src, dst)
+        if [m.tolist() for m in moved] != [x.tolist() for x in shard_responses(spans, dst)]:
+            failures.append(f"{name}: shares")
+        if [w.tolist() for w in gather_responses(moved, dst)] != [x.tolist() for x in spans]:
+            failures.append(f"{name}: whole responses")
+        loss = sum(((m * w).sum() for m, w in zip(moved, shard_responses(weights, dst))),
+                   values.sum() * 0)
+        (grad,) = torch.autograd.grad(loss, values)
+        want = torch.zeros_like(grad)
+        want[response_rows(src).rows] = torch.cat(shard_responses(weights, src))
+        if not torch.equal(grad, want):
+            failures.append(f"{name}: gradient")
+    return failures
+
+
+def test_redistribute_between_left_padded_rows_and_thd() -> None:
+    for rank, failures in enumerate(run_distributed(_left_padded, 4, timeout=120)):
+        assert failures == [], f"rank {rank}: {failures}"

@@ -293,7 +293,9 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_support.py::test_support_refusals", "tests/test_support.py::test_log_prob_refusals",
          "tests/test_support.py::test_from_responses_refusals",
          "tests/test_padded.py::test_wrong_kinds_are_type_errors",
-         "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms"],
+         "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
+         "tests/test_row_offsets.py::test_refusals_are_layout_errors",
+         "tests/test_row_offsets.py::test_wrong_kinds_are_type_errors"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -160,6 +160,12 @@ def test_the_dev_install_still_has_the_extras() -> None:
     assert "-e '.[megatron,debug]'" in (ROOT / "Makefile").read_text()
 
 
+def test_transformers_is_a_dev_dependency_only() -> None:
+    # tests/test_hf.py and examples/hf_grpo_step.py need it; the library never does
+    assert re.search(r"^transformers==\d", (ROOT / "requirements-dev.txt").read_text(), re.M)
+    assert "transformers" not in (ROOT / "pyproject.toml").read_text()
+
+
 def test_readme_opens_with_what_and_how_to_install() -> None:
     text = (ROOT / "README.md").read_text()
     heads = re.findall(r"^## (.*)$", text, re.M)

@@ -11,6 +11,8 @@ import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows
 
+from .refusals import refusal
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -163,21 +165,13 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-def _raise(code: str) -> Exception:
-    try:
-        eval(code, {"Layout": Layout, "torch": torch})
-    except Exception as e:  # noqa: BLE001 - returned for the caller to inspect
-        return e
-    raise AssertionError(f"{code} was accepted")
-
-
 @pytest.mark.parametrize(("code", "message"), REFUSALS)
 def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error = _raise(code)
+    error = refusal(code)
     assert isinstance(error, LayoutError) and message in str(error), error
 
 
 @pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
 def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = _raise(code)
+    error = refusal(code)
     assert type(error) is TypeError and message in str(error), error

@@ -16,6 +16,12 @@ The rules:
   is a multiple of ``128 * align``.
 - megatron-core ``PackedSeqParams``: ``cu_seqlens_q_padded`` holds the global padded
   sample boundaries; the split is the same.
+- Hugging Face trainers (TRL, OpenRLHF, verl without remove-padding): ``[B, S]`` rows,
+  the prompt left-padded to the longest, the response right after it, padded on the
+  right to ``R`` columns; the log-probs of the response tokens are
+  ``log_softmax(logits[:, -R-1:-1])`` gathered at the response ids, where the response
+  mask is 1. Under zigzag CP a row (padded on the right to a multiple of ``2 * cp``) is
+  split as a sample is above.
 """
 
 import math
@@ -24,7 +30,14 @@ import random
 import pytest
 import torch
 
-from cpslice import Layout, extract_responses, pack, shifted_targets
+from cpslice import (
+    Layout,
+    extract_responses,
+    pack,
+    response_log_probs,
+    shard_responses,
+    shifted_targets,
+)
 from cpslice._types import CpMode
 
 Row = tuple[int, int] | None  # (sample, position within the sample), or padding
@@ -132,3 +145,59 @@ def test_packed_seq_params(tp: int, cp: int, seed: int) -> None:
                                         cp_rank=rank, cp_size=cp)
         assert layout.padded_lengths == tuple(widths)
         _check(layout, rows, total, response)
+
+
+def _hf_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A left-padded prompt batch and its right-padded responses, as a trainer holds
+    them: ``input_ids`` ``[B, S]``, ``attention_mask`` ``[B, S]``, the response mask
+    ``[B, R]`` (a row may have an empty response, and the last column may be padding)."""
+    rng = random.Random(seed)
+    rows = rng.randint(1, 5)
+    prompt = [rng.randint(1, 9) for _ in range(rows)]
+    answer = [rng.randint(0, 8) for _ in range(rows)]
+    width, resp = max(prompt), max(1, max(answer) + rng.randint(0, 2))  # R = 0: no slice
+    ids = torch.randint(1, 50, (rows, width + resp), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(rows, width + resp, dtype=torch.int64)
+    for i, (p, r) in enumerate(zip(prompt, answer)):
+        mask[i, width - p : width + r] = 1
+    return ids * mask, mask, mask[:, width:]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_hugging_face(cp: int, seed: int) -> None:
+    input_ids, attention_mask, response_mask = _hf_batch(seed)
+    rows, width = input_ids.shape
+    resp = response_mask.shape[1]
+    logits = torch.randn(rows, width, 11, dtype=torch.float64)
+    # TRL's and verl's slicing, row by row
+    per_token = torch.log_softmax(logits[:, -resp - 1 : -1], -1).gather(
+        2, (input_ids[:, -resp:] % 11)[..., None])[..., 0]
+    want = [per_token[i][response_mask[i].bool()] for i in range(rows)]
+    # the docs/recipes.md recipe
+    layouts = [Layout.from_attention_mask(attention_mask, response_mask.sum(1).tolist(),
+                                          cp_mode="zigzag" if cp > 1 else "none",
+                                          cp_rank=rank, cp_size=cp) for rank in range(cp)]
+    tokens = [ids[m.bool()] % 11 for ids, m in zip(input_ids, attention_mask)]
+    padded = -(-width // (2 * cp)) * 2 * cp if cp > 1 else width
+    chunk = padded // (2 * cp)
+    for rank, layout in enumerate(layouts):
+        local: list[Row] = []
+        for i in range(rows):
+            first = int(attention_mask[i].argmax())
+            row: list[Row] = [(i, j - first) if j < width and attention_mask[i, j] else None
+                              for j in range(padded)]
+            if cp == 1:
+                local += row
+            else:
+                local += row[rank * chunk : (rank + 1) * chunk]
+                local += row[(2 * cp - 1 - rank) * chunk : (2 * cp - rank) * chunk]
+        total, response = list(layout.total_lengths), list(layout.response_lengths)
+        _check(layout, local, total, response)
+        if cp == 1:
+            flat = logits.reshape(rows * width, -1)
+        else:
+            flat = pack([x[m.bool()] for x, m in zip(logits, attention_mask)], layout)
+        lp, _ = response_log_probs(flat, tokens, layout)
+        for got, expect in zip(lp, shard_responses(want, layout)):
+            torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)

@@ -3,8 +3,8 @@
 must place every position of every sample at the same local row of every rank.
 
 Over hypothesis layouts (``tests/strategies.configs``: every mode, thd and bshd,
-align and explicit padded widths with a stretched last sample, empty responses, ranks
-holding nothing, extra padding rows): the least local length, each row's place, each
+align and explicit padded widths with a stretched last sample, left-padded bshd rows,
+empty responses, ranks holding nothing, extra padding rows): the least local length, each row's place, each
 rank's response shares and gradient rows agree.
 """
 
@@ -19,7 +19,8 @@ from .strategies import configs
 
 def _view(cfg: suite.Config, rank: int) -> verifier.RankView:
     return verifier.RankView(cfg.total, cfg.response, cfg.mode, cfg.fmt, cfg.seq, rank,
-                             cfg.cp, suite.local_length(cfg), cfg.align, cfg.padded)
+                             cfg.cp, suite.local_length(cfg), cfg.align, cfg.padded,
+                             cfg.row_offsets)
 
 
 @settings(max_examples=100, deadline=None)

@@ -27,7 +27,8 @@ def extraction_strategy(layout: Layout) -> Strategy:
     cp_mode       qkv_format  strategy       a sample's rows on this rank
     ============  ==========  =============  ==========================================
     ``none``      thd         ``none-thd``   one run at the sample's packed offset
-    ``none``      bshd        ``none-bshd``  one run at ``i * max_seq_len``
+    ``none``      bshd        ``none-bshd``  one run at ``i * max_seq_len + o_i``
+                                             (``o_i``: ``row_offsets``, 0 unless given)
     ``zigzag``    thd / bshd  ``zigzag``     two runs: chunks ``r`` and ``2c-1-r`` of
                                              the sample padded to a multiple of ``2c``
     ``allgather`` thd         ``allgather``  the packed stream cut into ``cp_size``
@@ -40,7 +41,8 @@ def extraction_strategy(layout: Layout) -> Strategy:
     strategies differ only in where a sample's positions sit. Samples that carry
     their own padding (thd ``padded_lengths`` / ``align``) take the same strategy:
     the packed offsets, the zigzag chunks and the stream read the padded extents
-    ``layout.padded_lengths`` instead of the defaults.
+    ``layout.padded_lengths`` instead of the defaults; so do left-padded bshd rows
+    (``row_offsets``), whose runs start at their rows' first tokens.
     """
     return strategy(layout)
 

@@ -10,8 +10,18 @@ import torch
 
 from ._checks import integer, kind, lengths
 from ._errors import LayoutError
-from ._types import Boundaries, CpMode, FormatArg, IntArg, Lengths, ModeArg, QkvFormat
-from ._widths import resolve_padded_lengths
+from ._masks import mask_rows
+from ._types import (
+    Boundaries,
+    CpMode,
+    FormatArg,
+    IntArg,
+    Lengths,
+    ModeArg,
+    QkvFormat,
+    TensorArg,
+)
+from ._widths import resolve_padded_lengths, resolve_row_offsets
 
 _FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
 _MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
@@ -66,23 +76,32 @@ class Layout:
         align: thd only, keyword-only: shorthand for ``W_i = ceil(L_i / align) * align``
             (``align >= 1``; under zigzag a multiple of ``2 * cp_size``). Give
             ``padded_lengths`` or ``align``, not both.
+        row_offsets: bshd only, keyword-only: ``o_i``, the column of row ``i`` where
+            sample ``i`` starts: it occupies columns ``[o_i, o_i + L_i)`` of its row
+            (``o_i >= 0``, ``o_i + L_i <= max_seq_len``), the columns before and after
+            it padding (a Hugging Face batch: the prompt left-padded, the response
+            right after it; see ``from_attention_mask``). Under zigzag the padded row
+            is cut into ``2 * cp_size`` chunks as without offsets, the offsets counting
+            within the row. None: every sample at column 0.
 
     The resolved ``W_i`` of every layout is ``padded_lengths`` (the attribute): the
     given ones; without them ``L_i`` (cp none and allgather, thd), the least multiple
     of ``2 * cp_size`` that is ``>= L_i`` (zigzag, thd), or the padded row width
-    (bshd). Padding positions hold no token: never extracted, filled by ``pack``
+    (bshd); ``row_offsets`` (the attribute) holds every layout's ``o_i``, zeros unless
+    given. Padding positions hold no token: never extracted, filled by ``pack``
     and ``shifted_targets``. Two layouts are equal when they place every token of
     every sample at the same local row: the same lengths, format, mode, rank, size,
-    local length and resolved ``padded_lengths`` (``align=8`` equals the
-    ``padded_lengths`` it stands for). docs/layouts.md gives every rule.
+    local length, resolved ``padded_lengths`` and ``row_offsets`` (``align=8`` equals
+    the ``padded_lengths`` it stands for, ``row_offsets`` of zeros equals none given).
+    docs/layouts.md gives every rule.
 
     Integers may be ints, numpy integers or anything with ``__index__``; lengths
     any sequence of them (a list, a tuple, a ``range``).
 
     Raises:
-        TypeError: a length, ``max_seq_len``, rank, size, ``local_length`` or ``align``
-            that is not an integer (a bool or a float included); lengths that are not
-            a sequence; ``qkv_format`` or ``cp_mode`` not a str.
+        TypeError: a length, offset, ``max_seq_len``, rank, size, ``local_length`` or
+            ``align`` that is not an integer (a bool or a float included); lengths or
+            offsets that are not a sequence; ``qkv_format`` or ``cp_mode`` not a str.
         LayoutError: on any value that breaks a rule of docs/layouts.md; the message
             names the sample, the values and the rule.
     """
@@ -98,6 +117,7 @@ class Layout:
         "local_length",
         "padded_lengths",
         "align",
+        "row_offsets",
         "_given_padding",
         "_key",
         "_hash",
@@ -115,6 +135,9 @@ class Layout:
     """``W_i``, the positions sample ``i`` occupies, its padding included (resolved
     for every layout; for bshd, the padded row width)."""
     align: int | None
+    row_offsets: tuple[int, ...]
+    """``o_i``, the padding positions before sample ``i``'s first token in its extent
+    (bshd: its first column; zeros unless given, and for every thd layout)."""
     _given_padding: tuple[int, ...] | None
     _key: tuple[object, ...]
     _hash: int
@@ -132,6 +155,7 @@ class Layout:
         local_length: IntArg | None = None,
         padded_lengths: Lengths | None = None,
         align: IntArg | None = None,
+        row_offsets: Lengths | None = None,
     ) -> None:
         total = lengths("total_lengths", total_lengths)
         response = lengths("response_lengths", response_lengths)
@@ -203,6 +227,7 @@ class Layout:
                 raise LayoutError(f"local_length {local} < 0")
         given, align_ = _padding(total, fmt, mode, size, padded_lengths, align)
         padded = resolve_padded_lengths(total, fmt, seq, mode, size, given, align_)
+        offsets = resolve_row_offsets(total, fmt, seq, row_offsets)
         setattr_ = object.__setattr__
         setattr_(self, "total_lengths", total)
         setattr_(self, "response_lengths", response)
@@ -214,8 +239,11 @@ class Layout:
         setattr_(self, "local_length", local)
         setattr_(self, "padded_lengths", padded)
         setattr_(self, "align", align_)
+        setattr_(self, "row_offsets", offsets)
         setattr_(self, "_given_padding", given)
-        key = (total, response, fmt, seq, mode, rank, size, local, padded)
+        key: tuple[object, ...] = (total, response, fmt, seq, mode, rank, size, local, padded)
+        if any(offsets):  # offsets of zeros place every token as none: the same key
+            key += (offsets,)
         setattr_(self, "_key", key)
         setattr_(self, "_hash", hash(key))
 
@@ -231,12 +259,13 @@ class Layout:
         local_length: IntArg | None = None,
         padded_lengths: Lengths | None = None,
         align: IntArg | None = None,
+        row_offsets: Lengths | None = None,
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
         The mode is ``"allgather"`` when ``allgather_cp``, else ``"zigzag"`` when the
         CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
-        ``padded_lengths`` and ``align`` are ``Layout``'s (e.g. verl's
+        ``padded_lengths``, ``align`` and ``row_offsets`` are ``Layout``'s (e.g. verl's
         ``align=tp * cp * 2`` under CP, ``tp`` without).
 
         Raises:
@@ -259,6 +288,7 @@ class Layout:
             local_length=local_length,
             padded_lengths=padded_lengths,
             align=align,
+            row_offsets=row_offsets,
         )
 
     @classmethod
@@ -329,6 +359,51 @@ class Layout:
             padded_lengths=widths,
         )
 
+    @classmethod
+    def from_attention_mask(
+        cls,
+        attention_mask: TensorArg,
+        response_lengths: Lengths,
+        *,
+        cp_mode: ModeArg = "none",
+        cp_rank: IntArg = 0,
+        cp_size: IntArg = 1,
+        local_length: IntArg | None = None,
+    ) -> "Layout":
+        """The bshd Layout of a Hugging Face batch: rows of ``S`` columns, each holding
+        one sample's tokens where its attention mask is 1.
+
+        Args:
+            attention_mask: ``[B, S]``, bool or integer (0 and 1), on any device (read
+                with one host copy): row ``i`` holds sample ``i`` at the columns where
+                it is 1, which must be contiguous (a left-padded prompt, then the
+                response, then padding: TRL, OpenRLHF, verl without remove-padding).
+            response_lengths: ``R_i``, the response tokens at the end of each row's ones.
+            cp_mode, cp_rank, cp_size, local_length: as ``Layout``.
+
+        Returns:
+            ``Layout(L, response_lengths, qkv_format="bshd", max_seq_len=S,
+            row_offsets=o, ...)``, ``L_i`` the ones of row ``i`` and ``o_i`` its first one.
+
+        Raises:
+            TypeError: ``attention_mask`` is not a bool or integer tensor.
+            LayoutError: it is not 2-D, holds a value other than 0 and 1, or a row has
+                no 1 or a 0 between its ones (the message names the row); anything
+                ``Layout`` refuses.
+        """
+        total, offsets, seq = mask_rows(attention_mask)
+        return cls(
+            total,
+            response_lengths,
+            qkv_format="bshd",
+            max_seq_len=seq,
+            cp_mode=cp_mode,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            local_length=local_length,
+            row_offsets=offsets,
+        )
+
     @property
     def num_samples(self) -> int:
         """The number of samples ``n``."""
@@ -359,6 +434,7 @@ class Layout:
             local_length=local_length,
             padded_lengths=self._given_padding,
             align=self.align,
+            row_offsets=self.row_offsets if self.qkv_format == "bshd" else None,
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -377,6 +453,8 @@ class Layout:
             local += f", padded_lengths={list(self._given_padding)}"
         if self.align is not None:
             local += f", align={self.align}"
+        if any(self.row_offsets):
+            local += f", row_offsets={list(self.row_offsets)}"
         return (
             f"Layout(total_lengths={list(self.total_lengths)}, "
             f"response_lengths={list(self.response_lengths)}, qkv_format={self.qkv_format!r}"

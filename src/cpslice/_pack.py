@@ -49,7 +49,8 @@ def pack(
     the same for every sample). The result is ``[T, *rest]`` with ``T`` the layout's
     ``local_length`` when set, else the least length the layout needs (for allgather,
     ``ceil(sum(L) / cp_size)``); every position no sample holds (zigzag and bshd
-    padding, the tail) is ``fill``. Differentiable for floating-point inputs.
+    padding, a left-padded row's columns before its sample, the tail) is ``fill``.
+    Differentiable for floating-point inputs.
 
     Raises:
         TypeError: ``per_sample`` is not a list of tensors of at least 1 dim; ``fill``

@@ -7,8 +7,10 @@ positions ``[start, start + length)`` of one sample. Each sample has the same
 number ``k`` of runs (1, or 2 for zigzag's two chunks), in ascending position
 order, and runs are grouped sample after sample. Padding positions belong to no
 run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
-padding included: ``Layout.padded_lengths``), so the padded samples of verl or
-Megatron-Bridge are one more input of the same runs, not another code path.
+padding included: ``Layout.padded_lengths``) and the padding ``o_i`` before its tokens
+in it (``Layout.row_offsets``: a left-padded bshd row), so the padded samples of verl
+or Megatron-Bridge and the left-padded rows of Hugging Face trainers are more inputs
+of the same runs, not other code paths.
 A *selection* intersects the runs with one position range per sample and expands
 the result into row indices with vectorized integer arithmetic: no Python loop
 over samples, no per-sample ``torch.arange``.
@@ -139,10 +141,13 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 class Runs(NamedTuple):
     """``k`` runs per sample: rows ``[local, local+length)`` hold positions ``[start, start+length)``.
 
-    ``width >= length`` is the rows the run occupies, its own padding included (a
-    zigzag chunk, a bshd row, a padded sample; for allgather, the part of the padded
-    sample on this rank's piece, which may be padding only). A run of ``length`` 0
-    may carry any ``start``; its padding rows are ``[start, start + width)``.
+    A run is a piece of the sample's extent on this rank (all of it, a zigzag chunk, the
+    part on an allgather piece): it occupies rows ``[local - lead, local - lead + width)``,
+    ``width >= lead + length``, and holds the sample's tokens at ``[local, local +
+    length)``, padding before them (``lead`` rows: a left-padded bshd row's columns
+    before ``o_i``) and after them (a zigzag chunk, a bshd row, a padded sample). A run of
+    ``length`` 0 holds padding only; then ``start`` is the position its first padding
+    row would hold had it held a token past the sample's end (0 for padding before it).
     """
 
     k: int
@@ -150,31 +155,39 @@ class Runs(NamedTuple):
     start: Tensor
     length: Tensor
     width: Tensor
+    lead: Tensor
+
+
+def _tokens(k: int, slot: Tensor, first: Tensor, width: Tensor, layout: Layout) -> Runs:
+    """The runs of ``k`` extent pieces per sample: rows ``[slot, slot + width)`` holding
+    extent positions ``[first, first + width)``, of which the sample's tokens are
+    ``[o_i, o_i + L_i)`` (its tokens ``[0, L_i)``, ``o_i`` padding positions before them)."""
+    total, _ = _lengths(layout)
+    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets, dtype=_I64), k)
+    end = offset + torch.repeat_interleave(total, k)
+    lead = (offset - first).clamp(0).minimum(width)
+    size = (torch.minimum(first + width, end) - torch.maximum(first, offset)).clamp_min(0)
+    return Runs(k, slot + lead, (first - offset).clamp_min(0), size, width, lead)
 
 
 def runs(layout: Layout, length: int) -> Runs:
     """The runs of the layout on its rank, whose local tensor has ``length`` rows."""
-    total, _ = _lengths(layout)
     extent = _extent(layout)  # W_i: every rule reads it where a sample's extent goes
     if layout.cp_mode == "none":  # thd and bshd alike: rows of W_i, back to back
-        return Runs(1, exclusive_cumsum(extent), torch.zeros_like(total), total, extent)
+        return _tokens(1, exclusive_cumsum(extent), torch.zeros_like(extent), extent, layout)
     c, r = layout.cp_size, layout.cp_rank
-    if layout.cp_mode == "zigzag":
+    if layout.cp_mode == "zigzag":  # chunks r and 2c - 1 - r of every extent
         chunk = torch.div(extent, 2 * c, rounding_mode="floor")
         block = exclusive_cumsum(2 * chunk)
-        local = torch.stack([block, block + chunk], 1)
-        start = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1)
-        size = torch.minimum(chunk.unsqueeze(1), (total.unsqueeze(1) - start).clamp_min(0))
-        width = torch.repeat_interleave(chunk, 2)
-        return Runs(2, local.reshape(-1), start.reshape(-1), size.reshape(-1), width)
+        slot = torch.stack([block, block + chunk], 1).reshape(-1)
+        first = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1).reshape(-1)
+        return _tokens(2, slot, first, torch.repeat_interleave(chunk, 2), layout)
     # allgather: the stream of padded samples, cut into pieces of `length`.
     offset = exclusive_cumsum(extent)
     lo = offset.clamp_min(r * length)
-    hi = (offset + total).clamp_max((r + 1) * length)
     end = (offset + extent).clamp_max((r + 1) * length)
-    size = (hi - lo).clamp_min(0)
-    local = (lo - r * length).clamp(0, length)
-    return Runs(1, local, lo - offset, size, (end - lo).clamp_min(0))
+    slot = (lo - r * length).clamp(0, length)
+    return _tokens(1, slot, lo - offset, (end - lo).clamp_min(0), layout)
 
 
 class Selection(NamedTuple):

@@ -1,8 +1,11 @@
-"""``W_i``, the positions each sample occupies: the one number per sample a Layout
-resolves when it is built (to validate it and to compare layouts by what they place
-where). Every offset is derived from these widths by ``_plan`` (docs/layouts.md).
+"""``W_i``, the positions each sample occupies, and ``o_i``, where its tokens start among
+them: the numbers per sample a Layout resolves when it is built (to validate it and to
+compare layouts by what they place where). Every offset is derived from these by
+``_plan`` (docs/layouts.md).
 """
 
+from ._checks import lengths
+from ._errors import LayoutError
 from ._types import CpMode, QkvFormat
 
 
@@ -32,3 +35,49 @@ def resolve_padded_lengths(
     if step == 1:
         return total
     return tuple(-(-t // step) * step for t in total)
+
+
+def resolve_row_offsets(
+    total: tuple[int, ...],
+    fmt: QkvFormat,
+    max_seq_len: int | None,
+    offsets: object,
+) -> tuple[int, ...]:
+    """``o_i``, the padding positions before sample ``i``'s first token in its extent
+    (``Layout.row_offsets``): the given ``row_offsets`` of a bshd layout, else zeros.
+
+    A bshd sample occupies columns ``[o_i, o_i + L_i)`` of its row of ``S`` columns
+    (a Hugging Face batch's left-padded prompt, then the response), so ``o_i >= 0``
+    and ``o_i + L_i <= S``.
+
+    Raises:
+        TypeError: ``offsets`` is not a sequence of integers.
+        LayoutError: given with thd; not one per sample; a sample that does not fit.
+    """
+    if offsets is None:
+        return (0,) * len(total)
+    if fmt != "bshd":
+        raise LayoutError(
+            "row_offsets is given with qkv_format 'thd', whose samples start where the "
+            "previous one ends; pass qkv_format='bshd' for left-padded rows, or drop it"
+        )
+    assert max_seq_len is not None
+    given = lengths("row_offsets", offsets)
+    if len(given) != len(total):
+        raise LayoutError(
+            f"row_offsets has {len(given)} samples but total_lengths has {len(total)} "
+            "(one entry per sample in each)"
+        )
+    for i, (o, t) in enumerate(zip(given, total)):
+        if o < 0:
+            raise LayoutError(
+                f"sample {i}: row_offset {o} < 0 (sample i occupies columns "
+                "[o_i, o_i + L_i) of its row)"
+            )
+        if o + t > max_seq_len:
+            raise LayoutError(
+                f"sample {i}: row_offset {o} + total_length {t} = {o + t} > max_seq_len "
+                f"{max_seq_len} (sample i's tokens are columns [o_i, o_i + L_i) of its row, "
+                "which ends at max_seq_len)"
+            )
+    return given

@@ -36,6 +36,7 @@ _FLAGS = {
     "local_length": "--local-length",
     "padded_lengths": "--padded-lengths",
     "align": "--align",
+    "row_offsets": "--row-offsets",
 }
 _API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
 _FLAG_VALUE = re.compile(r"(--[a-z-]+)=(?:'([^']*)'|(\d+))")
@@ -100,6 +101,11 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "(the differences of cu_seqlens_padded)",
     )
     parser.add_argument(
+        "--row-offsets", type=_lengths, default=None, metavar="O0,O1,...",
+        help="bshd: the column where each sample starts in its row, the columns before it "
+        "padding (a left-padded prompt: Hugging Face trainers)",
+    )
+    parser.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto",
         help="colour the pictures: auto (a terminal, and NO_COLOR unset), always, never",
     )
@@ -158,25 +164,32 @@ def _picture_rows(layout: Layout, length: int) -> str:
 
 
 class _Slot(NamedTuple):
-    """Rows ``[local, local + width)`` of one sample's run: the first ``size`` hold
-    positions ``[start, start + size)``, the rest that run's padding."""
+    """Rows ``[lo, lo + width)`` of one sample's run: ``lead`` rows of padding, then
+    ``size`` rows holding positions ``[start, start + size)`` from row ``local``, then
+    that run's padding."""
 
     sample: int
     local: int
     start: int
     size: int
     width: int
+    lead: int
+
+    @property
+    def lo(self) -> int:
+        return self.local - self.lead
+
+    @property
+    def hi(self) -> int:
+        return self.local - self.lead + self.width
 
 
 def _slots(layout: Layout, length: int) -> list[_Slot]:
     rs = runs(layout, length)
-    local: list[int] = rs.local.tolist()
-    start: list[int] = rs.start.tolist()
-    size: list[int] = rs.length.tolist()
-    width: list[int] = rs.width.tolist()
-    return [
-        _Slot(j // rs.k, local[j], start[j], size[j], width[j]) for j in range(len(local))
-    ]
+    columns: list[list[int]] = torch.stack(
+        [rs.local, rs.start, rs.length, rs.width, rs.lead], 1
+    ).tolist()
+    return [_Slot(j // rs.k, *run) for j, run in enumerate(columns)]
 
 
 def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> str:
@@ -186,10 +199,10 @@ def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> s
     for s in slots:
         if s.width == 0:
             continue
-        if s.local > cursor:
-            pieces.append((None, cursor, s.local))
-        pieces.append((s.sample, s.local, s.local + s.width))
-        cursor = s.local + s.width
+        if s.lo > cursor:
+            pieces.append((None, cursor, s.lo))
+        pieces.append((s.sample, s.lo, s.hi))
+        cursor = s.hi
     if cursor < length:
         pieces.append((None, cursor, length))
     compact = length > _FULL_PICTURE_MAX
@@ -207,15 +220,18 @@ def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> s
 def _held(slots: list[_Slot]) -> str:
     parts = []
     for s in slots:
+        if s.lead:
+            parts.append(f"left padding at local {_range(s.lo, s.local)}")
         if s.size:
             parts.append(
                 f"positions {_range(s.start, s.start + s.size)} at local "
                 f"{_range(s.local, s.local + s.size)}"
             )
-        if s.width > s.size:
+        after = s.hi - s.local - s.size
+        if after:
             parts.append(
-                f"padding {_range(s.start + s.size, s.start + s.width)} at local "
-                f"{_range(s.local + s.size, s.local + s.width)}"
+                f"padding {_range(s.start + s.size, s.start + s.size + after)} at local "
+                f"{_range(s.local + s.size, s.hi)}"
             )
     return "holds " + " + ".join(parts) if parts else "holds nothing"
 
@@ -265,7 +281,7 @@ def _rank_block(layout: Layout, length: int, colour: bool) -> list[str]:
     for i, share in enumerate(_shares(layout, length)):
         lines.append(f"  sample {i}: {_held([s for s in slots if s.sample == i])}")
         lines.append(f"  sample {i}: {share}")
-    tail = max((s.local + s.width for s in slots if s.width), default=0)
+    tail = max((s.hi for s in slots if s.width), default=0)
     if tail < length:
         lines.append(f"  padding at local {_range(tail, length)}")
     return lines
@@ -295,6 +311,7 @@ def _plan(args: argparse.Namespace) -> int:
     given = cast("int | None", args.local_length)
     align = cast("int | None", args.align)
     padded = cast("tuple[int, ...] | None", args.padded_lengths)
+    offsets = cast("tuple[int, ...] | None", args.row_offsets)
     colour = _use_colour(cast(Colour, args.color))
     if cp_size > MAX_PLAN_CP_SIZE:
         raise LayoutError(
@@ -314,6 +331,7 @@ def _plan(args: argparse.Namespace) -> int:
             local_length=local_length,
             padded_lengths=padded,
             align=align,
+            row_offsets=offsets,
         )
 
     try:
@@ -329,6 +347,8 @@ def _plan(args: argparse.Namespace) -> int:
         seq += f", align {align}"
     elif padded is not None:
         seq += ", padded lengths given"
+    if offsets is not None:
+        seq += ", row offsets given"
     n = first.num_samples
     header = (
         f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {first.cp_mode}, "
@@ -336,12 +356,14 @@ def _plan(args: argparse.Namespace) -> int:
         f"local length T = {length} ({how})"
     )
     lines = [header]
-    for i, (t, r, p, span, w) in enumerate(
+    for i, (t, r, p, span, w, o) in enumerate(
         zip(total, response, first.prompt_lengths, _spans(total, response),
-            first.padded_lengths)
+            first.padded_lengths, first.row_offsets)
     ):
         tokens = _range(p, t) if r else "none"
         width = f", padded to W {w}" if align is not None or padded is not None else ""
+        if offsets is not None:
+            width += f", at columns {_range(o, o + t)} of its row"
         lines.append(
             f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
             f"{_range(0, p)}, response tokens {tokens}, response span {span}"

@@ -66,8 +66,9 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode", choices=("zigzag", "allgather", "none", "all"), default="all",
         help="layouts to check (default all: zigzag and allgather with --cp-size > 1, "
         "none and allgather at --cp-size 1; all adds thd layouts of samples with their "
-        "own padded widths, from Layout.from_cu_seqlens, and with --cp-size > 1 none bshd "
-        "on every CP rank, rows of odd length). none is the layout without context "
+        "own padded widths, from Layout.from_cu_seqlens, bshd rows left-padded as Hugging "
+        "Face trainers hold them, and with --cp-size > 1 none bshd on every CP rank, rows "
+        "of odd length). none is the layout without context "
         "parallelism, so it needs --cp-size 1; zigzag needs --cp-size 2 or more",
     )
     parser.add_argument(

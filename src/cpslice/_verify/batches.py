@@ -3,7 +3,8 @@
 Every process builds the same batches from the seed: ``edge_lengths`` (random samples,
 the edge cases first) and, under context parallelism, ``sparse_lengths`` (a few short
 samples that leave some CP ranks without any response); a padded case gives each
-sample its own width (``padded_widths``). A ``Batch`` holds each
+sample its own width (``padded_widths``), a left-padded case each bshd row its offset
+(``left_padding``). A ``Batch`` holds each
 sample's whole logits and loss weights and the float64 ``torch.log_softmax``
 reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
 and the same under per-token top-p / top-k sets (``response_sets``); a teacher's top-k
@@ -34,7 +35,8 @@ class Batch:
     are ``[R_i]`` float32 loss weights; ``ref_lp``, ``ref_ent`` are ``[R_i]`` and
     ``ref_grad`` is ``[L_i, V]``, d(sum w_lp * lp + w_ent * ent) / d logits, in float64
     (``reference`` without sets). ``padded``: each sample's width ``W_i`` for a padded
-    case (``padded_widths``), else None.
+    case (``padded_widths``), else None; ``offsets``: each bshd row's first token for a
+    left-padded case (``left_padding``), else None.
     """
 
     total: tuple[int, ...]
@@ -47,6 +49,7 @@ class Batch:
     ref_ent: list[Tensor]
     ref_grad: list[Tensor]
     padded: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
 
 
 def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -120,6 +123,13 @@ def padded_widths(total: Sequence[int], mode: CpMode, cp_size: int, seed: int) -
     return tuple(widths)
 
 
+def left_padding(total: Sequence[int], response: Sequence[int]) -> tuple[int, ...]:
+    """Each row's offset when every prompt is left-padded to the longest one (a Hugging
+    Face batch: the prompts end at one column, the responses start there)."""
+    prompt = [t - r for t, r in zip(total, response)]
+    return tuple(max(prompt) - p for p in prompt)
+
+
 def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
     """The batches' (total, response) lengths: the random one, and under CP the sparse
     one (not for none, where every rank holds every response)."""
@@ -131,7 +141,7 @@ def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
 
 def batches_for(case: Case, config: Config) -> list[Batch]:
     """The random batch (the same for every layout) and the case's sparse batch, each
-    with the case's padded widths."""
+    with the case's padded widths or row offsets."""
     vocab = VOCAB_PER_RANK * config.tp_size
     out = []
     for k, (t, r) in enumerate(_lengths(case, config)):
@@ -139,6 +149,8 @@ def batches_for(case: Case, config: Config) -> list[Batch]:
         if case.padded:
             batch = replace(batch, padded=padded_widths(t, case.mode, config.cp_size,
                                                         config.seed + 202 + k))
+        if case.left_padded:
+            batch = replace(batch, offsets=left_padding(t, r))
         out.append(batch)
     return out
 

@@ -30,7 +30,9 @@ class VerifyArgumentError(ValueError):
 class Case(NamedTuple):
     """One layout to check: its CP mode, its qkv format, and (thd) the ``align`` its
     samples are padded to, or None for the default packing; ``padded``: thd samples
-    given their own random widths ``W_i >= L_i`` through ``Layout.from_cu_seqlens``.
+    given their own random widths ``W_i >= L_i`` through ``Layout.from_cu_seqlens``;
+    ``left_padded``: bshd rows as Hugging Face trainers hold them, every prompt
+    left-padded to the longest, the response after it (``row_offsets``).
 
     Mode ``"none"`` in a run with ``cp_size > 1`` is the layout without context
     parallelism on every CP rank: each holds the whole batch (TP as in every case).
@@ -40,11 +42,12 @@ class Case(NamedTuple):
     fmt: QkvFormat
     align: int | None = None
     padded: bool = False
+    left_padded: bool = False
 
     @property
     def name(self) -> str:
         extra = f" align {self.align}" if self.align else (" padded" if self.padded else "")
-        return f"{self.mode} {self.fmt}{extra}"
+        return f"{self.mode} {self.fmt}{extra}{' left-padded' if self.left_padded else ''}"
 
 
 def select_cases(
@@ -61,9 +64,9 @@ def select_cases(
     a multiple of ``align``; without it, ``"all"`` with thd adds one such layout:
     allgather, ``align = 4 * cp_size`` (verl's ``tp * cp * 2`` at tp 2), whose padding
     crosses pieces and is redistributed to zigzag. ``"all"`` also checks (thd) the
-    first mode and allgather with explicit padded widths (``Case.padded``) and, when
-    ``cp_size > 1``, none bshd on every CP rank (its rows of odd length: no CP, no
-    rounding of the row).
+    first mode and allgather with explicit padded widths (``Case.padded``), (bshd) the
+    first mode with left-padded rows (``Case.left_padded``) and, when ``cp_size > 1``,
+    none bshd on every CP rank (its rows of odd length: no CP, no rounding of the row).
 
     Raises:
         VerifyArgumentError: ``none`` with ``cp_size > 1``, ``zigzag`` with
@@ -122,14 +125,16 @@ def select_cases(
 
 
 def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
-    """What ``--mode all`` checks beyond each mode's formats: padded widths, and none
-    bshd inside a CP world (``select_cases``)."""
+    """What ``--mode all`` checks beyond each mode's formats: padded widths, left-padded
+    rows, and none bshd inside a CP world (``select_cases``)."""
     if mode != "all":
         return ()
     first: CpMode = "zigzag" if cp_size > 1 else "none"
     extra = []
     if fmt in (None, "thd"):
         extra += [Case(first, "thd", padded=True), Case("allgather", "thd", padded=True)]
+    if fmt in (None, "bshd"):
+        extra.append(Case(first, "bshd", left_padded=True))
     if fmt in (None, "bshd") and cp_size > 1:
         extra.append(Case("none", "bshd"))
     return tuple(extra)

@@ -1,8 +1,8 @@
 """One rank's check of one batch in one layout, against the float64 reference.
 
-``set_up`` builds what both checks share: the rank's layout (from parallel_state; a
-padded case through ``Layout.from_cu_seqlens``; none in a CP world without CP, the
-whole batch on every CP rank) with a local length of one padding row more than the
+``set_up`` builds what both checks share: the rank's layout (from parallel_state, with
+a left-padded case's row offsets; a padded case through ``Layout.from_cu_seqlens``;
+none in a CP world without CP, the whole batch on every CP rank) with a local length of one padding row more than the
 layout needs (whose gradient must be zero: a function that reads the least length
 instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
 rank's packed rows of its TP vocabulary shard.
@@ -98,12 +98,13 @@ class RankSetup(NamedTuple):
 
 
 def row_length(case: Case, batch: Batch) -> int | None:
-    """The bshd row length ``S`` (None for thd): one more than the longest sample,
-    made odd without CP (where no rule rounds a row up, so an odd ``S`` shows a
-    rounding that should not be there)."""
+    """The bshd row length ``S`` (None for thd): one more than the longest sample (a
+    left-padded case: than the row whose sample ends last), made odd without CP (where
+    no rule rounds a row up, so an odd ``S`` shows a rounding that should not be there)."""
     if case.fmt != "bshd":
         return None
-    seq = max(batch.total) + 1
+    offsets = batch.offsets or (0,) * len(batch.total)
+    seq = max(o + t for o, t in zip(offsets, batch.total)) + 1
     return seq + 1 if case.mode == "none" and seq % 2 == 0 else seq
 
 
@@ -117,10 +118,11 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
     """
     state = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
-        allgather_cp=case.mode == "allgather", align=case.align,
+        allgather_cp=case.mode == "allgather", align=case.align, row_offsets=batch.offsets,
     )
     if case.mode == "none" and state.cp_size > 1:
-        return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq)
+        return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
+                      row_offsets=batch.offsets)
     if state.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
     if batch.padded is None:
@@ -145,7 +147,8 @@ def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
     ) + 1
     layout = layout.with_local_length(length)
     view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
-                           layout.cp_rank, layout.cp_size, length, case.align, batch.padded)
+                           layout.cp_rank, layout.cp_size, length, case.align, batch.padded,
+                           batch.offsets)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
     return RankSetup(layout, view, shard, logits)

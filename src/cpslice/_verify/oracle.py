@@ -8,7 +8,8 @@ loss weights and gradient rows from here, so that a bug in the layout arithmetic
 shows up as a failing row instead of agreeing with itself.
 
 A ``Place`` is what one local row holds: ``(sample, within-sample position)``, or
-None for padding.
+None for padding. A sample's extent holds its tokens, then padding; a left-padded bshd
+row (``offsets``) holds padding before them too.
 """
 
 from collections.abc import Sequence
@@ -28,7 +29,9 @@ class RankView:
     ``"bshd"``; ``seq`` the bshd row length; ``length`` the local tensor's length
     (for allgather, the piece length ``T``); ``align`` (thd) pads every sample with
     padding positions after its tokens up to a multiple of ``align``; ``padded`` (thd)
-    gives each sample's positions ``W_i >= L_i`` outright, its padding included.
+    gives each sample's positions ``W_i >= L_i`` outright, its padding included;
+    ``offsets`` (bshd) the column ``o_i`` of its row where sample ``i``'s tokens start
+    (None: column 0).
     """
 
     total: tuple[int, ...]
@@ -41,6 +44,7 @@ class RankView:
     length: int
     align: int | None = None
     padded: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
 
 
 def least_length(
@@ -51,7 +55,7 @@ def least_length(
     if mode == "allgather":
         stream = sum(_extent(i, n, fmt, seq, align, padded) for i, n in enumerate(total))
         return -(-stream // size)
-    return len(_places(total, mode, fmt, seq, 0, size, None, align, padded))
+    return len(_places(total, mode, fmt, seq, 0, size, None, align, padded, None))
 
 
 def _padded(width: int, multiple: int) -> int:
@@ -73,26 +77,32 @@ def _extent(
 
 def _places(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, rank: int, size: int,
-    length: int | None, align: int | None = None, padded: Sequence[int] | None = None,
+    length: int | None, align: int | None, padded: Sequence[int] | None,
+    offsets: Sequence[int] | None,
 ) -> list[Place]:
     rows: list[Place] = []
 
     def extent(i: int, n: int) -> int:
         return _extent(i, n, fmt, seq, align, padded)
 
+    def place(i: int, p: int) -> Place:
+        """Position ``p`` of sample ``i``'s extent: its tokens from column ``o_i`` on."""
+        o = offsets[i] if offsets is not None else 0
+        return (i, p - o) if o <= p < o + total[i] else None
+
     if mode == "none":
         for i, n in enumerate(total):
-            rows += [(i, p) if p < n else None for p in range(extent(i, n))]
+            rows += [place(i, p) for p in range(extent(i, n))]
     elif mode == "zigzag":
         for i, n in enumerate(total):
             width = _padded(extent(i, n), 2 * size)
             chunk = width // (2 * size)
             for k in (rank, 2 * size - 1 - rank):  # chunk r, then chunk 2c-1-r
-                rows += [(i, p) if p < n else None for p in range(k * chunk, (k + 1) * chunk)]
+                rows += [place(i, p) for p in range(k * chunk, (k + 1) * chunk)]
     elif mode == "allgather":
         assert length is not None, "allgather needs the piece length"
         stream: list[Place] = [
-            (i, p) if p < n else None for i, n in enumerate(total) for p in range(extent(i, n))
+            place(i, p) for i, n in enumerate(total) for p in range(extent(i, n))
         ]
         stream += [None] * (size * length - len(stream))
         rows = stream[rank * length : (rank + 1) * length]
@@ -105,7 +115,7 @@ def places(view: RankView) -> list[Place]:
     """What each of the rank's ``view.length`` local rows holds (padding: None)."""
     rows = _places(
         view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length,
-        view.align, view.padded,
+        view.align, view.padded, view.offsets,
     )
     if len(rows) > view.length:
         raise ValueError(f"local length {view.length} < {len(rows)} rows this rank holds")
