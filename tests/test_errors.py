@@ -295,6 +295,7 @@ def test_error_tests_pass_unchecked() -> None:
          "tests/test_padded.py::test_wrong_kinds_are_type_errors",
          "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
          "tests/test_row_offsets.py::test_refusals_are_layout_errors",
+         "tests/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
          "tests/test_row_offsets.py::test_wrong_kinds_are_type_errors"],
         cwd=root, env=env, capture_output=True, text=True, timeout=200,
     )
