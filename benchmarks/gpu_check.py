@@ -1,8 +1,8 @@
 """On a CUDA machine: the single-process paths on the GPU against a float64 CPU
 reference, then extraction speed and log-prob memory measured there, ``log_probs_at`` and
 ``topk_log_probs`` against float64, and the eager and compiled kernels of
-``log_probs_and_entropy`` and ``log_probs_at`` against the bandwidth floor (T = 32768, V =
-151936 / tp, tp 1 and 4).
+``log_probs_and_entropy``, ``log_probs_at`` and ``log_probs_and_entropy(..., softcap=30)``
+against the bandwidth floor (T = 32768, V = 151936 / tp, tp 1 and 4).
 
 Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` (needs torch with CUDA and
 jaxtyping; no megatron, no process groups).
@@ -105,6 +105,12 @@ def _entropy_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor
     return lp, ent
 
 
+def _softcap_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    lp, ent = cpslice.log_probs_and_entropy(logits, targets, with_entropy=True, temperature=0.9, softcap=30.0)
+    torch.autograd.backward(lp.sum() + ent.sum())
+    return lp, ent
+
+
 def _at_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     lp = cpslice.log_probs_at(logits, ids, temperature=0.9)
     torch.autograd.backward(lp.sum())
@@ -185,6 +191,9 @@ def main() -> int:
     _check_log_probs_at(device)
     _kernel_floor(device, "log_probs_and_entropy", _entropy_step)
     _kernel_floor(device, "log_probs_at (k = 64)", _at_step)
+    # softcap's target, at most 1.15x the uncapped compiled time: the line above's
+    # "log_probs_and_entropy" compiled against this one's
+    _kernel_floor(device, "log_probs_and_entropy, softcap=30", _softcap_step)
     return 0
 
 
