@@ -484,7 +484,8 @@ def _compiled_grad(
             # the picked entries chunk by chunk: the [rows, k] temporaries of a whole
             # tile (the repeated ids' dedup above all) would add ~10 % to the peak of
             # bf16 logits at k = 64
-            rows_s = RowGrad(*(None if f is None else f[s:e] for f in row))
+            rows_s = RowGrad(None if row.a is None else row.a[s:e], row.b[s:e],
+                             row.hot[s:e], row.column[s:e])
             entry = pick_grad(x[s:e].gather(1, rows_s.column), big_m[s:e], log_s[s:e],
                               softmax.rows(slice(s, e)), rows_s, vocab)
             # the entries by (row, column) index: a scatter_ into a bfloat16 tensor takes
