@@ -162,45 +162,45 @@ def whole_lp_anchor(lp: list[torch.Tensor], ent: list[torch.Tensor]) -> torch.Te
     return sum((x.sum() + y.sum() for x, y in zip(lp, ent)), torch.zeros(()))
 
 
-def _worker(rank: int, world: int, setups: list[tuple[int, int]], seeds: list[int]
+def _worker(rank: int, world: int, setups: list[tuple[int, int, int]]
             ) -> tuple[list[tuple[str, dict[str, float]]], str, dict[tuple[int, int], Got]]:
     from megatron.core import parallel_state as ps
 
     out = []
     before = before_initialization()
     layouts: dict[tuple[int, int], Got] = {}
-    for tp, cp in setups:
+    for tp, cp, seed in setups:
         init_megatron(tp, cp)
         try:
             layouts[tp, cp] = from_parallel_state_setup(tp, cp)
             cp_group, tp_group = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
-            for seed in seeds:
-                batch = make_batch(seed, n=7, cp=cp, vocab=VOCAB_PER_RANK * tp)
-                for kind in KINDS + (["none-thd", "none-bshd"] if cp == 1 else []):
-                    base = layout_for(batch, kind, 0, cp)
-                    allgather = kind == "allgather"
-                    layout = Layout.from_parallel_state(
-                        batch.total, batch.response, qkv_format=base.qkv_format,
-                        max_seq_len=base.max_seq_len, allgather_cp=allgather,
-                        local_length=base.local_length if allgather else None,
-                    )
-                    layout = layout.with_local_length(base.local_length)
-                    errs = _check_rank(batch, layout, ps.get_tensor_model_parallel_rank(), tp,
-                                       cp_group, tp_group)
-                    out.append((f"tp{tp} cp{cp} {kind} seed{seed}", errs))
+            batch = make_batch(seed, n=7, cp=cp, vocab=VOCAB_PER_RANK * tp)
+            for kind in KINDS + (["none-thd", "none-bshd"] if cp == 1 else []):
+                base = layout_for(batch, kind, 0, cp)
+                allgather = kind == "allgather"
+                layout = Layout.from_parallel_state(
+                    batch.total, batch.response, qkv_format=base.qkv_format,
+                    max_seq_len=base.max_seq_len, allgather_cp=allgather,
+                    local_length=base.local_length if allgather else None,
+                )
+                layout = layout.with_local_length(base.local_length)
+                errs = _check_rank(batch, layout, ps.get_tensor_model_parallel_rank(), tp,
+                                   cp_group, tp_group)
+                out.append((f"tp{tp} cp{cp} {kind} seed{seed}", errs))
         finally:
             destroy_megatron()
     return out, before, layouts
 
 
 def test_end_to_end_matches_the_float64_reference() -> None:
-    # one spawned world of 4 ranks, four megatron-core setups (tp, cp) over it; it also
-    # checks Layout.from_parallel_state in each setup
-    setups = [(1, 4), (2, 2), (1, 2), (2, 1)]
-    results = run_distributed(_worker, 4, setups, [0, 1], timeout=240)
+    # one spawned world of 4 ranks, four megatron-core setups (tp, cp) over it, each on
+    # a batch of its own seed (random lengths: test_cp_invariance and the hypothesis
+    # tests vary them more); it also checks Layout.from_parallel_state in each setup
+    setups = [(1, 4, 0), (2, 2, 1), (1, 2, 2), (2, 1, 3)]
+    results = run_distributed(_worker, 4, setups, timeout=240)
     for rank, (rank_results, before, layouts) in enumerate(results):
         check_from_parallel_state(rank, before, layouts)
-        assert sorted(layouts) == sorted(setups)
+        assert sorted(layouts) == sorted((tp, cp) for tp, cp, _ in setups)
         for name, errs in rank_results:
             for what, e in errs.items():
                 assert e < 2e-5, f"{name}: {what} error {e}"
