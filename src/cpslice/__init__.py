@@ -10,6 +10,12 @@ across arguments; unset, no wrapper exists at all.
 from ._debug import debug_setting as _debug_setting
 
 if _debug_setting():
+    # the hook's loader points every import made while a cpslice module runs at
+    # bytecode caches of its own tag: torch's modules imported first, so that they come
+    # from their caches, not compiled from source (~1500 modules, seconds per process,
+    # each time where PYTHONDONTWRITEBYTECODE keeps the hook's caches from being written)
+    import torch._dynamo as _dynamo  # noqa: F401
+    import torch.distributed as _distributed  # noqa: F401
     from jaxtyping import install_import_hook as _install_import_hook
 
     _hook = _install_import_hook("cpslice", "beartype.beartype")
