@@ -1,8 +1,6 @@
 """``cpslice verify`` and ``cpslice bench``: one-line argument errors (exit 2), which
 layouts each mode checks, a real small verify run (exit 0 and its table), the error
-measure's NaN, the verifier catching bugs planted in copies of the package (``PLANTS``:
-layout arithmetic, a length read from the layout instead of the tensor,
-padded widths, no-CP bshd rows, left-padded rows; exit 1), a rank that raises (its
+measure's NaN (the planted bugs verify must catch: test_verify_planted.py), a rank that raises (its
 layout FAIL, the rest not run), the start-up timeout apart from a hang, Ctrl-C, a
 missing megatron-core, and bench's discovery of benchmarks/, its adapters, its
 source-checkout check and its target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
@@ -11,7 +9,6 @@ from tests/_verify_ranks.py: the library carries none."""
 import importlib.util
 import math
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,12 +16,10 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
 
-import cpslice
 from cpslice import _cli
 from cpslice._cli import bench, main
 from cpslice._verify.batches import make_batch
@@ -34,7 +29,7 @@ from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult
 from cpslice._verify.runner import host_store, verify_main
 
-from . import _verify_ranks
+from . import _verify_ranks, planted
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -128,7 +123,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
         "entropy", "err", "grad", "err", "distill", "err", "result",
     ]
-    rows = _rows(out)
+    rows = planted.rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
              "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded", "none bshd"]
     assert list(rows) == names, out
@@ -146,123 +141,6 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
             if " pass " in line] == names
 
 
-class Plant(NamedTuple):
-    """A bug planted in a copy of the package, and the verify run that must catch it."""
-
-    edits: tuple[tuple[str, str, str], ...]  # (file under cpslice/, line, planted line)
-    argv: tuple[str, ...]  # cpslice verify's arguments: the fewest layouts that show it
-
-
-PLANTS = {
-    # zigzag rank r holds chunks r and 2c-1-r; plant 2c-2-r. pack, extraction and
-    # shard_responses all read the same wrong plan, so only expected values computed
-    # independently of _plan (the verifier's oracle) can catch it.
-    "zigzag chunk": Plant(
-        (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
-        ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
-    ),
-    # redistribute cuts the allgather pieces at the least local length, not the tensor's
-    "redistribute reads the least length": Plant(
-        (("_redistribute.py", "from ._plan import resolve_length, response_base, select, selection",
-          "from ._plan import needed_length, resolve_length, response_base, select, selection"),
-         ("_redistribute.py", 'select(layout, resolve_length(layout, what="the layout"), "response")',
-          'select(layout, needed_length(layout), "response")')),
-        ("--cp-size", "2", "--mode", "allgather"),
-    ),
-    # every sample one position wider than its cu_seqlens_padded say
-    "from_cu_seqlens widths off by one": Plant(
-        (("_layout.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
-          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
-        ("--cp-size", "2", "--format", "thd"),
-    ),
-    # bshd rows without CP rounded up to an even width (only zigzag rounds them); and,
-    # in the same run (each run costs a start-up), the row offsets left out of _plan's
-    # runs: every bshd sample at column 0, consistently in pack and extraction
-    "bshd rows: no-CP rounded to even, row offsets ignored": Plant(
-        (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
-          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
-         ("_plan.py", "    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets",
-          "    offset = 0 * torch.repeat_interleave(torch.tensor(layout.row_offsets")),
-        ("--cp-size", "2", "--format", "bshd"),
-    ),
-}
-"""Every planted run shares ``--tp-size 1 --samples 4``."""
-
-# The first test that asks for ``planted`` waits for every planted run: minutes on a
-# loaded 2-core machine (they spawn 9 ranks, each importing torch and megatron-core).
-PLANTED_TIMEOUT = pytest.mark.timeout(480)
-
-
-def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
-    """A copy of the cpslice package with lines changed (planted bugs); returns the
-    folder to put on PYTHONPATH."""
-    src = folder / "src"
-    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name, old, new in edits:
-        path = src / "cpslice" / name
-        text = path.read_text()
-        assert text.count(old) == 1, f"the line to plant the bug in moved: {name}: {old!r}"
-        path.write_text(text.replace(old, new))
-    return src
-
-
-@pytest.fixture(scope="module")
-def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
-    """Each PLANTS run, ``(exit status, stdout, stderr)``: all started at once, so that
-    their ranks' start-ups (most of a run) overlap."""
-    runs = {}
-    for name, plant in PLANTS.items():
-        folder = tmp_path_factory.mktemp("planted")
-        env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
-        out, err = (open(folder / f, "w+") for f in ("out", "err"))
-        cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
-               "--samples", "4", "--startup-timeout", "400"]
-        runs[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
-    done = {}
-    try:
-        for name, (proc, out, err) in runs.items():
-            code = proc.wait(timeout=450)
-            out.seek(0)
-            err.seek(0)
-            done[name] = (code, out.read(), err.read())
-    finally:
-        for proc, out, err in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            out.close()
-            err.close()
-    return done
-
-
-def _rows(stdout: str) -> dict[str, list[str]]:
-    """The result table: layout name -> its columns (ranks, samples, empty ranks, the
-    four errors, result)."""
-    lines = stdout.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
-    rows = {}
-    for line in lines[head + 1 :]:
-        if line.startswith("errors: "):
-            break
-        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=9)
-        rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
-    return rows
-
-
-def _verdicts(stdout: str) -> dict[str, str]:
-    """Layout name -> pass, FAIL or not run (a FAIL's reason left out)."""
-    return {name: r[-1].split("  ")[0] for name, r in _rows(stdout).items()}
-
-
-@PLANTED_TIMEOUT
-def test_a_planted_layout_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
-    code, out, err = planted["zigzag chunk"]
-    assert code == 1, out + err
-    assert _verdicts(out) == {"zigzag thd": "FAIL"}, out + err
-    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
-
-
 def test_the_error_measure_turns_nan_into_a_failure() -> None:
     # a library that returns NaN fails every layout through this measure (a mutant that
     # reports NaN as 0, or drops a non-finite error, fails here)
@@ -277,40 +155,6 @@ def test_the_error_measure_turns_nan_into_a_failure() -> None:
     errors = Errors(1e-6, 0.0, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0, 0.0))
     result = CaseResult(Case("none", "thd"), 1, 1, 4, 0, errors, TOLERANCE, 0.1)
     assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
-
-
-@PLANTED_TIMEOUT
-def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
-    planted: dict[str, tuple[int, str, str]],
-) -> None:
-    # every rank's local tensor has one padding row more than the layout needs: without
-    # it the least length and the tensor's are the same, and this bug passes
-    code, out, err = planted["redistribute reads the least length"]
-    assert code == 1, out + err
-    assert _verdicts(out) == {"allgather thd": "FAIL"}, out + err
-    assert out.splitlines()[-1] == "1 of 1 layout FAIL"
-
-
-@PLANTED_TIMEOUT
-def test_a_planted_padded_width_bug_fails(planted: dict[str, tuple[int, str, str]]) -> None:
-    # the default set's padded layouts go through Layout.from_cu_seqlens; the first one
-    # fails (the run stops there: a rank raised), the layouts without padding pass
-    code, out, err = planted["from_cu_seqlens widths off by one"]
-    assert code == 1, out + err
-    assert _verdicts(out) == {
-        "zigzag thd": "pass", "allgather thd": "pass", "allgather thd align 8": "pass",
-        "zigzag thd padded": "FAIL", "allgather thd padded": "not run"}, out + err
-    assert "LayoutError" in _rows(out)["zigzag thd padded"][-1]
-
-
-@PLANTED_TIMEOUT
-def test_planted_bshd_row_bugs_fail(planted: dict[str, tuple[int, str, str]]) -> None:
-    # in a CP world the default set still runs none bshd, its rows of odd length; and
-    # its left-padded rows catch offsets that pack and extraction both ignore
-    code, out, err = planted["bshd rows: no-CP rounded to even, row offsets ignored"]
-    assert code == 1, out + err
-    assert _verdicts(out) == {"zigzag bshd": "pass", "zigzag bshd left-padded": "FAIL",
-                              "none bshd": "FAIL"}, out + err
 
 
 def test_bshd_rows_without_cp_are_odd() -> None:
@@ -332,7 +176,7 @@ def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     out, err = capsys.readouterr()
     assert "cpslice verify: rank 1 raised in layout zigzag bshd:" in err
     assert "Traceback" in err and "RuntimeError: fault injected: rank 1 raises" in err
-    rows = _rows(out)
+    rows = planted.rows(out)
     assert list(rows) == ["zigzag thd", "zigzag bshd", "allgather thd"], out
     assert rows["zigzag thd"][-1] == "pass"
     assert rows["zigzag bshd"][2:] == [
@@ -360,7 +204,7 @@ def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture
     last = err.splitlines()[-1]
     assert ("1 of 2 ranks made no progress on layout zigzag thd for --timeout 2 s (a hang"
             in last), last
-    verdicts = {name: r[-1] for name, r in _rows(out).items()}
+    verdicts = {name: r[-1] for name, r in planted.rows(out).items()}
     assert verdicts == {"zigzag thd": "FAIL  hang: no progress for --timeout 2 s",
                         "zigzag bshd": "not run"}, out
     assert time.monotonic() - start < 100

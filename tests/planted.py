@@ -1,0 +1,146 @@
+"""Bugs planted in copies of the package, and the ``cpslice verify`` runs that must catch
+them (``tests/test_verify_planted.py``), with the reading of verify's result table.
+
+The runs take most of a minute of both cores (each spawns ranks that import torch and
+megatron-core), so ``tests/conftest.py`` starts them when the session's tests are
+collected: they run beside the single-process tests, and the planted tests, collected
+last, wait for them. Run alone, the first planted test starts them."""
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, NamedTuple
+
+import cpslice
+
+
+class Plant(NamedTuple):
+    """A bug planted in a copy of the package, and the verify run that must catch it."""
+
+    edits: tuple[tuple[str, str, str], ...]  # (file under cpslice/, line, planted line)
+    argv: tuple[str, ...]  # cpslice verify's arguments: the fewest layouts that show it
+
+
+PLANTS = {
+    # zigzag rank r holds chunks r and 2c-1-r; plant 2c-2-r. pack, extraction and
+    # shard_responses all read the same wrong plan, so only expected values computed
+    # independently of _plan (the verifier's oracle) can catch it.
+    "zigzag chunk": Plant(
+        (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
+        ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
+    ),
+    # redistribute cuts the allgather pieces at the least local length, not the tensor's
+    "redistribute reads the least length": Plant(
+        (("_redistribute.py", "from ._plan import resolve_length, response_base, select, selection",
+          "from ._plan import needed_length, resolve_length, response_base, select, selection"),
+         ("_redistribute.py", 'select(layout, resolve_length(layout, what="the layout"), "response")',
+          'select(layout, needed_length(layout), "response")')),
+        ("--cp-size", "2", "--mode", "allgather"),
+    ),
+    # every sample one position wider than its cu_seqlens_padded say
+    "from_cu_seqlens widths off by one": Plant(
+        (("_layout.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
+          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
+        ("--cp-size", "2", "--format", "thd"),
+    ),
+    # bshd rows without CP rounded up to an even width (only zigzag rounds them); and,
+    # in the same run (each run costs a start-up), the row offsets left out of _plan's
+    # runs: every bshd sample at column 0, consistently in pack and extraction
+    "bshd rows: no-CP rounded to even, row offsets ignored": Plant(
+        (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
+          '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
+         ("_plan.py", "    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets",
+          "    offset = 0 * torch.repeat_interleave(torch.tensor(layout.row_offsets")),
+        ("--cp-size", "2", "--format", "bshd"),
+    ),
+}
+"""Every planted run shares ``--tp-size 1 --samples 4``."""
+
+
+def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
+    """A copy of the cpslice package with lines changed (planted bugs); returns the
+    folder to put on PYTHONPATH."""
+    src = folder / "src"
+    shutil.copytree(Path(cpslice.__file__).parent, src / "cpslice",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name, old, new in edits:
+        path = src / "cpslice" / name
+        text = path.read_text()
+        assert text.count(old) == 1, f"the line to plant the bug in moved: {name}: {old!r}"
+        path.write_text(text.replace(old, new))
+    return src
+
+
+Run = tuple[int, str, str]
+"""A planted run's exit status, stdout and stderr."""
+
+_RUNS: dict[str, tuple[subprocess.Popen[str], IO[str], IO[str]]] = {}
+_DONE: dict[str, Run] = {}
+
+
+def start() -> None:
+    """Start every PLANTS run at once (their start-ups overlap), unless started."""
+    if _RUNS or _DONE:
+        return
+    root = Path(tempfile.mkdtemp(prefix="cpslice-planted-"))
+    atexit.register(_stop, root)
+    for i, (name, plant) in enumerate(PLANTS.items()):
+        folder = root / str(i)
+        folder.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
+        out, err = (open(folder / f, "w+") for f in ("out", "err"))
+        cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
+               "--samples", "4", "--startup-timeout", "400"]
+        _RUNS[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
+
+
+def results(timeout: float = 450) -> dict[str, Run]:
+    """Each PLANTS run's ``Run``, once all have ended (started here if not yet)."""
+    start()
+    try:
+        for name, (proc, out, err) in _RUNS.items():
+            code = proc.wait(timeout=timeout)
+            out.seek(0)
+            err.seek(0)
+            _DONE[name] = (code, out.read(), err.read())
+    finally:
+        _kill()
+    return _DONE
+
+
+def _kill() -> None:
+    for proc, out, err in _RUNS.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+    _RUNS.clear()
+
+
+def _stop(root: Path) -> None:
+    _kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def rows(stdout: str) -> dict[str, list[str]]:
+    """The result table: layout name -> its columns (ranks, samples, empty ranks, the
+    four errors, result)."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    rows = {}
+    for line in lines[head + 1 :]:
+        if line.startswith("errors: "):
+            break
+        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=9)
+        rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
+    return rows
+
+
+def verdicts(stdout: str) -> dict[str, str]:
+    """Layout name -> pass, FAIL or not run (a FAIL's reason left out)."""
+    return {name: r[-1].split("  ")[0] for name, r in rows(stdout).items()}
