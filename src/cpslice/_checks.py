@@ -202,6 +202,23 @@ def per_position(name: str, value: object) -> Tensor:
     return x
 
 
+def per_sample_lengths(name: str, values: object, total: tuple[int, ...]) -> tuple[int, ...]:
+    """``lengths(name, values)`` with one entry per sample of ``total`` (the
+    ``total_lengths``).
+
+    Raises:
+        TypeError: as ``lengths``.
+        LayoutError: another number of entries than ``len(total)``.
+    """
+    given = lengths(name, values)
+    if len(given) != len(total):
+        raise LayoutError(
+            f"{name} has {len(given)} samples but total_lengths has {len(total)} "
+            "(one entry per sample in each)"
+        )
+    return given
+
+
 def tensor_list(name: str, value: object, count: int, what: str) -> list[Tensor]:
     """A sequence of ``count`` tensors of at least one dimension, one per sample.
 

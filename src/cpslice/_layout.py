@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import integer, kind, lengths
+from ._checks import integer, kind, lengths, per_sample_lengths
 from ._errors import LayoutError
 from ._masks import mask_rows
 from ._types import (
@@ -496,12 +496,7 @@ def _padding(
         if mode == "zigzag" and a % two_c:
             raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
         return None, a
-    given = lengths("padded_lengths", padded_lengths)
-    if len(given) != len(total):
-        raise LayoutError(
-            f"padded_lengths has {len(given)} samples but total_lengths has {len(total)} "
-            "(one entry per sample in each)"
-        )
+    given = per_sample_lengths("padded_lengths", padded_lengths, total)
     for i, (w, t) in enumerate(zip(given, total)):
         if w < t:
             raise LayoutError(

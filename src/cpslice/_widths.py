@@ -4,7 +4,7 @@ compare layouts by what they place where). Every offset is derived from these by
 ``_plan`` (docs/layouts.md).
 """
 
-from ._checks import lengths
+from ._checks import per_sample_lengths
 from ._errors import LayoutError
 from ._types import CpMode, QkvFormat
 
@@ -62,12 +62,7 @@ def resolve_row_offsets(
             "previous one ends; pass qkv_format='bshd' for left-padded rows, or drop it"
         )
     assert max_seq_len is not None
-    given = lengths("row_offsets", offsets)
-    if len(given) != len(total):
-        raise LayoutError(
-            f"row_offsets has {len(given)} samples but total_lengths has {len(total)} "
-            "(one entry per sample in each)"
-        )
+    given = per_sample_lengths("row_offsets", offsets, total)
     for i, (o, t) in enumerate(zip(given, total)):
         if o < 0:
             raise LayoutError(
