@@ -99,8 +99,9 @@ class _Baseline:
                     setattr(module, name, value)
         parallel_state = sys.modules.get("megatron.core.parallel_state")
         if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            destroy_megatron()
             return "the task left megatron-core's parallel_state initialized (call destroy_megatron)"
+        _destroy_megatron_groups()  # a task that left through parallel_state itself
         return None
 
 
@@ -262,29 +263,59 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
+_MEGATRON_GROUPS: list[Any] = []
+"""The process groups the last ``init_megatron`` made on this rank. megatron-core's
+``destroy_model_parallel`` forgets its groups without destroying them, and a live gloo
+group costs its rank CPU while it idles (its transport's threads wake): a world that
+initializes megatron-core a dozen times, as the session's do, spent most of a core
+idling. ``destroy_megatron`` destroys them."""
+
+
 def init_megatron(tp: int, cp: int) -> None:
     """megatron-core's parallel_state over the current gloo world (order tp-cp-...)."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, context_parallel_size=cp
-    )
+    real = dist.new_group  # megatron-core makes every group through it
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        group = real(*args, **kwargs)
+        _MEGATRON_GROUPS.append(group)
+        return group
+
+    dist.new_group = recorded
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, context_parallel_size=cp
+        )
+    finally:
+        dist.new_group = real
 
 
 def destroy_megatron() -> None:
+    """Leave megatron-core's parallel_state, and destroy the groups it made."""
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _destroy_megatron_groups()
+
+
+def _destroy_megatron_groups() -> None:
+    while _MEGATRON_GROUPS:
+        try:  # a non-member's is a no-op
+            dist.destroy_process_group(_MEGATRON_GROUPS.pop())
+        except ValueError:  # "Invalid process group": one megatron-core destroyed itself
+            pass
 
 
 _TP_GROUPS: list[tuple[Any, int, int]] = []
 
 
 def tp_groups(rank: int, world: int) -> list[tuple[Any, int, int]]:
-    """``(group, tp size, rank in it)`` for the vocabulary-parallel workers: the whole
-    world, then, in a world of 4, the two TP-2 subgroups ``[0, 1]`` and ``[2, 3]`` (the
-    rank offset comes from the group rank). Made once per rank process, and shared by
-    every task it runs (``new_group`` is collective and must be entered by all ranks)."""
+    """``(group, size, rank in it)`` for the vocabulary-parallel and sample-statistics
+    workers: the whole world, then, in a world of 4, the two subgroups ``[0, 1]`` and
+    ``[2, 3]`` (the rank offset comes from the group rank). Made once per rank process,
+    and shared by every task it runs (``new_group`` is collective and must be entered by
+    all ranks, and every live group costs its rank CPU while it idles)."""
     if not _TP_GROUPS:
         _TP_GROUPS.append((dist.group.WORLD, world, rank))
         if world == 4:

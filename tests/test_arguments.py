@@ -53,7 +53,11 @@ def layout_kinds(i: Any, r: Any) -> None:
 
 def from_parallel_state(i: Any, r: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # megatron-core's parallel_state is read through one adapter function; its CP rank and
-    # size are ints from megatron, the caller's arguments are what this test varies
+    # size are ints from megatron, the caller's arguments are what this test varies.
+    # megatron-core first, outside the jaxtyping hook: imported from the hooked adapter
+    # module, it is compiled from source.
+    import megatron.core.parallel_state  # noqa: F401
+
     from cpslice import _megatron
 
     monkeypatch.setattr(_megatron, "cp_rank_and_size", lambda: (0, 1))

@@ -81,6 +81,32 @@ def test_a_task_that_leaves_megatron_initialized_fails_and_the_next_one_starts_c
     assert run_distributed(_uses_megatron, 2) == [0, 1]
 
 
+def _live(group: object) -> bool:
+    try:
+        dist.get_backend(group)  # type: ignore[arg-type]  # a group of megatron-core's
+    except ValueError:  # destroyed, or this rank is no member
+        return False
+    return True
+
+
+def _megatron_groups(rank: int, world: int) -> tuple[int, int]:
+    from . import _dist
+
+    init_megatron(2, 1)
+    made = list(_dist._MEGATRON_GROUPS)
+    live = sum(map(_live, made))
+    destroy_megatron()
+    return live, sum(map(_live, made))
+
+
+def test_destroy_megatron_destroys_its_groups_too() -> None:
+    # megatron-core's destroy_model_parallel forgets its groups but leaves them alive,
+    # and a live gloo group costs its rank CPU while it idles: the session's worlds
+    # initialize megatron-core a dozen times
+    for live, left in run_distributed(_megatron_groups, 2):
+        assert live > 5 and left == 0
+
+
 def _dies(rank: int, world: int) -> None:
     os._exit(3)
 

@@ -31,7 +31,7 @@ from cpslice import (
 )
 from cpslice._types import CpMode
 
-from ._dist import run_distributed
+from ._dist import run_distributed, tp_groups
 from ._docs import block_defining
 from .lengths import edge_lengths, sparse_lengths
 from .oracle import Config, least_length, local_map
@@ -249,7 +249,7 @@ def _extremes(case: Case, cp: int, me: int, group: Any, calls: Calls, *,
 
 def _worker(rank: int, world: int) -> dict[Any, Any]:
     torch.set_num_threads(1)
-    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = tp_groups(rank, world)[1][0]  # {0, 1} or {2, 3}, made once per rank
     calls: Calls = []
     real = dist.all_reduce
 
@@ -262,7 +262,7 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
     docs = _doc_functions()
     out: dict[Any, Any] = {}
     for cp in GROUPS:
-        group = None if cp == WORLD else subgroups[rank // 2]
+        group = None if cp == WORLD else pair
         me = rank % cp
         for mode in MODES + ALIGNED:
             for name in CASES if mode in MODES else ("mixed", "sparse"):
