@@ -8,16 +8,59 @@ same tests again in a fresh interpreter with checking off, where only cpslice's 
 exception type and message pass. A deleted check therefore fails there.
 """
 
+import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from jaxtyping import TypeCheckError
 
 import cpslice
 
+from . import background
+from .background import Job
+
 CHECKED = hasattr(cpslice.extract_responses, "__wrapped__")
+
+UNCHECKED = (
+    "tests/test_errors.py", "tests/test_logprob.py::test_refusals",
+    "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
+    "tests/test_reduce.py::test_error_reducer_arguments",
+    "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
+    "tests/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
+    "tests/test_linear.py::test_refusals",
+    "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
+    "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",
+    "tests/test_arguments.py", "tests/test_distill.py::test_refusals",
+    "tests/test_distill.py::test_response_refusals_name_the_sample",
+    "tests/test_transforms.py::test_refusals",
+    "tests/test_padded.py::test_refusals_are_layout_errors",
+    "tests/test_support.py::test_support_refusals", "tests/test_support.py::test_log_prob_refusals",
+    "tests/test_support.py::test_from_responses_refusals",
+    "tests/test_padded.py::test_wrong_kinds_are_type_errors",
+    "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
+    "tests/test_row_offsets.py::test_refusals_are_layout_errors",
+    "tests/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
+    "tests/test_row_offsets.py::test_wrong_kinds_are_type_errors",
+)
+"""The tests the unchecked run repeats: every refusal, and the argument kinds every
+entry point accepts (test_arguments), which must be the same with checking on and off."""
+
+
+def _unchecked_run() -> dict[str, Job]:
+    if not CHECKED:  # this is the unchecked run: it starts no other
+        return {}
+    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
+    argv = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            *UNCHECKED)
+    return {"unchecked": Job(argv, env, Path(__file__).resolve().parent.parent)}
+
+
+background.register("unchecked", "tests/test_errors.py::test_error_tests_pass_unchecked",
+                    _unchecked_run)
 
 
 @contextmanager

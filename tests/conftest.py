@@ -1,6 +1,7 @@
-"""Starts the planted ``cpslice verify`` runs (``planted.py``) as soon as the session's
-tests are collected, when ``test_verify_planted.py`` is among them: they take most of a
-minute of both cores, and run beside the single-process tests instead of after them."""
+"""Starts the background jobs (``background.py``) that the session's tests wait for, as
+soon as they are collected: the planted ``cpslice verify`` runs and the unchecked rerun
+of the error tests take many seconds of CPU each, and run, niced, beside the tests
+instead of in line with them."""
 
 import pytest
 
@@ -8,7 +9,8 @@ import pytest
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    if any(item.nodeid.startswith("tests/test_verify_planted.py") for item in session.items):
-        from . import planted
+    # imported here, after collection: they import cpslice, which the jaxtyping plugin's
+    # hook must see first (so that the session runs checked)
+    from . import background, checked, planted  # noqa: F401  (they register their jobs)
 
-        planted.start()
+    background.start_for([item.nodeid for item in session.items])

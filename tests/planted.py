@@ -2,20 +2,20 @@
 them (``tests/test_verify_planted.py``), with the reading of verify's result table.
 
 The runs take most of a minute of both cores (each spawns ranks that import torch and
-megatron-core), so ``tests/conftest.py`` starts them when the session's tests are
-collected: they run beside the single-process tests, and the planted tests, collected
-last, wait for them. Run alone, the first planted test starts them."""
+megatron-core), so they are background jobs (``background.py``), started when the
+session's tests are collected: they run beside the other tests, and the planted
+tests, collected last, wait for them. Run alone, the first planted test starts them."""
 
-import atexit
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 import cpslice
+
+from . import background
+from .background import Done, Job
 
 
 class Plant(NamedTuple):
@@ -75,56 +75,24 @@ def _patched_copy(folder: Path, edits: tuple[tuple[str, str, str], ...]) -> Path
     return src
 
 
-Run = tuple[int, str, str]
-"""A planted run's exit status, stdout and stderr."""
-
-_RUNS: dict[str, tuple[subprocess.Popen[str], IO[str], IO[str]]] = {}
-_DONE: dict[str, Run] = {}
-
-
-def start() -> None:
-    """Start every PLANTS run at once (their start-ups overlap), unless started."""
-    if _RUNS or _DONE:
-        return
-    root = Path(tempfile.mkdtemp(prefix="cpslice-planted-"))
-    atexit.register(_stop, root)
+def jobs() -> dict[str, Job]:
+    """Each PLANTS run, as a background job (``background.py``) on its own copy."""
+    found = {}
     for i, (name, plant) in enumerate(PLANTS.items()):
-        folder = root / str(i)
-        folder.mkdir()
-        env = {**os.environ, "PYTHONPATH": str(_patched_copy(folder, plant.edits))}
-        out, err = (open(folder / f, "w+") for f in ("out", "err"))
-        cmd = [sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
-               "--samples", "4", "--startup-timeout", "400"]
-        _RUNS[name] = (subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err)
+        copy = background.folder() / f"planted-{i}"
+        env = {**os.environ, "PYTHONPATH": str(_patched_copy(copy, plant.edits))}
+        argv = (sys.executable, "-m", "cpslice", "verify", *plant.argv, "--tp-size", "1",
+                "--samples", "4", "--startup-timeout", "400", "--timeout", "400")
+        found[name] = Job(argv, env, copy)
+    return found
 
 
-def results(timeout: float = 450) -> dict[str, Run]:
-    """Each PLANTS run's ``Run``, once all have ended (started here if not yet)."""
-    start()
-    try:
-        for name, (proc, out, err) in _RUNS.items():
-            code = proc.wait(timeout=timeout)
-            out.seek(0)
-            err.seek(0)
-            _DONE[name] = (code, out.read(), err.read())
-    finally:
-        _kill()
-    return _DONE
+def results(timeout: float = 450) -> dict[str, Done]:
+    """Each PLANTS run's ``Done``, once all have ended (started here if not yet)."""
+    return background.result("planted", timeout)
 
 
-def _kill() -> None:
-    for proc, out, err in _RUNS.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
-    _RUNS.clear()
-
-
-def _stop(root: Path) -> None:
-    _kill()
-    shutil.rmtree(root, ignore_errors=True)
+background.register("planted", "tests/test_verify_planted.py", jobs)
 
 
 def rows(stdout: str) -> dict[str, list[str]]:

@@ -5,11 +5,7 @@ twice: here (checked), and unchecked in a fresh interpreter (the last test), whe
 cpslice's own exception and message pass.
 """
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +26,7 @@ from cpslice import (
     sum_of_sample_means,
     sum_of_tokens,
 )
+from tests import background
 from tests.checked import CHECKED, refused
 
 
@@ -274,30 +271,7 @@ def test_error_tests_pass_unchecked() -> None:
     (test_arguments), which must be the same with checking on and off."""
     if not CHECKED:
         pytest.skip("this is the unchecked run")
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         "tests/test_errors.py", "tests/test_logprob.py::test_refusals",
-         "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
-         "tests/test_reduce.py::test_error_reducer_arguments",
-         "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
-         "tests/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
-         "tests/test_linear.py::test_refusals",
-         "tests/test_linear.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
-         "tests/test_linear_support.py::test_support_refusals_on_the_hidden_path",
-         "tests/test_arguments.py", "tests/test_distill.py::test_refusals",
-         "tests/test_distill.py::test_response_refusals_name_the_sample",
-         "tests/test_transforms.py::test_refusals",
-         "tests/test_padded.py::test_refusals_are_layout_errors",
-         "tests/test_support.py::test_support_refusals", "tests/test_support.py::test_log_prob_refusals",
-         "tests/test_support.py::test_from_responses_refusals",
-         "tests/test_padded.py::test_wrong_kinds_are_type_errors",
-         "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
-         "tests/test_row_offsets.py::test_refusals_are_layout_errors",
-         "tests/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
-         "tests/test_row_offsets.py::test_wrong_kinds_are_type_errors"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" in proc.stdout, proc.stdout[-500:]
+    # started with the session, in the background (tests/background.py)
+    proc = background.result("unchecked", timeout=200)["unchecked"]
+    assert proc.code == 0, proc.out[-4000:] + proc.err[-2000:]
+    assert " passed" in proc.out and "skipped" in proc.out, proc.out[-500:]

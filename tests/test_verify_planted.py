@@ -1,13 +1,15 @@
 """``cpslice verify`` catches bugs planted in copies of the package (``planted.PLANTS``:
 layout arithmetic, a length read from the layout instead of the tensor, padded widths,
 no-CP bshd rows, left-padded rows): it prints FAIL for the layouts they break, passes
-the others, and exits 1. The runs start with the session (``conftest.py``); this file
-is collected last, so they have run beside the other tests by then."""
+the others, and exits 1. The runs start with the session, in the background
+(``background.py``); this file is collected last, so they have run beside the other
+tests by then."""
 
 import pytest
 
 from . import planted as _planted
-from .planted import Run, rows, verdicts
+from .background import Done
+from .planted import rows, verdicts
 
 # The first planted test waits for every planted run: minutes on a loaded 2-core
 # machine (they spawn 8 ranks, each importing torch and megatron-core).
@@ -15,12 +17,12 @@ PLANTED_TIMEOUT = pytest.mark.timeout(480)
 
 
 @pytest.fixture(scope="module")
-def planted() -> dict[str, Run]:
+def planted() -> dict[str, Done]:
     return _planted.results()
 
 
 @PLANTED_TIMEOUT
-def test_a_planted_layout_bug_fails(planted: dict[str, Run]) -> None:
+def test_a_planted_layout_bug_fails(planted: dict[str, Done]) -> None:
     code, out, err = planted["zigzag chunk"]
     assert code == 1, out + err
     assert verdicts(out) == {"zigzag thd": "FAIL"}, out + err
@@ -29,7 +31,7 @@ def test_a_planted_layout_bug_fails(planted: dict[str, Run]) -> None:
 
 @PLANTED_TIMEOUT
 def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
-    planted: dict[str, Run],
+    planted: dict[str, Done],
 ) -> None:
     # every rank's local tensor has one padding row more than the layout needs: without
     # it the least length and the tensor's are the same, and this bug passes
@@ -40,7 +42,7 @@ def test_the_extra_padding_row_catches_a_length_read_from_the_layout(
 
 
 @PLANTED_TIMEOUT
-def test_a_planted_padded_width_bug_fails(planted: dict[str, Run]) -> None:
+def test_a_planted_padded_width_bug_fails(planted: dict[str, Done]) -> None:
     # the default set's padded layouts go through Layout.from_cu_seqlens; the first one
     # fails (the run stops there: a rank raised), the layouts without padding pass
     code, out, err = planted["from_cu_seqlens widths off by one"]
@@ -52,7 +54,7 @@ def test_a_planted_padded_width_bug_fails(planted: dict[str, Run]) -> None:
 
 
 @PLANTED_TIMEOUT
-def test_planted_bshd_row_bugs_fail(planted: dict[str, Run]) -> None:
+def test_planted_bshd_row_bugs_fail(planted: dict[str, Done]) -> None:
     # in a CP world the default set still runs none bshd, its rows of odd length; and
     # its left-padded rows catch offsets that pack and extraction both ignore
     code, out, err = planted["bshd rows: no-CP rounded to even, row offsets ignored"]
