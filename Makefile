@@ -26,10 +26,12 @@ test: install typecheck
 	$(BIN)/pytest
 
 # Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
-# then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states.
+# then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states; then
+# GRPO steps of a small Hugging Face Llama on left-padded rows.
 demo: install
 	$(BIN)/cpslice verify
 	$(BIN)/python examples/train_tiny_gpt.py
+	$(BIN)/python examples/hf_grpo_step.py
 
 bench: install
 	$(BIN)/cpslice bench
