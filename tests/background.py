@@ -57,10 +57,6 @@ _DONE: dict[str, Done] = {}
 _FOLDER: list[Path] = []
 
 
-def _lower_priority() -> None:
-    os.nice(NICENESS)
-
-
 def start(group: str) -> None:
     """Start a group's jobs, all at once, unless started."""
     if group in _JOBS:
@@ -69,7 +65,10 @@ def start(group: str) -> None:
     for name, job in jobs.items():
         out, err = (tempfile.TemporaryFile("w+", dir=folder()) for _ in "oe")
         proc = subprocess.Popen(job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=err,
-                                text=True, preexec_fn=_lower_priority)
+                                text=True)
+        # set from here (no preexec_fn, unsafe in a threaded parent): the interpreter is
+        # still starting, seconds before it spawns the children that inherit it
+        os.setpriority(os.PRIO_PROCESS, proc.pid, NICENESS)
         _RUNS[name] = (proc, out, err)
 
 
