@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -80,22 +81,25 @@ def start_for(nodeids: list[str]) -> None:
 
 
 def result(group: str, timeout: float) -> dict[str, Done]:
-    """Each of a group's jobs' ``Done``, once all have ended (started here if not yet)."""
+    """Each of a group's jobs' ``Done``, once all have ended (started here if not yet).
+    A job still running ``timeout`` seconds from now is killed: its ``Done`` has the
+    kill's exit status and says so on its stderr."""
     start(group)
+    deadline = time.monotonic() + timeout
     names = list(_JOBS[group])
     for name in names:
         if name in _DONE:
             continue
         proc, out, err = _RUNS.pop(name)
+        late = ""
         try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            late = f"\n[killed: still running {timeout:g} s after its result was asked for]"
+        _end(proc)
         out.seek(0)
         err.seek(0)
-        _DONE[name] = Done(code, out.read(), err.read())
+        _DONE[name] = Done(proc.returncode, out.read(), err.read() + late)
         out.close()
         err.close()
     return {name: _DONE[name] for name in names}
@@ -109,11 +113,16 @@ def folder() -> Path:
     return _FOLDER[0]
 
 
+def _end(proc: subprocess.Popen[str]) -> None:
+    """Kill ``proc`` if it still runs, and wait for it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _stop() -> None:
     for proc, out, err in _RUNS.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(proc)
         out.close()
         err.close()
     _RUNS.clear()
