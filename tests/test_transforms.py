@@ -62,7 +62,11 @@ def _check(case: dict[str, Any], dtype: torch.dtype, path: str) -> None:
     opts: dict[str, Any] = {"temperature": case["tau"], "softcap": case["softcap"],
                             "vocab_size": case["vocab_size"], "chunk_size": case["chunk"]}
     f64 = dtype == torch.float64
+    # float32 accumulation for every dtype: bfloat16 values are as close to the float64
+    # reference of the same bfloat16 inputs as float32 ones; only the gradient, rounded
+    # once to bfloat16, is coarser
     atol = 1e-10 if f64 else 256 * EPS32 * (1 + 20 / 0.5)
+    grad_atol = 1e-10 if f64 else 2.0**-7 if dtype == torch.bfloat16 else 64 * EPS32 * 40
     if path == "logits":
         x = case["logits"].to(dtype).requires_grad_(True)
         lp, h = cpslice.log_probs_and_entropy(x, case["targets"], with_entropy=True, **opts)
@@ -84,7 +88,7 @@ def _check(case: dict[str, Any], dtype: torch.dtype, path: str) -> None:
     want = torch.autograd.grad((want_lp * g_lp).sum() + (want_h * g_h).sum(), ref_leaves)
     for a, b in zip(got, want):
         scale = max(float(b.abs().max()) if b.numel() else 0.0, 1.0)
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=(1e-10 if f64 else 64 * EPS32 * 40) * scale)
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=grad_atol * scale)
     if case["vocab_size"] is not None and t:
         padded = got[0][:, case["vocab_size"]:] if path == "logits" else got[1][case["vocab_size"]:]
         assert bool((padded == 0).all()), "a padded id gets exactly zero gradient"
@@ -93,8 +97,8 @@ def _check(case: dict[str, Any], dtype: torch.dtype, path: str) -> None:
 @settings(max_examples=25, deadline=None)
 @given(options(), st.sampled_from(["logits", "hidden"]))
 def test_every_option_matches_the_float64_reference(case: dict[str, Any], path: str) -> None:
-    _check(case, torch.float64, path)
-    _check(case, torch.float32, path)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        _check(case, dtype, path)
 
 
 @pytest.fixture
@@ -113,12 +117,13 @@ def test_the_compiled_kernels_with_each_option(compiled: None, tau: Any, softcap
     case = {"logits": logits, "targets": targets, "tau": taus if tau == "rows" else tau, "softcap": softcap,
             "vocab_size": vocab_size, "chunk": 4}
     for path in ("logits", "hidden"):
-        _check(case, torch.float32, path)
+        for dtype in (torch.float32, torch.bfloat16):
+            _check(case, dtype, path)
     names = {str(k[0]) for k in kernels._ready}
     assert names == ({"chunk_stats_capped", "chunk_grad_capped"} if softcap else {"chunk_stats", "chunk_grad"})
     per_row = {bool(k[6]) for k in kernels._ready}
     assert per_row == {tau == "rows"}, "a scalar temperature compiles the scalar kernels, one per row its own"
-    assert ran("aot_eager", torch.float32, 4)
+    assert ran("aot_eager", torch.float32, 4) == ran("aot_eager", torch.bfloat16, 4) == names
 
 
 def test_a_scalar_keeps_its_meaning() -> None:
@@ -134,47 +139,55 @@ def test_a_scalar_keeps_its_meaning() -> None:
     torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
 
 
-def test_ids_and_top_k_with_the_options() -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_ids_and_top_k_with_the_options(dtype: torch.dtype) -> None:
     """log_probs_at / topk_log_probs (and their hidden forms): capped, tempered per row,
-    never choosing or normalizing over a padded id."""
+    never choosing or normalizing over a padded id; bfloat16 logits against the float64
+    reference of the same bfloat16 values."""
     logits, _, taus = ref.inputs(8, 12, 5, 9)
+    logits = logits.to(dtype).double()  # what a bfloat16 rank holds, exactly
+    atol = 1e-10 if dtype == torch.float64 else 4e-4
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 9, (8, 3), generator=gen)
     opts: dict[str, Any] = {"temperature": taus, "softcap": 5.0, "vocab_size": 9}
     full = ref.distribution(logits, taus, 5.0, 9)
-    x = logits.clone().requires_grad_(True)
+    x = logits.to(dtype).requires_grad_(True)
     got = cpslice.log_probs_at(x, ids, **opts)
-    torch.testing.assert_close(got, full.gather(1, ids), rtol=0, atol=1e-10)
+    torch.testing.assert_close(got.double(), full.gather(1, ids), rtol=0, atol=atol)
     values, top = cpslice.topk_log_probs(x, 4, **opts)
     want_v, want_ids = torch.topk(full, 4)
     assert torch.equal(top, want_ids) and bool((top < 9).all())
-    torch.testing.assert_close(values, want_v, rtol=0, atol=1e-10)
+    torch.testing.assert_close(values.double(), want_v, rtol=0, atol=atol)
     (g,) = torch.autograd.grad(values.sum() + got.sum(), x)
     x64 = logits.clone().requires_grad_(True)
     full64 = ref.distribution(x64, taus, 5.0, 9)
     (want_g,) = torch.autograd.grad(torch.topk(full64, 4).values.sum() + full64.gather(1, ids).sum(), x64)
-    torch.testing.assert_close(g, want_g, rtol=0, atol=1e-10)
+    torch.testing.assert_close(g.double(), want_g, rtol=0, atol=1e-10 if dtype == torch.float64 else 2.0**-6)
     assert bool((g[:, 9:] == 0).all())
-    eye = torch.eye(12, dtype=torch.float64)
-    torch.testing.assert_close(cpslice.linear_log_probs_at(logits, eye, ids, **opts), got, rtol=0, atol=1e-10)
-    lv, lt = cpslice.linear_topk_log_probs(logits, eye, 4, **opts)
+    eye = torch.eye(12, dtype=dtype)
+    torch.testing.assert_close(cpslice.linear_log_probs_at(x.detach(), eye, ids, **opts), got.detach(),
+                               rtol=0, atol=atol)
+    lv, lt = cpslice.linear_topk_log_probs(x.detach(), eye, 4, **opts)
     assert torch.equal(lt, top)
-    torch.testing.assert_close(lv, values, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lv, values.detach(), rtol=0, atol=atol)
 
 
-def test_supports_with_the_options() -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_supports_with_the_options(dtype: torch.dtype) -> None:
     """Rows restricted to their sets, the sets capped and tempered as the full rows."""
     logits, targets, taus = ref.inputs(6, 10, 9, 8)
+    logits = logits.to(dtype).double()
     sets = [[1, 2], [], [0, 7, 3], [int(targets[3])], [5], []]
     support = Support(torch.tensor([i for s in sets for i in s]),
                       torch.tensor([0, *torch.tensor([len(s) for s in sets]).cumsum(0).tolist()]))
+    f64 = dtype == torch.float64
     for path in ("logits", "hidden"):
-        x = logits.clone().requires_grad_(True)
+        x = logits.to(dtype).requires_grad_(True)
         kw: dict[str, Any] = {"temperature": taus, "softcap": 5.0, "vocab_size": 8, "support": support, "chunk_size": 2}
         if path == "logits":
             lp, _ = cpslice.log_probs_and_entropy(x, targets, **kw)
         else:
-            lp, _ = cpslice.linear_log_probs_and_entropy(x, torch.eye(10, dtype=torch.float64), targets, **kw)
+            lp, _ = cpslice.linear_log_probs_and_entropy(x, torch.eye(10, dtype=dtype), targets, **kw)
         (g,) = torch.autograd.grad(lp.sum(), x)
         x64 = logits.clone().requires_grad_(True)
         capped = 5.0 * torch.tanh(x64 / 5.0) / taus[:, None]
@@ -182,9 +195,9 @@ def test_supports_with_the_options() -> None:
         for row, s in enumerate(sets):
             keep[row, (s + [int(targets[row])]) if s else list(range(8))] = True
         want = torch.log_softmax(torch.where(keep, capped, -math.inf), -1).gather(1, targets[:, None])[:, 0]
-        torch.testing.assert_close(lp, want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(lp.double(), want, rtol=0, atol=1e-10 if f64 else 4e-4)
         (want_g,) = torch.autograd.grad(want.sum(), x64)
-        torch.testing.assert_close(g, want_g, rtol=0, atol=1e-10)
+        torch.testing.assert_close(g.double(), want_g, rtol=0, atol=1e-10 if f64 else 2.0**-7)
 
 
 def _per_sample_case(cfg: Config, seed: int) -> dict[str, Any]:
@@ -209,30 +222,35 @@ def _rows(per_sample: list[Tensor], cfg: Config, rank: int, width: int) -> Tenso
 def test_per_sample_temperatures_under_every_layout(cfg: Config, seed: int, as_tensor: bool) -> None:
     """response_log_probs, response_log_probs_from_hidden and response_distillation with
     one temperature per sample (a list, or an [n] tensor), softcap and vocab_size: each
-    sample's shares against its own float64 reference."""
+    sample's shares against its own float64 reference, for float64 and bfloat16 logits
+    (the reference of the same bfloat16 values)."""
     case = _per_sample_case(cfg, seed)
     taus = torch.tensor(case["taus"], dtype=torch.float64) if as_tensor else case["taus"]
-    opts: dict[str, Any] = {"temperature": taus, "softcap": 4.0, "vocab_size": 8}
-    want_lp, want_div, teacher = [], [], []
-    for n, r, x, tok, tau in zip(cfg.total, cfg.response, case["full"], case["tokens"], case["taus"]):
-        full = ref.distribution(x, tau, 4.0, 8)[n - r - 1 : n - 1]
-        want_lp.append(full.gather(1, tok[n - r :, None])[:, 0])
-        top = torch.topk(torch.log_softmax(torch.randn(r, 8, dtype=torch.float64), -1), 3)
-        teacher.append(top)
-        want_div.append(dref.divergence(full.gather(1, top.indices), top.values, "forward", 0.5, "bin"))
+    # a cap that is no power of two: dividing by 4.0 is exact in any dtype
+    opts: dict[str, Any] = {"temperature": taus, "softcap": 3.0, "vocab_size": 8}
     length = local_length(cfg)
-    eye = torch.eye(case["vocab"], dtype=torch.float64)
-    for rank in range(cfg.cp):
-        layout = cfg.layout(rank).with_local_length(length)
-        local = _rows(case["full"], cfg, rank, case["vocab"])
-        lp, _ = cpslice.response_log_probs(local, case["tokens"], layout, **opts)
-        lp_h, _ = cpslice.response_log_probs_from_hidden(local, eye, case["tokens"], layout, **opts)
-        t_lp, t_ids = [v for v, _ in teacher], [i for _, i in teacher]
-        div = cpslice.response_distillation(local, t_lp, t_ids, layout, **opts)
-        div_h = cpslice.response_distillation_from_hidden(local, eye, t_lp, t_ids, layout, **opts)
-        for got, want in ((lp, want_lp), (lp_h, want_lp), (div, want_div), (div_h, want_div)):
-            for a, b in zip(got, oracle_shares(want, cfg, rank)):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    for dtype in (torch.float64, torch.bfloat16):
+        per_sample = [x.to(dtype).double() for x in case["full"]]
+        want_lp, want_div, teacher = [], [], []
+        for n, r, x, tok, tau in zip(cfg.total, cfg.response, per_sample, case["tokens"], case["taus"]):
+            full = ref.distribution(x, tau, 3.0, 8)[n - r - 1 : n - 1]
+            want_lp.append(full.gather(1, tok[n - r :, None])[:, 0])
+            top = torch.topk(torch.log_softmax(torch.randn(r, 8, dtype=torch.float64), -1), 3)
+            teacher.append(top)
+            want_div.append(dref.divergence(full.gather(1, top.indices), top.values, "forward", 0.5, "bin"))
+        eye = torch.eye(case["vocab"], dtype=dtype)
+        atol = 1e-10 if dtype == torch.float64 else 4e-4
+        for rank in range(cfg.cp):
+            layout = cfg.layout(rank).with_local_length(length)
+            local = _rows(per_sample, cfg, rank, case["vocab"]).to(dtype)
+            lp, _ = cpslice.response_log_probs(local, case["tokens"], layout, **opts)
+            lp_h, _ = cpslice.response_log_probs_from_hidden(local, eye, case["tokens"], layout, **opts)
+            t_lp, t_ids = [v for v, _ in teacher], [i for _, i in teacher]
+            div = cpslice.response_distillation(local, t_lp, t_ids, layout, **opts)
+            div_h = cpslice.response_distillation_from_hidden(local, eye, t_lp, t_ids, layout, **opts)
+            for got, want in ((lp, want_lp), (lp_h, want_lp), (div, want_div), (div_h, want_div)):
+                for a, b in zip(got, oracle_shares(want, cfg, rank)):
+                    torch.testing.assert_close(a.double(), b, rtol=0, atol=atol)
 
 
 GOOD = torch.zeros(3, 4)
@@ -291,9 +309,9 @@ def test_refusals_of_the_per_sample_and_top_k_forms() -> None:
 
 def test_tensor_parallel_options() -> None:
     """TP 4 and 2 on gloo: padded ids split across shards and a shard holding only padded
-    ids, soft-capping and per-row temperatures, on the logits and hidden-state paths and
-    top-k (tests/transform_cases.py)."""
+    ids, soft-capping and per-row temperatures, on the logits and hidden-state paths
+    (float32 or float64, and bfloat16) and top-k (tests/transform_cases.py)."""
     from .transform_cases import tp_worker
 
     for done in run_distributed(tp_worker, 4, timeout=240):
-        assert done == [(4, 4), (2, 4)]
+        assert done == [(4, 6), (2, 6)]

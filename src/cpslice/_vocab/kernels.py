@@ -423,7 +423,9 @@ def _eager_stats(
         if softmax.cap is None:
             y = x[lo:hi]
         else:
-            y = torch.div(x[lo:hi], softmax.cap, out=buf).tanh_().mul_(softmax.cap)
+            # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
+            # (bfloat16: 2e-2 off) and only then widens
+            y = buf.copy_(x[lo:hi]).div_(softmax.cap).tanh_().mul_(softmax.cap)
         m[lo:hi] = y.amax(1)
         # A row all -inf contributes S = 0 (and A = 0), not NaN.
         shift = torch.where(m[lo:hi] == -math.inf, 0.0, m[lo:hi])
@@ -508,7 +510,7 @@ def _eager_grad(
         if softmax.cap is None:
             d = torch.sub(x[s:e], big_m[s:e, None], out=buf)
         else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
-            t = torch.div(x[s:e], softmax.cap, out=bufs[2]).tanh_()
+            t = bufs[2].copy_(x[s:e]).div_(softmax.cap).tanh_()  # in cdt, as in stats
             d = torch.mul(t, softmax.cap, out=buf).sub_(big_m[s:e, None])
         _divide(d, softmax.tau, s, e)
         d.sub_(log_s[s:e, None])
