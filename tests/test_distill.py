@@ -27,7 +27,8 @@ from cpslice import (
     topk_divergence,
     topk_log_probs,
 )
-from cpslice._vocab import kernels
+from cpslice._types import compute_dtype
+from cpslice._vocab import kernels, topk
 from tests.checked import refused
 
 from . import distill_reference as ref
@@ -165,6 +166,31 @@ def test_divergence_matches_the_formulas_with_gradients(kind: str, tail: str) ->
         for a, b in zip(grads, expected):
             assert bool(torch.isfinite(a).all())
             torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-3)
+
+
+def test_the_defaults_are_forward_bin_and_an_even_jsd() -> None:
+    """The documented defaults, by value: ``kind="forward"``, ``tail="bin"``, and jsd's
+    ``beta=0.5`` (the formula at 0.5, and not at another weight: these rows tell them
+    apart), for ``topk_divergence`` and both per-sample forms."""
+    gen = torch.Generator().manual_seed(11)
+    student, teacher = _log_probs(5, 8, gen)[:, :3], _log_probs(5, 8, gen, 2.0)[:, :3]
+    even = ref.divergence(student, teacher, "jsd", 0.5, "bin")
+    ref.check_divergence(topk_divergence(student, teacher, kind="jsd"), even, atol=1e-12)
+    assert not torch.allclose(ref.divergence(student, teacher, "jsd", 0.3, "bin"), even, atol=1e-3)
+    ref.check_divergence(topk_divergence(student, teacher), ref.divergence(student, teacher, "forward", 0.5, "bin"),
+                         atol=1e-12)
+    layout = cpslice.Layout([8], [5])
+    logits = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    lp, ids = [teacher], [torch.topk(teacher, 3).indices]
+    eye = torch.eye(8, dtype=torch.float64)
+    for kw in ({"kind": "jsd"}, {}):
+        explicit = {"kind": "forward", "beta": 0.5, "tail": "bin", **kw}
+        want = response_distillation(logits, lp, ids, layout, **explicit)  # type: ignore[arg-type]
+        for got in (response_distillation(logits, lp, ids, layout, **kw),  # type: ignore[arg-type]
+                    response_distillation_from_hidden(logits, eye, lp, ids, layout, **kw)):  # type: ignore[arg-type]
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+    other = response_distillation(logits, lp, ids, layout, kind="jsd", beta=0.3)
+    assert not torch.allclose(other[0], response_distillation(logits, lp, ids, layout, kind="jsd")[0], atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -318,6 +344,29 @@ IDS = torch.tensor([[0, 1], [2, 3], [1, 1]])
 def test_refusals(call: Any, error: type[Exception], match: str) -> None:
     with refused(error, match):
         call()
+
+
+BEYOND = 2**24 + 1  # the first vocabulary whose ids float32 does not hold exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_top_k_refuses_ids_float32_would_round(dtype: torch.dtype) -> None:
+    """Top-k's candidate ids travel as float32 (the compute dtype of every dtype but
+    float64): a vocabulary of more than 2^24 ids is refused, on both drivers. The
+    tensors are stride-0 views: nothing of 2^24 columns is allocated."""
+    match = rf"a vocabulary of {BEYOND} ids is beyond what top-k's float32 all-gather carries exactly"
+    with refused(LayoutError, match):
+        topk_log_probs(torch.zeros((), dtype=dtype).expand(2, BEYOND), 1)
+    with refused(LayoutError, match):
+        linear_topk_log_probs(torch.zeros(2, 1, dtype=dtype), torch.zeros((), dtype=dtype).expand(BEYOND, 1), 1)
+    topk.check_k(1, 2**24, compute_dtype(dtype))  # the last vocabulary that fits
+
+
+def test_top_k_takes_the_ids_that_fit() -> None:
+    """The limit counts the distribution's ids (``vocab_size``), and float64 has none."""
+    for dtype, vocab in ((torch.float32, 2**24), (torch.float64, None)):
+        values, ids = topk_log_probs(torch.zeros((), dtype=dtype).expand(1, BEYOND), 1, vocab_size=vocab)
+        assert math.isclose(float(values), -math.log(vocab or BEYOND), rel_tol=1e-6) and int(ids) == 0
 
 
 def test_response_refusals_name_the_sample() -> None:
