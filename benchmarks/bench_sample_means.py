@@ -25,8 +25,10 @@ by the largest per-token ratio, no gradient), then a loss of the ratio, the reje
 mask and the KL and chi-square means, and backward:
 
 - ``sample_means`` of ``[r_i, 4]`` + ``sample_max``: one ``all_reduce`` of ``[n, 4]``
-  forward, one backward, and one ``all_reduce`` (MAX) of ``[n]``;
-- one ``sample_means`` per statistic + ``sample_max``: 4 + 4 + 1 ``all_reduce``s of ``[n]``;
+  forward, one backward, and one ``all_reduce`` (MAX) of ``[2, n]`` (the maxima and
+  their NaN flags);
+- one ``sample_means`` per statistic + ``sample_max``: 4 + 4 ``all_reduce``s of ``[n]``, and
+  the maximum's;
 - per-sample all-gather (slime's way): as above, an all-gather per sample of each list
   the statistics come from (log-probs, old log-probs), every statistic and the maximum
   then computed from the whole responses; backward, one exchange per sample.
@@ -214,8 +216,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
         ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, median_ms(gathered, repeat)),
     ]
     # an all_reduce of N elements sends ring * N: the means' [n, M] forward and backward
-    # (in one call or in M), the maximum's [n] forward only
-    means_bytes, max_bytes = int(2 * ring * M * n) * itemsize, int(ring * n) * itemsize
+    # (in one call or in M), the maximum's [2, n] (values, NaN flags) forward only
+    means_bytes, max_bytes = int(2 * ring * M * n) * itemsize, int(ring * 2 * n) * itemsize
     stats_rows: list[Row] = [
         ("sample_means [n, 4] + sample_max", 3, means_bytes + max_bytes,
          median_ms(ours_stats, repeat)),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from cpslice import (
     Layout,
@@ -178,6 +179,12 @@ def _whole_columns(cfg: Config, masks: list[torch.Tensor], gen: torch.Generator)
     return out
 
 
+def _part(what: str, values: list[Tensor], masks: list[Tensor], layout: Layout) -> Tensor:
+    """One rank's part of ``what``: its extremes, NaN where it holds an unmasked NaN."""
+    extremes, nan = _local_extreme(_EXTREMES[what], values, masks, layout)
+    return torch.where(nan, math.nan, extremes)
+
+
 @settings(max_examples=30, deadline=None)
 @given(configs(), st.integers(0, 2))
 def test_columns_and_extremes_of_every_rank_combine_to_the_whole_response_ones(
@@ -200,8 +207,8 @@ def test_columns_and_extremes_of_every_rank_combine_to_the_whole_response_ones(
         part = _sums(mine, masks, layout, columns=True)
         assert part.local.shape == (len(cfg.total), M)
         sums = sums + part.local
-        largest = torch.maximum(largest, _local_extreme(_EXTREMES["sample_max"], mine, masks, layout))
-        least = torch.minimum(least, _local_extreme(_EXTREMES["sample_min"], mine, masks, layout))
+        largest = torch.maximum(largest, _part("sample_max", mine, masks, layout))
+        least = torch.minimum(least, _part("sample_min", mine, masks, layout))
     means = _divide(sums, part.whole)
     grads = torch.autograd.grad((means * weight).sum(), whole, allow_unused=True,
                                 materialize_grads=True)
@@ -239,6 +246,23 @@ def test_extremes_keep_the_dtype_count_nonzero_masks_and_carry_no_gradient() -> 
     got = sample_max(columns, masks, layout)
     assert got.shape == (4, 2) and got[:, 1].tolist() == [2.0, -3.0, -math.inf, -math.inf]
     assert sample_min([], [], Layout([], [])).shape == (0,)
+
+
+def test_an_unmasked_nan_makes_its_sample_nan_and_only_it() -> None:
+    """NaN propagates to its sample's (and statistic's) result, as ``torch.max`` does; a
+    masked NaN is never seen; the other samples and statistics keep their values."""
+    layout = Layout([4, 3, 3], [3, 2, 2])
+    values = [torch.tensor([[0.5, 1.0], [math.nan, 2.0], [-2.0, 4.0]]),
+              torch.tensor([[3.0, math.nan], [1.0, 5.0]]),
+              torch.tensor([[math.nan, math.nan], [2.0, 6.0]])]
+    masks = [torch.ones(3), torch.ones(2), torch.tensor([0, 1])]
+    for fn, want in ((sample_max, [[math.nan, 4.0], [3.0, math.nan], [2.0, 6.0]]),
+                     (sample_min, [[math.nan, 1.0], [1.0, math.nan], [2.0, 6.0]])):
+        got = fn(values, masks, layout)
+        assert torch.equal(got.isnan(), torch.tensor(want).isnan()), (fn.__name__, got)
+        assert torch.equal(got.nan_to_num(7.0), torch.tensor(want).nan_to_num(7.0)), (fn.__name__, got)
+        first = fn([v[:, 0] for v in values], masks, layout)
+        assert torch.equal(first.nan_to_num(7.0), torch.tensor(want)[:, 0].nan_to_num(7.0))
 
 
 def test_extremes_without_cp_need_no_process_group_and_with_cp_say_so() -> None:

@@ -10,6 +10,7 @@ computed here.
 """
 
 import dataclasses
+import math
 import re
 from typing import Any, cast
 
@@ -55,10 +56,13 @@ EXTREME_CASES = ("mixed", "sparse")  # fully masked samples; ranks that hold not
 
 
 class Case:
-    """One batch: whole per-sample values, masks, advantages and denominators."""
+    """One batch: whole per-sample values, masks, advantages and denominators; each CP
+    group of the world (``replica``) gets a batch of its own, so that a collective on
+    the wrong group cannot give the right numbers; with ``nan_on``, one unmasked value
+    of the first response that rank holds is NaN."""
 
-    def __init__(self, name: str, cp: int, mode: str) -> None:
-        seed = 10 * cp + (MODES + ALIGNED).index(mode)
+    def __init__(self, name: str, cp: int, mode: str, replica: int = 0, nan_on: int | None = None) -> None:
+        seed = 10 * cp + (MODES + ALIGNED).index(mode) + 1000 * replica
         base = cast(CpMode, mode.split()[0])
         gen = torch.Generator().manual_seed(seed)
         self.dtype = LOW.get(name, torch.float64)
@@ -92,6 +96,10 @@ class Case:
                 v = torch.where(m == 0, torch.tensor([float("-inf"), float("nan")]).repeat(r)[:r], v)
             self.values.append(v)
             self.masks.append(m)
+        if nan_on is not None:
+            i, k = _held_token(self, cp, nan_on)
+            self.values[i] = self.values[i].clone()
+            self.values[i][k] = math.nan
         self.advantages = [torch.randn(r, generator=gen, dtype=torch.float64) for r in response]
         self.denominators: list[float] | Tensor | None = None
         if name == "denominators":
@@ -128,6 +136,17 @@ class Case:
             grads = list(torch.autograd.grad(loss, leaves, allow_unused=True,
                                              materialize_grads=True))
         return mean.detach(), loss.detach(), grads
+
+
+def _held_token(case: Case, cp: int, rank: int) -> tuple[int, int]:
+    """``(sample, index)`` of the first unmasked response token ``rank`` holds under zigzag."""
+    for where in local_map(case.config("zigzag", cp), rank):
+        if where is not None:
+            i, p = where
+            k = p - (case.total[i] - case.response[i] - 1)
+            if 0 <= k < case.response[i] and case.masks[i][k] != 0:
+                return i, k
+    raise AssertionError(f"rank {rank} of {cp} holds no unmasked response token")
 
 
 def _weighted(stats: Tensor, columns: bool) -> Tensor:
@@ -202,7 +221,7 @@ def _rl_loss(fn: Any, batch: dict[str, Any], layout: Layout, group: Any) -> tupl
     return float(loss.detach()), [g.tolist() for g in grads]
 
 
-Calls = list[tuple[list[int], str]]  # every all_reduce: its tensor's shape and its op
+Calls = list[tuple[list[int], str, list[int]]]  # every all_reduce: shape, op, the group's ranks
 
 
 def _means(case: Case, mode: str, cp: int, me: int, group: Any, calls: Calls, *,
@@ -255,7 +274,9 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
 
     def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:  # the real collective
         op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
-        calls.append((list(tensor.shape), op.name))
+        on = kwargs.get("group", args[1] if len(args) > 1 else None)
+        ranks = list(range(world)) if on is None else dist.get_process_group_ranks(on)
+        calls.append((list(tensor.shape), op.name, ranks))
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counted
@@ -263,18 +284,23 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for cp in GROUPS:
         group = None if cp == WORLD else pair
-        me = rank % cp
+        me, replica = rank % cp, rank // cp
         for mode in MODES + ALIGNED:
             for name in CASES if mode in MODES else ("mixed", "sparse"):
-                out[cp, mode, name, rank] = _means(Case(name, cp, mode), mode, cp, me, group,
-                                                   calls, columns=False)
+                out[cp, mode, name, rank] = _means(Case(name, cp, mode, replica), mode, cp, me,
+                                                   group, calls, columns=False)
         for name in COLUMN_CASES:
-            out[cp, "columns", name, rank] = _means(Case(name, cp, "zigzag"), "zigzag", cp, me,
-                                                    group, calls, columns=True)
+            out[cp, "columns", name, rank] = _means(Case(name, cp, "zigzag", replica), "zigzag",
+                                                    cp, me, group, calls, columns=True)
         for name in EXTREME_CASES:
             for columns in (False, True):
                 out[cp, "extremes", name, columns, rank] = _extremes(
-                    Case(name, cp, "zigzag"), cp, me, group, calls, columns=columns)
+                    Case(name, cp, "zigzag", replica), cp, me, group, calls, columns=columns)
+        for holder in range(cp):  # an unmasked NaN on each rank in turn
+            for columns in (False, True):
+                out[cp, "nan", holder, columns, rank] = _extremes(
+                    Case("mixed", cp, "zigzag", replica, nan_on=holder), cp, me, group, calls,
+                    columns=columns)
         # a layout for another group size: refused on every rank, before any collective
         wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
         try:
@@ -300,26 +326,29 @@ def ranks() -> dict[Any, Any]:
 
 
 def _replicas(cp: int) -> list[list[int]]:
-    """The ranks of each CP group of size ``cp`` in the world of 4."""
+    """The ranks of each CP group of size ``cp`` in the world of 4 (its index: the
+    ``replica`` of its ``Case``)."""
     return [list(range(WORLD))] if cp == WORLD else [[0, 1], [2, 3]]
 
 
 # ---------------------------------------------------------------- the checks
 
 
-def _check_means(ranks: dict[Any, Any], cp: int, key: str, name: str, case: Case, *,
+def _check_means(ranks: dict[Any, Any], cp: int, key: str, name: str, mode: str, *,
                  columns: bool) -> None:
-    """The ranks' results under ``key`` equal ``case``'s float64 no-CP means (``[n]``, or
-    ``[n, 3]`` with ``columns``), each from one all_reduce (sum) of that shape each way,
-    whatever the rank holds; their loss parts sum to the no-CP loss and its gradients."""
-    means, loss, grads = case.reference(columns)
-    assert means.shape == ((case.n, 3) if columns else (case.n,)) and not torch.isnan(means).any()
-    for replica in _replicas(cp):
+    """The ranks' results under ``key`` equal their CP group's case's float64 no-CP means
+    (``[n]``, or ``[n, 3]`` with ``columns``), each from one all_reduce (sum) of that
+    shape each way on that group, whatever the rank holds; their loss parts sum to the
+    no-CP loss and its gradients."""
+    for index, replica in enumerate(_replicas(cp)):
+        case = Case(name, cp, mode, index)
+        means, loss, grads = case.reference(columns)
+        assert means.shape == ((case.n, 3) if columns else (case.n,)) and not torch.isnan(means).any()
         got = [ranks[cp, key, name, r] for r in replica]
         for r, result in zip(replica, got):
             got_means = torch.tensor(result["means"], dtype=torch.float64)
             assert torch.allclose(got_means, means, rtol=1e-12, atol=1e-12), (r, name)
-            assert result["forward"] == result["backward"] == [(list(means.shape), "SUM")], r
+            assert result["forward"] == result["backward"] == [(list(means.shape), "SUM", replica)], r
         assert abs(sum(g["part"] for g in got) - float(loss)) < 1e-9
         for i, want in enumerate(grads):
             total = torch.stack([torch.tensor(g["grads"][i], dtype=torch.float64).view(want.shape)
@@ -338,7 +367,7 @@ def _check_means(ranks: dict[Any, Any], cp: int, key: str, name: str, case: Case
 def test_means_and_gradients_equal_the_float64_no_cp_ones(
     ranks: dict[Any, Any], cp: int, mode: str, name: str
 ) -> None:
-    _check_means(ranks, cp, mode, name, Case(name, cp, mode), columns=False)
+    _check_means(ranks, cp, mode, name, mode, columns=False)
 
 
 @pytest.mark.parametrize("cp", GROUPS)
@@ -346,7 +375,7 @@ def test_means_and_gradients_equal_the_float64_no_cp_ones(
 def test_m_statistics_in_one_all_reduce_equal_the_float64_no_cp_ones(
     ranks: dict[Any, Any], cp: int, name: str
 ) -> None:
-    _check_means(ranks, cp, "columns", name, Case(name, cp, "zigzag"), columns=True)
+    _check_means(ranks, cp, "columns", name, "zigzag", columns=True)
 
 
 @pytest.mark.parametrize("cp", GROUPS)
@@ -355,26 +384,53 @@ def test_m_statistics_in_one_all_reduce_equal_the_float64_no_cp_ones(
 def test_extremes_in_one_all_reduce_equal_the_whole_response_ones(
     ranks: dict[Any, Any], cp: int, name: str, columns: bool
 ) -> None:
-    case = Case(name, cp, "zigzag")
-    whole = case.whole(columns)
-    # what the test is about is in the batch: a sample with nothing unmasked, and (the
-    # mixed batch) -inf and NaN, and +inf in the columns, at masked positions, where they
-    # would win
-    assert any(not bool((m != 0).any()) for m in case.masks)
-    masked = torch.cat([v[m == 0].flatten() for v, m in zip(whole, case.masks)])
-    if name == "mixed":
-        assert masked.isnan().any() and masked.isneginf().any()
-        assert masked.isposinf().any() or not columns
-    for fn, op, largest in (("sample_max", "MAX", True), ("sample_min", "MIN", False)):
-        want = masked_extreme(whole, case.masks, largest)
-        assert want.isinf().any() and not want.isnan().any()
-        for r in range(WORLD):
-            got = ranks[cp, "extremes", name, columns, r][fn]
-            assert torch.equal(torch.tensor(got["values"], dtype=torch.float64), want), (fn, r)
-            assert got["dtype"] == "torch.float64" and not got["grad"], (fn, r)
-            assert got["calls"] == [(list(want.shape), op)], (fn, r)  # one, of [n] or [n, m]
+    wants = []
+    for index, replica in enumerate(_replicas(cp)):
+        case = Case(name, cp, "zigzag", index)
+        whole = case.whole(columns)
+        # what the test is about is in the batch: a sample with nothing unmasked, and (the
+        # mixed batch) -inf and NaN, and +inf in the columns, at masked positions, where
+        # they would win
+        assert any(not bool((m != 0).any()) for m in case.masks)
+        masked = torch.cat([v[m == 0].flatten() for v, m in zip(whole, case.masks)])
+        if name == "mixed":
+            assert masked.isnan().any() and masked.isneginf().any()
+            assert masked.isposinf().any() or not columns
+        for fn, op, largest in (("sample_max", "MAX", True), ("sample_min", "MIN", False)):
+            want = masked_extreme(whole, case.masks, largest)
+            assert want.isinf().any() and not want.isnan().any()
+            wants.append(want)
+            for r in replica:
+                got = ranks[cp, "extremes", name, columns, r][fn]
+                assert torch.equal(torch.tensor(got["values"], dtype=torch.float64), want), (fn, r)
+                assert got["dtype"] == "torch.float64" and not got["grad"], (fn, r)
+                # one, of [2, n] or [2, n, m] (the values and their NaN flags), on its group
+                assert got["calls"] == [([2, *want.shape], op, replica)], (fn, r)
+    if cp < WORLD:  # the two groups' batches differ: a world all_reduce would mix them
+        assert not torch.equal(wants[0], wants[2])
     if name == "sparse":
         assert any(ranks[cp, "extremes", name, columns, r]["held"] == 0 for r in range(WORLD))
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+@pytest.mark.parametrize("columns", [False, True], ids=["[n]", "[n, m]"])
+def test_an_unmasked_nan_on_any_rank_is_nan_on_every_rank(
+    ranks: dict[Any, Any], cp: int, columns: bool
+) -> None:
+    """Whichever rank holds the unmasked NaN, its sample's extremes are NaN on every rank
+    of the group, and every other sample's are the exact whole-response ones."""
+    for index, replica in enumerate(_replicas(cp)):
+        for holder in range(cp):
+            case = Case("mixed", cp, "zigzag", index, nan_on=holder)
+            sample, _ = _held_token(case, cp, holder)
+            for fn, largest in (("sample_max", True), ("sample_min", False)):
+                want = masked_extreme(case.whole(columns), case.masks, largest)
+                assert bool(want[sample].isnan().all()) and int(want.isnan().sum()) == want[sample].numel()
+                for r in replica:
+                    got = torch.tensor(ranks[cp, "nan", holder, columns, r][fn]["values"],
+                                       dtype=torch.float64)
+                    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
+                                               msg=f"{fn}: NaN on rank {holder}, seen by rank {r}")
 
 
 @pytest.mark.parametrize("cp", GROUPS)
@@ -383,12 +439,11 @@ def test_extremes_in_one_all_reduce_equal_the_whole_response_ones(
 def test_low_precision_means_over_long_responses(
     ranks: dict[Any, Any], cp: int, mode: CpMode, name: str
 ) -> None:
-    case = Case(name, cp, mode)
-    means, _, _ = case.reference()
     # float32 accumulation: the result is the float64 mean rounded once to the dtype
     # (a sum accumulated in bfloat16 stalls near 1024 and is off by tens of percent)
     ulp = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[name]
     for r in range(WORLD):
+        means, _, _ = Case(name, cp, mode, r // cp).reference()
         result = ranks[cp, mode, name, r]
         assert result["dtype"] == str(LOW[name])
         got = torch.tensor(result["means"], dtype=torch.float64)

@@ -329,30 +329,37 @@ class _Extreme(NamedTuple):
     identity: float  # what a sample with no unmasked token gets
     reduce: str  # scatter_reduce's name of the reduction
     op: dist.ReduceOp.RedOpType  # all_reduce's
+    flag: float  # an unmasked NaN's mark in the reduction's direction (0 elsewhere)
 
 
 _EXTREMES = {
-    "sample_max": _Extreme(-math.inf, "amax", dist.ReduceOp.MAX),
-    "sample_min": _Extreme(math.inf, "amin", dist.ReduceOp.MIN),
+    "sample_max": _Extreme(-math.inf, "amax", dist.ReduceOp.MAX, 1.0),
+    "sample_min": _Extreme(math.inf, "amin", dist.ReduceOp.MIN, -1.0),
 }
 
 
-def _local_extreme(how: _Extreme, values: object, loss_masks: object, layout: Layout) -> Tensor:
-    """Per sample (and statistic): the extreme of this rank's unmasked share elements,
-    ``how.identity`` where it holds none; ``[n, *m]``, detached, the values' dtype."""
+def _local_extreme(
+    how: _Extreme, values: object, loss_masks: object, layout: Layout
+) -> tuple[Tensor, Tensor]:
+    """Per sample (and statistic): the extreme of this rank's unmasked share elements
+    that are not NaN, ``how.identity`` where it holds none, and whether one of them is
+    NaN; ``[n, *m]`` each, detached, the values' dtype and bool."""
     shares = _check_shares(values, layout, columns=True)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
     if not n:
-        return torch.zeros(0)
+        return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     flat = torch.cat(shares).detach()
     index = _index(layout, flat.device)
     kept = _columns((torch.cat(masks) != 0).to(flat.device).index_select(0, index.local), flat)
-    # where: a masked position's value, -inf or NaN included, is never compared
-    flat = torch.where(kept, flat, how.identity)
     samples = _columns(index.local_sample, flat).expand_as(flat)
-    out = flat.new_full((n, *flat.shape[1:]), how.identity)
-    return out.scatter_reduce(0, samples, flat, how.reduce)
+    nan = kept & flat.isnan()
+    # where: a masked position's value, -inf or NaN included, is never compared; an
+    # unmasked NaN is not compared either, but flagged
+    flat = torch.where(kept & ~nan, flat, how.identity)
+    out = flat.new_full((n, *flat.shape[1:]), how.identity).scatter_reduce(0, samples, flat, how.reduce)
+    flags = torch.zeros(out.shape, dtype=torch.int8, device=out.device)
+    return out, flags.scatter_reduce(0, samples, nan.to(torch.int8), "amax").bool()
 
 
 def _extreme(
@@ -361,12 +368,16 @@ def _extreme(
 ) -> Tensor:
     """``sample_max`` or ``sample_min`` (``what``): see there."""
     how = _EXTREMES[what]
-    local = _local_extreme(how, values, loss_masks, layout)
+    local, nan = _local_extreme(how, values, loss_masks, layout)
     if layout.cp_size > 1:
         _check_group(what, layout, group)
         if layout.num_samples:  # n is the same on every rank: all enter it, or none
-            dist.all_reduce(local, op=how.op, group=group)
-    return local
+            # the NaN flags ride in the same all_reduce, marked in its direction (1 for
+            # MAX, -1 for MIN), so that NaN never meets the backend's comparison
+            both = torch.stack([local, nan.to(local.dtype) * how.flag])
+            dist.all_reduce(both, op=how.op, group=group)
+            local, nan = both[0], both[1] != 0
+    return torch.where(nan, math.nan, local)
 
 
 def sample_max(
@@ -379,8 +390,10 @@ def sample_max(
     Arguments as ``sample_means`` (``values`` ``[r_i]`` or ``[r_i, m]``): a token
     counts where its mask is nonzero, at its value (a fractional mask keeps its token
     but does not scale it); masked positions never count, even when they hold -inf or
-    NaN. An unmasked NaN is the backend's to order under CP (gloo's MAX keeps or drops
-    it by rank order): mask it.
+    NaN. An unmasked NaN makes that sample's result (that statistic's, for
+    ``[r_i, m]``) NaN on every rank, whichever rank holds it, as ``torch.max``
+    propagates NaN: NaN is flagged beside the values, never left to the backend's
+    comparison.
 
     Returns:
         ``[n]`` or ``[n, m]``, the values' dtype (taken and reduced in it: exact);
@@ -388,8 +401,8 @@ def sample_max(
         ``[0]`` for a layout of no samples. No gradient: the result is detached (for
         masks and metrics), whether or not the values require grad.
 
-    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` (MAX) of ``[n]``
-    (or ``[n, m]``), whatever each rank holds (none for a layout of no samples, on
+    Collectives: with CP (``cp_size > 1``), exactly one ``all_reduce`` (MAX) of ``[2, n]``
+    (or ``[2, n, m]``: the values and their NaN flags), whatever each rank holds (none for a layout of no samples, on
     every rank alike); every rank must call it. Without CP, none, and no process group
     is needed.
 
