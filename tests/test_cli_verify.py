@@ -109,6 +109,30 @@ def test_which_layouts_each_mode_checks() -> None:
     assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_left_padded_rows_come_from_an_attention_mask_filled_to_the_last_column(cp: int) -> None:
+    """verify's left-padded rows: a sample ends exactly at its row's last column (a
+    layout refusing one would fail verify), under zigzag at a length it can split, and
+    ``Layout.from_attention_mask`` of the batch's mask gives parallel_state's layout."""
+    from cpslice import Layout
+    from cpslice._verify.batches import batches_for
+    from cpslice._verify.check import attention_mask
+
+    mode = "zigzag" if cp > 1 else "none"
+    case = Case(mode, "bshd", left_padded=True)
+    for batch in batches_for(case, Config(cp, 1, (case,))):
+        assert batch.offsets is not None
+        seq = row_length(case, batch)
+        assert seq is not None and seq % (2 * cp if cp > 1 else 1) == 0
+        ends = [o + t for o, t in zip(batch.offsets, batch.total)]
+        assert max(ends) == seq and min(batch.offsets) >= 0
+        mask = attention_mask(batch, seq)
+        for rank in range(cp):
+            rows = Layout.from_attention_mask(mask, batch.response, cp_mode=mode, cp_rank=rank, cp_size=cp)
+            assert rows == Layout(batch.total, batch.response, qkv_format="bshd", max_seq_len=seq,
+                                  cp_mode=mode, cp_rank=rank, cp_size=cp, row_offsets=batch.offsets)
+
+
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4"],
                          capsys)

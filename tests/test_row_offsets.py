@@ -102,7 +102,18 @@ REFUSALS: list[tuple[str, str]] = [
     ("Layout.from_attention_mask(torch.zeros(2, 0, dtype=torch.bool), [0, 0])",
      "attention_mask row 0 (sample 0) has no 1"),
     ("Layout.from_attention_mask(torch.tensor([[1, 2, 0]]), [1])",
-     "attention_mask row 0 (sample 0) holds 1 values other than 0 and 1"),
+     "attention_mask row 0 (sample 0) holds 1 values other than 0 and 1 (the first: 2 at column 1"),
+    # negative values are no tokens and no padding either, in every integer dtype, at a
+    # row's edge or between its ones
+    *[(f"Layout.from_attention_mask(torch.tensor({m}, dtype=torch.{dtype}), [1, 1])",
+       f"attention_mask row 1 (sample 1) holds {k} values other than 0 and 1 (the first: {v} at column {c}")
+      for dtype in ("int8", "int16", "int32", "int64")
+      for m, k, v, c in (("[[1, 1, 0], [0, 1, -1]]", 1, -1, 2), ("[[1, 1, 1], [-1, 1, 1]]", 1, -1, 0),
+                         ("[[0, 1, 1], [1, -2, 1]]", 1, -2, 1), ("[[1, 1, 0], [-1, -1, -1]]", 3, -1, 0),
+                         ("[[1, 1, 0], [0, 0, -1]]", 1, -1, 2))],
+    ("Layout.from_attention_mask(torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.uint8) * 255, [1, 1])",
+     "attention_mask row 0 (sample 0) holds 2 values other than 0 and 1 (the first: 255 at column 0"),
+    ("Layout.from_attention_mask(torch.zeros(0, 0, dtype=torch.int64), [])", "max_seq_len 0 < 1"),
     ("Layout.from_attention_mask(torch.ones(2, 3, 1, dtype=torch.bool), [1, 1])",
      "attention_mask must be 2-D [B, S] (one row per sample), got shape (2, 3, 1)"),
     ("Layout.from_attention_mask(torch.tensor([[1, 1, 0]]), [2])",

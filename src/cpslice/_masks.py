@@ -32,19 +32,26 @@ def mask_rows(attention_mask: object) -> tuple[tuple[int, ...], tuple[int, ...],
     rows, seq = mask.shape
     if rows and not seq:
         raise LayoutError(f"{name} row 0 (sample 0) has no 1: a row holds at least one token")
+    if not rows:  # a batch of no samples (amin over [0, S] has nothing to reduce)
+        return (), (), seq
     ones = mask != 0
+    other = ones & (mask != 1)  # any value but 0 and 1, negative ones too
     column = torch.arange(seq, device=mask.device)
+    first_other = torch.where(other, column, seq).amin(1)
     stats: list[list[int]] = torch.stack([
         ones.sum(1),
         torch.where(ones, column, seq).amin(1),
         torch.where(ones, column, -1).amax(1),
-        (ones & (mask != 1)).sum(1),
+        other.sum(1),
+        first_other,
+        mask.gather(1, first_other.clamp(max=max(seq - 1, 0))[:, None])[:, 0].long(),
     ], 1).tolist()  # the one host copy
-    for i, (count, first, last, other) in enumerate(stats):
-        if other:
+    for i, (count, first, last, others, at, value) in enumerate(stats):
+        if others:
             raise LayoutError(
-                f"{name} row {i} (sample {i}) holds {other} values other than 0 and 1 "
-                "(1 marks a column that holds a token, 0 padding)"
+                f"{name} row {i} (sample {i}) holds {others} values other than 0 and 1 "
+                f"(the first: {value} at column {at}; 1 marks a column that holds a token, "
+                "0 padding)"
             )
         if not count:
             raise LayoutError(

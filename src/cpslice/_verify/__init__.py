@@ -31,7 +31,9 @@ formats and an allgather layout with ``align``, layouts of samples given their o
 padded widths through ``Layout.from_cu_seqlens`` (random ``W_i >= L_i``, some several
 chunks longer than needed, the last stretched), bshd rows left-padded as Hugging Face
 trainers hold them (every prompt padded on the left to the longest, the response after
-it: ``row_offsets``, through ``Layout.from_parallel_state``) and, under context
+it, the rows as long as the sample that ends last: ``Layout.from_attention_mask`` of the
+batch's mask, checked against ``Layout.from_parallel_state`` with its ``row_offsets``)
+and, under context
 parallelism, the layout without CP on every CP rank (each holds the whole batch; bshd rows of odd
 length, which no rule rounds). A rank that raises fails the layout it was in, with
 its error in the table, and stops the run.

@@ -123,11 +123,15 @@ def padded_widths(total: Sequence[int], mode: CpMode, cp_size: int, seed: int) -
     return tuple(widths)
 
 
-def left_padding(total: Sequence[int], response: Sequence[int]) -> tuple[int, ...]:
+def left_padding(total: Sequence[int], response: Sequence[int], multiple: int = 1) -> tuple[int, ...]:
     """Each row's offset when every prompt is left-padded to the longest one (a Hugging
-    Face batch: the prompts end at one column, the responses start there)."""
+    Face batch: the prompts end at one column, the responses start there), shifted right
+    so that the rows' last token ends at a multiple of ``multiple`` (the row length a
+    zigzag split needs): the longest response then ends at its row's last column."""
     prompt = [t - r for t, r in zip(total, response)]
-    return tuple(max(prompt) - p for p in prompt)
+    end = max(prompt) + max(response, default=0)
+    shift = -end % multiple
+    return tuple(max(prompt) - p + shift for p in prompt)
 
 
 def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
@@ -150,7 +154,8 @@ def batches_for(case: Case, config: Config) -> list[Batch]:
             batch = replace(batch, padded=padded_widths(t, case.mode, config.cp_size,
                                                         config.seed + 202 + k))
         if case.left_padded:
-            batch = replace(batch, offsets=left_padding(t, r))
+            multiple = 2 * config.cp_size if case.mode == "zigzag" else 1
+            batch = replace(batch, offsets=left_padding(t, r, multiple))
         out.append(batch)
     return out
 

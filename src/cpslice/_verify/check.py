@@ -1,7 +1,8 @@
 """One rank's check of one batch in one layout, against the float64 reference.
 
 ``set_up`` builds what both checks share: the rank's layout (from parallel_state, with
-a left-padded case's row offsets; a padded case through ``Layout.from_cu_seqlens``;
+a left-padded case through ``Layout.from_attention_mask``, checked against
+parallel_state's with the same row offsets; a padded case through ``Layout.from_cu_seqlens``;
 none in a CP world without CP, the whole batch on every CP rank) with a local length of one padding row more than the
 layout needs (whose gradient must be zero: a function that reads the least length
 instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
@@ -98,23 +99,37 @@ class RankSetup(NamedTuple):
 
 
 def row_length(case: Case, batch: Batch) -> int | None:
-    """The bshd row length ``S`` (None for thd): one more than the longest sample (a
-    left-padded case: than the row whose sample ends last), made odd without CP (where
-    no rule rounds a row up, so an odd ``S`` shows a rounding that should not be there)."""
+    """The bshd row length ``S`` (None for thd): one more than the longest sample, made
+    odd without CP (where no rule rounds a row up, so an odd ``S`` shows a rounding that
+    should not be there); a left-padded case's rows end where its last sample ends
+    (``left_padding`` makes that a multiple of ``2 * cp`` under zigzag), so that one
+    sample ends exactly at its row's last column."""
     if case.fmt != "bshd":
         return None
-    offsets = batch.offsets or (0,) * len(batch.total)
-    seq = max(o + t for o, t in zip(offsets, batch.total)) + 1
+    if batch.offsets is not None:
+        return max(o + t for o, t in zip(batch.offsets, batch.total))
+    seq = max(batch.total) + 1
     return seq + 1 if case.mode == "none" and seq % 2 == 0 else seq
+
+
+def attention_mask(batch: Batch, seq: int) -> Tensor:
+    """The ``[B, S]`` int64 Hugging Face attention mask of a left-padded batch: 1 at the
+    columns ``[o_i, o_i + L_i)`` of row ``i``."""
+    assert batch.offsets is not None
+    column = torch.arange(seq)
+    start = torch.tensor(batch.offsets)[:, None]
+    return ((column >= start) & (column < start + torch.tensor(batch.total)[:, None])).long()
 
 
 def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
     """The rank's layout: from megatron-core's parallel_state; for a padded case from
-    ``Layout.from_cu_seqlens`` with the rank and size it gives; for none in a CP world
-    a layout without CP (the whole batch on this rank).
+    ``Layout.from_cu_seqlens`` and for a left-padded one from
+    ``Layout.from_attention_mask``, with the rank and size it gives; for none in a CP
+    world a layout without CP (the whole batch on this rank).
 
     Raises:
-        RuntimeError: parallel_state gives another CP mode than the case's.
+        RuntimeError: parallel_state gives another CP mode than the case's, or another
+            layout than the attention mask.
     """
     state = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
@@ -125,6 +140,15 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
                       row_offsets=batch.offsets)
     if state.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
+    if batch.offsets is not None:
+        # the way a Hugging Face trainer builds it: from the batch's attention mask
+        assert seq is not None
+        rows = Layout.from_attention_mask(attention_mask(batch, seq), batch.response,
+                                          cp_mode=case.mode, cp_rank=state.cp_rank,
+                                          cp_size=state.cp_size)
+        if rows != state:
+            raise RuntimeError(f"Layout.from_attention_mask gave {rows!r}, parallel_state {state!r}")
+        return rows
     if batch.padded is None:
         return state
     bounds = [0, *itertools.accumulate(batch.padded)]

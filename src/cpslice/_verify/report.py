@@ -62,7 +62,8 @@ def header(config: Config) -> str:
                   "some several chunks longer than needed, the last one stretched;\n")
     if any(c.left_padded for c in config.cases):
         kinds += ("  left-padded: bshd rows as Hugging Face trainers hold them, each prompt "
-                  "left-padded to the longest, its response after it (row_offsets);\n")
+                  "left-padded to the longest, its response after it, one sample ending at "
+                  "its row's last column (Layout.from_attention_mask);\n")
     if any(c.mode == "none" and c.fmt == "bshd" and not c.left_padded for c in config.cases):
         where = ", without CP on every CP rank (each holds the whole batch)"
         kinds += f"  none bshd: rows of odd length{where if config.cp_size > 1 else ''};\n"
