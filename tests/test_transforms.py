@@ -253,6 +253,50 @@ def test_per_sample_temperatures_under_every_layout(cfg: Config, seed: int, as_t
                     torch.testing.assert_close(a.double(), b, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+def test_an_id_past_vocab_size_is_nan_where_the_host_does_not_check(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A device tensor's ids are not read on the host (that would cost a sync): an id in
+    ``[vocab_size, V)`` (a padded id the logits have a column for), past ``V`` or
+    negative gives NaN in its row, and every other row its value over the distribution's
+    ids. The CPU checks are switched off here to take that path without a device."""
+    from cpslice._vocab import args
+
+    cpu = torch.zeros(2, 10)
+    with refused(LayoutError, r"ids\[1, 0\] = 8 is outside the vocabulary \[0, 7\) \(1 such ids\)"):
+        (cpslice.log_probs_at(cpu, torch.tensor([[1], [8]]), vocab_size=7) if path == "logits" else
+         cpslice.linear_log_probs_at(cpu, torch.eye(10), torch.tensor([[1], [8]]), vocab_size=7))
+    monkeypatch.setattr(args, "in_vocabulary", lambda *a, **k: None)
+    monkeypatch.setattr(args, "check_support", lambda support, *a, **k: support)
+    logits, targets, _ = ref.inputs(6, 10, 21, 7)
+    bad = torch.tensor([False, True, False, True, True, False])
+    targets = torch.where(bad, torch.tensor([0, 7, 0, 9, -1, 0]), targets)  # 7, 9: padded ids; -1
+    head = torch.eye(10, dtype=torch.float64)
+    full = ref.distribution(logits, 1.0, None, 7)
+    opts: dict[str, Any] = {"vocab_size": 7, "softcap": 5.0}
+    full_capped = ref.distribution(logits, 1.0, 5.0, 7)
+
+    def call(fn: str, *rest: Any, **kw: Any) -> Any:
+        if path == "logits":
+            return getattr(cpslice, fn)(logits, *rest, **kw)
+        return getattr(cpslice, f"linear_{fn}")(logits, head, *rest, **kw)
+
+    lp, h = call("log_probs_and_entropy", targets, with_entropy=True, **opts)
+    assert torch.equal(lp.isnan(), bad), lp
+    torch.testing.assert_close(lp[~bad], full_capped.gather(1, targets.clamp(0)[:, None])[:, 0][~bad], rtol=0, atol=1e-10)
+    torch.testing.assert_close(h, ref.entropy(full_capped), rtol=0, atol=1e-10)  # the entropy needs no target
+    ids = torch.stack([targets.clamp(0, 6), targets], 1)
+    at = call("log_probs_at", ids, vocab_size=7)
+    assert torch.equal(at.isnan(), torch.stack([torch.zeros(6, dtype=torch.bool), bad], 1)), at
+    torch.testing.assert_close(at[:, 0], full.gather(1, ids[:, :1])[:, 0], rtol=0, atol=1e-10)
+    # a set holding a padded id: that row's restricted log-prob is NaN, the others' are not
+    support = Support(torch.tensor([1, 2, 8, 3]), torch.tensor([0, 2, 3, 3, 4, 4, 4]))
+    good = torch.where(bad, 0, targets)
+    lp_s, _ = call("log_probs_and_entropy", good, support=support, vocab_size=7)
+    assert torch.equal(lp_s.isnan(), torch.tensor([False, True, False, False, False, False])), lp_s
+
+
 GOOD = torch.zeros(3, 4)
 TARGETS = torch.tensor([0, 1, 3])
 
