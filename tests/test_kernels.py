@@ -160,6 +160,32 @@ def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
     assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_masked_target_gets_the_same_finite_gradient_compiled_and_eager(dtype: torch.dtype, use: Use) -> None:
+    """A row whose target logit is -inf (a masked token): its log-prob is -inf, and the
+    gradient of its entropy (and of the log-prob) is finite, the eager one, in the
+    compiled kernels too, whose picked entries are written apart (``stats.pick_grad``)."""
+    logits, targets = _masked_logits(9, 20, dtype, seed=8)
+    logits[1, 15], targets[1] = -math.inf, 15  # the target among the masked columns
+    logits[6, 3], targets[6] = -math.inf, 3  # one masked column, the target's
+    gen = torch.Generator().manual_seed(8)
+    g_lp, g_h = torch.randn(9, generator=gen), torch.randn(9, generator=gen)
+    g_lp[1] = 0.0  # row 1: the entropy's gradient alone; row 6: both
+    grads = []
+    for mode in ("1", "0"):
+        use(mode)
+        for temperature in (1.0, 0.6):
+            x = logits.clone().requires_grad_(True)
+            lp, ent = log_probs_and_entropy(x, targets, with_entropy=True, temperature=temperature, chunk_size=4)
+            assert ent is not None and lp[1] == lp[6] == -math.inf
+            torch.autograd.backward([lp, ent], [g_lp, g_h])
+            assert x.grad is not None and bool(x.grad.isfinite().all()), (mode, x.grad[[1, 6]])
+            grads.append(x.grad)
+    for compiled, eager in zip(grads[:2], grads[2:]):
+        torch.testing.assert_close(compiled.double(), eager.double(), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+
+
 def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
     """The pure chunk functions called eagerly (as another path may) equal the compiled
     ones and the float64 statistics."""
