@@ -86,6 +86,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     from cpslice import Layout, extract_responses, gather_responses, sample_max, sample_means
     from cpslice import shard_responses as shard
     from cpslice._plan import needed_length, response_base, selection
+    from cpslice._plan import resolve_length
     from cpslice._redistribute import _route
 
     rng = random.Random(0)
@@ -206,7 +207,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     itemsize = 4
     ring = 2 * (CP - 1) / CP
-    route = _route(layout, whole, CP)
+    route = _route(layout, resolve_length(layout), whole, resolve_length(whole), CP)
     a2a_fwd = sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
     a2a_bwd = sum(s for j, s in enumerate(route.recv_splits) if j != rank)
     rows: list[Row] = [

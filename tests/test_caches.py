@@ -6,7 +6,7 @@ import torch
 import cpslice
 from cpslice import Layout, extract_responses, pack, shard_responses, shifted_targets
 from cpslice._cache import _CACHES, cache_info, cache_sizes
-from cpslice._plan import selection
+from cpslice._plan import _read, selection
 from cpslice._redistribute import _route
 
 
@@ -34,11 +34,13 @@ def test_a_route_miss_does_not_evict_the_steps_own_entries() -> None:
     tokens = [torch.arange(t) for t in total]
     _step(zig, tokens)
     step_entries = selection.__wrapped__.cache_info().currsize  # type: ignore[attr-defined]
-    # a new route reads all 8 ranks' layouts of src and of dst
+    # a new route reads all 8 ranks' selections of src and of dst
     allgather = Layout(total, response, cp_mode="allgather", cp_rank=1, cp_size=8, local_length=6)
-    _route(allgather, zig, 8)
-    before = cache_info(selection)
+    _route(allgather, 6, zig, cpslice.pack(tokens, zig).shape[0], 8)
+    before, reads = cache_info(selection), cache_info(_read)
     _step(zig, tokens)
     after = cache_info(selection)
     assert after.misses == before.misses, "the step's selections were evicted by the route"
-    assert after.hits > before.hits and after.currsize == step_entries
+    assert after.currsize == step_entries
+    # the step's resolved reads are hits of their own cache, which the route never fills
+    assert cache_info(_read).misses == reads.misses and cache_info(_read).hits > reads.hits

@@ -33,10 +33,10 @@ from torch import Tensor
 
 from . import _checks as checks
 from ._errors import LayoutError
-from ._extract import shard_responses
+from ._extract import shard
 from ._layout import Layout
-from ._pack import response_rows, row_temperatures
-from ._plan import resolve_length
+from ._pack import temperatures_of
+from ._plan import Local, Span, resolve
 from ._types import (
     ChunkArg,
     DivergenceArg,
@@ -173,13 +173,13 @@ def _log_mix(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
 
 
 def _teacher(
-    teacher_log_probs: object, teacher_ids: object, layout: Layout, total: int
+    teacher_log_probs: object, teacher_ids: object, response: tuple[int, ...], total: int
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The teacher's per-sample ``[R_i, k]`` log-probs and int64 ids, one ``k`` for all,
     ids (on the CPU, where it costs no sync) inside the vocabulary."""
-    lps = checks.per_sample("teacher_log_probs", teacher_log_probs, layout.response_lengths,
-                            "response_length", floating=True)
-    ids = checks.per_sample("teacher_ids", teacher_ids, layout.response_lengths, "response_length")
+    lps = checks.per_sample("teacher_log_probs", teacher_log_probs, response, "response_length",
+                            floating=True)
+    ids = checks.per_sample("teacher_ids", teacher_ids, response, "response_length")
     k = None
     for i, (lp, tid) in enumerate(zip(lps, ids)):
         if tid.dtype != torch.int64:
@@ -207,29 +207,35 @@ def _teacher(
     return lps, ids
 
 
-def _shares(whole: Sequence[Tensor], layout: Layout, device: torch.device, empty: Tensor) -> Tensor:
-    """This rank's rows of the whole per-sample ``[R_i, k]`` tensors, in extraction order
-    (``empty`` for a layout of no samples)."""
-    parts = shard_responses(whole, layout)
-    return torch.cat(parts).to(device) if parts else empty
+def _rows(parts: list[Tensor], k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[r, k]``: this rank's shares of per-sample ``[R_i, k]`` tensors, in extraction
+    order, on ``device`` (``[0, k]`` for a layout of no samples)."""
+    return torch.cat(parts).to(device) if parts else torch.zeros((0, k), dtype=dtype, device=device)
 
 
 class _Step(NamedTuple):
-    """A distillation step's checked arguments: this rank's layout (its local length
-    set), the per-row temperature, the chunk, the cap, the distribution's size, the
-    teacher's per-sample tensors and their ``k``, and the response rows (CPU) and
-    per-sample counts."""
+    """A distillation step's checked arguments: this rank's layout resolved once (its
+    response rows), the per-row temperature, the chunk, the cap, the distribution's
+    size, the teacher's per-sample tensors and their ``k``."""
 
-    layout: Layout
+    local: Local
     tau: float | Tensor
     chunk: int | None
     cap: float | None
     vocab: int
     lps: list[Tensor]
+    """This rank's shares of the teacher's log-probs and ids, per sample."""
     ids: list[Tensor]
     k: int
-    rows: Tensor
-    counts: list[int]
+
+    @property
+    def rows(self) -> Tensor:
+        """The response rows (CPU), in extraction order."""
+        return self.local.reads["response"].selection.rows
+
+    @property
+    def counts(self) -> list[int]:
+        return self.local.reads["response"].selection.counts
 
 
 def _prepare(
@@ -238,15 +244,16 @@ def _prepare(
     teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
 ) -> _Step:
     """Every check of a distillation step, in order, before any collective."""
-    local = layout.with_local_length(resolve_length(layout, int(x.shape[0]), what))
-    tau = row_temperatures(temperature, local)
+    per_sample = checks.temperatures(temperature, layout.num_samples, "sample")
+    spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
+    tau = temperatures_of(per_sample, local)
     chunk = args.chunk_size(chunk_size)
     cap = checks.softcap(softcap)
     vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * vocab_local)
-    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout, vocab)
+    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, vocab)
     _check_divergence(kind, beta, tail)
-    rows, counts = response_rows(local)
-    return _Step(local, tau, chunk, cap, vocab, lps, ids, lps[0].shape[1] if lps else 1, rows, counts)
+    return _Step(local, tau, chunk, cap, vocab, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
 
 
 def response_distillation(
@@ -297,16 +304,15 @@ def response_distillation(
     x = args.logits(logits)
     step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
-    rows = step.rows.to(x.device)
+    read = step.local.reads["response"]
     picked = torch.zeros((x.shape[0], step.k), dtype=torch.int64, device=x.device)
-    picked[rows] = _shares(step.ids, step.layout, x.device, picked[:0])
-    need = torch.zeros(x.shape[0], dtype=torch.bool)
-    need[step.rows] = True
+    picked[read.rows] = _rows(step.ids, step.k, torch.int64, x.device)
     tau = step.tau if isinstance(step.tau, float) else step.tau.to(device=x.device, dtype=compute_dtype(x.dtype))
-    options = Options(False, False, tau, tp_group, step.chunk, None, False, rows=need, cap=step.cap,
-                      vocab_size=step.vocab)
+    options = Options(with_entropy=False, entropy_grad=False, tau=tau, tp_group=tp_group, chunk_size=step.chunk,
+                      support=None, over_support=False, rows=read.mask, cap=step.cap, vocab_size=step.vocab)
     student, _ = logits_driver.apply(x, picked, options)
-    teacher = _shares(step.lps, step.layout, x.device, student[:0])
+    rows = read.rows
+    teacher = _rows(step.lps, step.k, student.dtype, x.device)
     div = topk_divergence(student[rows], teacher, kind=kind, beta=beta, tail=tail)
     return list(torch.split(div, step.counts))
 
@@ -338,13 +344,13 @@ def response_distillation_from_hidden(
     h, w = args.head(hidden, weight)
     step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
-    empty = torch.zeros((0, step.k), dtype=torch.int64, device=h.device)
-    picked = _shares(step.ids, step.layout, h.device, empty)
-    tau = step.tau if isinstance(step.tau, float) else step.tau[step.rows.to(step.tau.device)]
+    picked = _rows(step.ids, step.k, torch.int64, h.device)
+    rows = step.local.reads["response"].rows
+    tau = step.tau if isinstance(step.tau, float) else step.tau[rows.to(step.tau.device)]
     student = hidden_driver.linear_log_probs_at(
-        h[step.rows.to(h.device)], w, picked, temperature=tau, tp_group=tp_group, chunk_size=step.chunk,
+        h[rows], w, picked, temperature=tau, tp_group=tp_group, chunk_size=step.chunk,
         softcap=step.cap, vocab_size=step.vocab,
     )
-    teacher = _shares(step.lps, step.layout, h.device, student[:0])
+    teacher = _rows(step.lps, step.k, student.dtype, h.device)
     div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)
     return list(torch.split(div, step.counts))

@@ -14,7 +14,7 @@ from ._cache import cached
 from ._checks import per_position, per_sample
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, response_base, rows_on, selection, strategy
+from ._plan import Local, resolve, response_base, selection, strategy
 from ._types import AnyShare, Share, Strategy, Values
 
 
@@ -47,11 +47,6 @@ def extraction_strategy(layout: Layout) -> Strategy:
     return strategy(layout)
 
 
-def check_values(values: object, layout: Layout, name: str) -> int:
-    """The local length of a per-position tensor, or a TypeError/LayoutError saying why not."""
-    return resolve_length(layout, int(per_position(name, values).shape[0]), name)
-
-
 def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor]:
     """``values[rows]`` split into per-sample pieces; each empty piece is ``values[:0]``.
 
@@ -71,6 +66,14 @@ def _shard_plan(layout: Layout, length: int) -> tuple[list[int], list[int], int]
     and its length."""
     sel = selection(layout, length, "response")
     return sel.run_sources(response_base(layout)).tolist(), sel.run_count.tolist(), sel.k
+
+
+def split(local: Local, values: Tensor, entropy: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
+    """``extract_responses`` of checked ``values`` (and ``entropy``) in a layout resolved
+    with the ``"response"`` span on their device."""
+    read = local.reads["response"]
+    out = gather_split(values, read.rows, read.selection.counts)
+    return out, None if entropy is None else gather_split(entropy, read.rows, read.selection.counts)
 
 
 @overload
@@ -109,20 +112,16 @@ def extract_responses(
         LayoutError: the local length is shorter than the layout needs, differs from
             ``layout.local_length``, or entropy's shape differs from values'.
     """
-    length = check_values(values, layout, "values")
+    x = per_position("values", values)
     if entropy is not None:
-        check_values(entropy, layout, "entropy")
-        if entropy.shape != values.shape:
+        per_position("entropy", entropy)
+        if entropy.shape != x.shape:
             raise LayoutError(
                 f"entropy has shape {tuple(entropy.shape)} but values has "
-                f"{tuple(values.shape)} (they must be aligned position by position)"
+                f"{tuple(x.shape)} (they must be aligned position by position)"
             )
-    counts = selection(layout, length, "response").counts
-    rows = rows_on(layout, length, "response", values.device)
-    out = gather_split(values, rows, counts)
-    if entropy is None:
-        return out, None
-    return out, gather_split(entropy, rows, counts)
+    local = resolve(layout, int(x.shape[0]), "values", ("response",), x.device)
+    return split(local, x, entropy)
 
 
 def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
@@ -139,8 +138,13 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
         LayoutError: the number of samples, or a sample's length, disagrees with
             the layout; an allgather layout without ``local_length``.
     """
-    per_sample("full", full, layout.response_lengths, "response_length")
-    offsets, sizes, k = _shard_plan(layout, resolve_length(layout))
+    items = per_sample("full", full, layout.response_lengths, "response_length")
+    return shard(items, resolve(layout))
+
+
+def shard(full: Sequence[Tensor], local: Local) -> list[Tensor]:
+    """``shard_responses`` of checked whole responses in a resolved layout."""
+    offsets, sizes, k = _shard_plan(local.layout, local.length)
     out: list[Tensor] = []
     for i, f in enumerate(full):
         pieces = [

@@ -12,32 +12,52 @@ import torch
 from torch import Tensor
 
 from . import _checks as checks
-from ._cache import cached
 from ._layout import Layout
-from ._plan import default_length, packed_offsets, resolve_length, rows_on, selection
+from ._plan import Local, Span, resolve
 from ._types import AnyShare, AnyValues, IntArg, RealArg, Rows, Targets
 
 
-@cached(maxsize=8)
-def _index_on(layout: Layout, length: int, shift: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The rows a packing writes and, for each, the element of the concatenated samples
-    it reads (``shift`` 1: the next token), on ``device``: copied once per layout."""
-    sel = selection(layout, length, "targets" if shift else "sample")
-    src = sel.sources(packed_offsets(layout)) + shift
-    return rows_on(layout, length, "targets" if shift else "sample", device), src.to(device)
-
-
-def _lay_out(
-    items: list[Tensor], layout: Layout, fill: object, shift: int, rest: tuple[int, ...],
-    dtype: torch.dtype, device: torch.device,
-) -> Tensor:
-    length = default_length(layout)
-    out = torch.full((length, *rest), checks.fill_value(fill, dtype), dtype=dtype, device=device)
+def lay_out(items: list[Tensor], local: Local, span: Span, fill: object, rest: tuple[int, ...],
+            dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[T, *rest]`` of ``fill``, the rows of ``span`` (``"sample"``, or ``"targets"``: the
+    next token) holding their element of the concatenated ``items``."""
+    out = torch.full((local.length, *rest), checks.fill_value(fill, dtype), dtype=dtype, device=device)
     if not items:
         return out
-    rows, src = _index_on(layout, length, shift, device)
-    flat = torch.cat(items)
-    return out.index_copy(0, rows, flat.index_select(0, src).to(dtype))
+    read = local.reads[span]
+    flat = torch.cat(items).to(read.sources.device)  # e.g. CPU tokens for device logits
+    return out.index_copy(0, read.rows, flat.index_select(0, read.sources).to(dtype))
+
+
+def checked_tokens(tokens: object, layout: Layout) -> list[Tensor]:
+    """Each sample's whole tokens, checked: ``[L_i]`` integer tensors of one dtype."""
+    items = checks.per_sample("tokens", tokens, layout.total_lengths, "total_length", uniform=True)
+    for i, x in enumerate(items):
+        if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "
+                            f"{x.dtype} {tuple(x.shape)}")
+    return items
+
+
+def _device(items: list[Tensor]) -> torch.device:
+    return items[0].device if items else torch.device("cpu")
+
+
+def targets_of(items: list[Tensor], local: Local, fill: object = 0) -> Tensor:
+    """``shifted_targets`` of checked tokens (``checked_tokens``) in a layout resolved with the
+    ``"targets"`` span on the tokens' device."""
+    return lay_out(items, local, "targets", fill, (), torch.int64, local.device)
+
+
+def temperatures_of(tau: float | Tensor, local: Local) -> float | Tensor:
+    """``row_temperatures`` of checked per-sample temperatures (a real, or ``[n]``) in a
+    layout resolved with the ``"sample"`` span (for ``[n]``), on its device."""
+    if isinstance(tau, float):
+        return tau
+    if not local.layout.num_samples:
+        return torch.ones(local.length, dtype=tau.dtype, device=local.device)
+    per_sample = [t.expand(n) for t, n in zip(tau, local.layout.total_lengths)]
+    return lay_out(per_sample, local, "sample", 1.0, (), tau.dtype, local.device)
 
 
 def pack(
@@ -62,10 +82,11 @@ def pack(
     items = checks.per_sample(
         "per_sample", per_sample, layout.total_lengths, "total_length", uniform=True
     )
+    local = resolve(layout, spans=("sample",), device=_device(items), least=True)
     if not items:
-        return torch.full((default_length(layout),), checks.fill_value(fill, torch.float32))
+        return torch.full((local.length,), checks.fill_value(fill, torch.float32))
     first = items[0]
-    return _lay_out(items, layout, fill, 0, tuple(first.shape[1:]), first.dtype, first.device)
+    return lay_out(items, local, "sample", fill, tuple(first.shape[1:]), first.dtype, first.device)
 
 
 def shifted_targets(
@@ -83,15 +104,8 @@ def shifted_targets(
         TypeError: ``tokens`` is not a list of integer tensors.
         LayoutError: as ``pack``, or a sample's tokens are not 1-D.
     """
-    items = checks.per_sample(
-        "tokens", tokens, layout.total_lengths, "total_length", uniform=True
-    )
-    for i, x in enumerate(items):
-        if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "
-                            f"{x.dtype} {tuple(x.shape)}")
-    device = items[0].device if items else torch.device("cpu")
-    return _lay_out(items, layout, fill, 1, (), torch.int64, device)
+    items = checked_tokens(tokens, layout)
+    return targets_of(items, resolve(layout, spans=("targets",), device=_device(items), least=True), fill)
 
 
 def row_temperatures(temperature: object, layout: Layout) -> float | Tensor:
@@ -105,9 +119,7 @@ def row_temperatures(temperature: object, layout: Layout) -> float | Tensor:
     tau = checks.temperatures(temperature, layout.num_samples, "sample")
     if isinstance(tau, float):
         return tau
-    if not layout.num_samples:
-        return torch.ones(default_length(layout), dtype=tau.dtype, device=tau.device)
-    return pack([t.expand(n) for t, n in zip(tau, layout.total_lengths)], layout, fill=1.0)
+    return temperatures_of(tau, resolve(layout, spans=("sample",), device=tau.device, least=True))
 
 
 class ResponseRows(NamedTuple):
@@ -130,6 +142,6 @@ def response_rows(layout: Layout, device: torch.device | str | None = None) -> R
         LayoutError: an allgather layout without ``local_length`` (there is no local
             tensor to read ``T`` from).
     """
-    sel = selection(layout, resolve_length(layout), "response")
+    sel = resolve(layout, spans=("response",)).reads["response"].selection
     # a copy: the cached selection must not be mutable through the result
     return ResponseRows(sel.rows.to(device or "cpu", copy=True), list(sel.counts))

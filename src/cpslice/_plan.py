@@ -16,6 +16,7 @@ the result into row indices with vectorized integer arithmetic: no Python loop
 over samples, no per-sample ``torch.arange``.
 """
 
+from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import torch
@@ -106,15 +107,31 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
     raise LayoutError(f"{subject} is too short: {rule}")
 
 
+def _resolve_length(layout: Layout, length: int | None, what: str, least: bool) -> int:
+    """The one resolution of ``T``: the given tensor's, else the layout's ``local_length``,
+    else the least length the layout needs; checked against the layout. Without
+    ``least``, an allgather layout with neither cannot know where its pieces start."""
+    if length is not None:
+        check_local_length(layout, length, what)
+        return length
+    if layout.local_length is not None:
+        check_local_length(layout, layout.local_length)
+        return layout.local_length
+    if layout.cp_mode == "allgather" and not least:
+        raise LayoutError(
+            "an allgather layout's pieces [r*T, (r+1)*T) depend on the local length T, "
+            "and this function receives no local tensor to read it from; build the "
+            "Layout with local_length=T"
+        )
+    return needed_length(layout)
+
+
 @boundary
 def default_length(layout: Layout) -> int:
     """``local_length`` when set (and long enough), else the least length the layout
     needs (for allgather, the least piece length): the length of a local tensor cpslice
     builds itself."""
-    if layout.local_length is not None:
-        check_local_length(layout, layout.local_length)
-        return layout.local_length
-    return needed_length(layout)
+    return _resolve_length(layout, None, "local_length", least=True)
 
 
 @boundary
@@ -123,19 +140,7 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 
     An allgather layout with neither cannot know where its pieces start.
     """
-    if length is not None:
-        check_local_length(layout, length, what)
-        return length
-    if layout.local_length is not None:
-        check_local_length(layout, layout.local_length)
-        return layout.local_length
-    if layout.cp_mode == "allgather":
-        raise LayoutError(
-            "an allgather layout's pieces [r*T, (r+1)*T) depend on the local length T, "
-            "and this function receives no local tensor to read it from; build the "
-            "Layout with local_length=T"
-        )
-    return needed_length(layout)
+    return _resolve_length(layout, length, what, least=False)
 
 
 class Runs(NamedTuple):
@@ -170,12 +175,13 @@ def _tokens(k: int, slot: Tensor, first: Tensor, width: Tensor, layout: Layout) 
     return Runs(k, slot + lead, (first - offset).clamp_min(0), size, width, lead)
 
 
-def runs(layout: Layout, length: int) -> Runs:
-    """The runs of the layout on its rank, whose local tensor has ``length`` rows."""
+def runs(layout: Layout, length: int, rank: int | None = None) -> Runs:
+    """The runs of the layout on its rank (or on CP rank ``rank`` of its group), whose
+    local tensor has ``length`` rows."""
     extent = _extent(layout)  # W_i: every rule reads it where a sample's extent goes
     if layout.cp_mode == "none":  # thd and bshd alike: rows of W_i, back to back
         return _tokens(1, exclusive_cumsum(extent), torch.zeros_like(extent), extent, layout)
-    c, r = layout.cp_size, layout.cp_rank
+    c, r = layout.cp_size, layout.cp_rank if rank is None else rank
     if layout.cp_mode == "zigzag":  # chunks r and 2c - 1 - r of every extent
         chunk = torch.div(extent, 2 * c, rounding_mode="floor")
         block = exclusive_cumsum(2 * chunk)
@@ -221,8 +227,8 @@ class Selection(NamedTuple):
         return step + torch.arange(total, dtype=_I64)
 
 
-def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor) -> Selection:
-    rs = runs(layout, length)
+def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor, rank: int | None) -> Selection:
+    rs = runs(layout, length, rank)
     lo_r = torch.repeat_interleave(lo, rs.k)
     hi_r = torch.repeat_interleave(hi, rs.k)
     first = torch.maximum(rs.start, lo_r)
@@ -240,8 +246,10 @@ def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor) -> Selection:
 Span = Literal["response", "sample", "targets"]
 
 
-def select(layout: Layout, length: int, span: Span) -> Selection:
-    """The selection of one span of every sample (rows on the CPU), computed anew.
+def select(layout: Layout, length: int, span: Span, rank: int | None = None) -> Selection:
+    """The selection of one span of every sample (rows on the CPU), computed anew, on the
+    layout's rank (or on CP rank ``rank`` of its group: another rank's rows, no other
+    ``Layout`` built).
 
     - ``"response"``: positions ``[P_i - 1, L_i - 1)``, the logits that predict the
       response (what extraction returns);
@@ -255,7 +263,7 @@ def select(layout: Layout, length: int, span: Span) -> Selection:
         lo, hi = torch.zeros_like(total), total
     else:
         lo, hi = torch.zeros_like(total), total - 1
-    return _select(layout, length, lo, hi)
+    return _select(layout, length, lo, hi, rank)
 
 
 # A few layouts at a time: one step reads the same layout several times (log-probs,
@@ -270,3 +278,68 @@ def selection(layout: Layout, length: int, span: Span) -> Selection:
 def rows_on(layout: Layout, length: int, span: Span, device: torch.device) -> Tensor:
     """``selection(...).rows`` on ``device``, cached so a step copies it once."""
     return selection(layout, length, span).rows.to(device)
+
+
+class Read(NamedTuple):
+    """One span of a resolved layout, as a call reads it: the ``selection`` (CPU), its
+    ``rows`` on the call's device, and ``sources`` there: for every row the element of
+    the concatenated per-sample tensors it holds (``"sample"``: the token, ``"targets"``:
+    the next token, ``"response"``: the element of the concatenated whole responses)."""
+
+    selection: Selection
+    rows: Tensor
+    sources: Tensor
+    mask: Tensor
+    """CPU bool ``[T]``: the rows of the span."""
+
+
+class Local(NamedTuple):
+    """A layout resolved once for one call: the ``layout``, this rank's local length
+    ``length`` (``T``), the ``device`` of the call's tensors and the ``reads`` of the spans
+    the call asked for. Private workers take this record, never a ``Layout``: nothing
+    after the resolution reads the layout's lengths again."""
+
+    layout: Layout
+    length: int
+    device: torch.device
+    reads: Mapping[Span, Read]
+
+
+def _base(layout: Layout, span: Span) -> Tensor:
+    """Where each sample starts in the concatenation ``Read.sources`` indexes, plus the
+    shift from position to element (``p + 1`` for targets; ``p - (P_i - 1)`` for the
+    response)."""
+    if span == "response":
+        return response_base(layout, concatenated=True)
+    return packed_offsets(layout) + (1 if span == "targets" else 0)
+
+
+@cached(maxsize=16)
+def _read(layout: Layout, length: int, span: Span, device: torch.device) -> Read:
+    sel = selection(layout, length, span)
+    mask = torch.zeros(length, dtype=torch.bool)
+    mask[sel.rows] = True
+    return Read(sel, rows_on(layout, length, span, device), sel.sources(_base(layout, span)).to(device), mask)
+
+
+@boundary
+def resolve(
+    layout: Layout,
+    length: int | None = None,
+    what: str = "local tensor",
+    spans: tuple[Span, ...] = (),
+    device: torch.device | str = "cpu",
+    *,
+    least: bool = False,
+) -> Local:
+    """The layout resolved for one call: ``T`` (the given tensor's ``length``, else the
+    layout's ``local_length``, else, with ``least`` or outside allgather, the least
+    length it needs; checked, the message naming ``what``) and each span's ``Read`` on
+    ``device`` (cached, so repeated steps copy nothing anew).
+
+    Raises:
+        LayoutError: as ``resolve_length``.
+    """
+    t = _resolve_length(layout, length, what, least)
+    dev = torch.device(device)
+    return Local(layout, t, dev, {span: _read(layout, t, span, dev) for span in spans})

@@ -18,7 +18,7 @@ from . import _checks as checks
 from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, response_base, select, selection
+from ._plan import resolve, response_base, select, selection
 from ._types import Share
 
 _I64 = torch.int64
@@ -39,39 +39,33 @@ class _Route(NamedTuple):
     src_total: int  # my flat input shares' length
 
 
-def _ranks(layout: Layout, size: int) -> list[Layout]:
-    # A "none" layout means the whole response on every rank.
-    if layout.cp_mode == "none":
-        return [layout] * size
-    return [layout.for_rank(q) for q in range(size)]
-
-
-def _element_ids(layout: Layout) -> Tensor:
-    """For each response row of the rank, in extraction order, its index in all the
-    responses back to back (the same numbering on every rank)."""
-    # `select`, not the cached `selection`: the other ranks' layouts would push this
+def _element_ids(layout: Layout, length: int, rank: int) -> Tensor:
+    """For each response row of CP rank ``rank`` (any rank: a "none" layout holds the
+    whole response on every rank), in extraction order, its index in all the responses
+    back to back (the same numbering on every rank)."""
+    # `select`, not the cached `selection`: the other ranks' selections would push this
     # step's own entries out of that small cache.
-    sel = select(layout, resolve_length(layout, what="the layout"), "response")
+    sel = select(layout, length, "response", None if layout.cp_mode == "none" else rank)
     return sel.sources(response_base(layout, concatenated=True))
 
 
 # One step redistributes between a few pairs of layouts.
 @cached(maxsize=8)
-def _route(src: Layout, dst: Layout, size: int) -> _Route:
+def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int) -> _Route:
     me = src.cp_rank
     total = sum(src.response_lengths)
     owner = torch.full((total,), -1, dtype=_I64)
     place = torch.full((total,), -1, dtype=_I64)
     src_total = 0
-    for q, layout in enumerate(_ranks(src, size)):
-        ids = _element_ids(layout)
+    for q in range(size):
+        ids = _element_ids(src, src_length, q)
         owner[ids] = q
         place[ids] = torch.arange(ids.numel(), dtype=_I64)
         if q == me:
             src_total = int(ids.numel())
     if total and bool((owner < 0).any()):  # pragma: no cover - docs/layouts.md's shares partition
         raise AssertionError("the source layout's shares do not cover every response element")
-    dst_ids = [_element_ids(layout) for layout in _ranks(dst, size)]
+    dst_ids = [_element_ids(dst, dst_length, q) for q in range(size)]
     send_index = [place[ids[owner[ids] == me]] for ids in dst_ids]
     recv_owner = owner[dst_ids[me]]
     splits = torch.bincount(recv_owner, minlength=size)
@@ -80,7 +74,7 @@ def _route(src: Layout, dst: Layout, size: int) -> _Route:
     order = torch.sort(recv_owner, stable=True).indices
     grouped = torch.empty_like(order)
     grouped[order] = torch.arange(order.numel(), dtype=_I64)
-    dst_counts = selection(dst, resolve_length(dst, what="the layout"), "response").counts
+    dst_counts = selection(dst, dst_length, "response").counts
     return _Route(
         send_index,
         splits.tolist(),
@@ -105,9 +99,9 @@ class _DeviceRoute(NamedTuple):
 
 @cached(maxsize=8)
 def _device_route(
-    src: Layout, dst: Layout, size: int, nlists: int, device: torch.device
+    src: Layout, src_length: int, dst: Layout, dst_length: int, size: int, nlists: int, device: torch.device
 ) -> _DeviceRoute:
-    route = _route(src, dst, size)
+    route = _route(src, src_length, dst, dst_length, size)
     # send buffer: destination-major, then list, then the destination's order
     lists_base = torch.arange(nlists, dtype=_I64).unsqueeze(1) * route.src_total
     send_index = torch.cat([(lists_base + idx).reshape(-1) for idx in route.send_index])
@@ -149,9 +143,10 @@ _all_to_all = cast(Callable[[Tensor, list[int], list[int], Any], Tensor], _AllTo
 
 def _check(
     lists: Sequence[object], src: Layout, dst: Layout, name: str
-) -> list[list[Tensor]]:
-    """Every list's shares, checked against ``src``'s counts on this rank, before any
-    collective: one dtype and trailing shape for all (they travel in one buffer)."""
+) -> tuple[int, list[list[Tensor]]]:
+    """``src``'s local length (its one resolution) and every list's shares, checked
+    against ``src``'s counts on this rank, before any collective: one dtype and trailing
+    shape for all (they travel in one buffer)."""
     if src.response_lengths != dst.response_lengths:
         raise LayoutError(
             f"src has response_lengths {list(src.response_lengths)} but dst has "
@@ -162,7 +157,8 @@ def _check(
             f"src has total_lengths {list(src.total_lengths)} but dst has "
             f"{list(dst.total_lengths)} (src and dst must describe the same samples)"
         )
-    counts = selection(src, resolve_length(src, what="the layout"), "response").counts
+    at = resolve(src, what="the layout", spans=("response",))
+    counts = at.reads["response"].selection.counts
     out: list[list[Tensor]] = []
     first: Tensor | None = None
     for k, given in enumerate(lists):
@@ -177,7 +173,7 @@ def _check(
                     "in one call has one dtype and trailing shape)"
                 )
         out.append(shares)
-    return out
+    return at.length, out
 
 
 def _check_group(src: Layout, dst: Layout, group: Any) -> int:
@@ -198,12 +194,13 @@ def _redistribute(
     # One rank holds every share whole, in every layout: nothing to move, no group.
     local = src.cp_size == 1 and dst.cp_size == 1
     size = 1 if local else _check_group(src, dst, group)
-    shares = _check(lists, src, dst, name)
+    src_length, shares = _check(lists, src, dst, name)
     if local:
         return [list(s) for s in shares]
     nlists = len(shares)
     stacked = torch.cat([x for s in shares for x in s])
-    route = _device_route(src, dst, size, nlists, stacked.device)
+    dst_length = resolve(dst, what="the layout").length
+    route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device)
     send = stacked.index_select(0, route.send_index)
     received = _all_to_all(send, route.send_splits, route.recv_splits, group)
     return [
@@ -272,5 +269,10 @@ def gather_responses(values: Sequence[Share], layout: Layout, *, group: Any = No
     ``redistribute(values, layout, Layout(total, response))``: one all-to-all that moves
     each rank's shares to every rank (1x the responses). Differentiable.
     """
-    whole = Layout(layout.total_lengths, layout.response_lengths)
-    return redistribute(values, layout, whole, group=group)
+    return redistribute(values, layout, _whole(layout), group=group)
+
+
+@cached(maxsize=8)
+def _whole(layout: Layout) -> Layout:
+    """The layout without CP of the same samples (built once per layout)."""
+    return Layout(layout.total_lengths, layout.response_lengths)

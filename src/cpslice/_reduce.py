@@ -24,7 +24,7 @@ from . import _checks as checks
 from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve_length, response_base, selection
+from ._plan import Local, resolve, response_base, selection
 from ._types import Denominators, Masks, Shares, compute_dtype
 
 _I64 = torch.int64
@@ -45,8 +45,8 @@ class _Index(NamedTuple):
 
 # A few (layout, device) pairs: one step reduces the same layout several times.
 @cached(maxsize=8)
-def _index(layout: Layout, device: torch.device) -> _Index:
-    sel = selection(layout, resolve_length(layout, what="the layout"), "response")
+def _index(layout: Layout, length: int, device: torch.device) -> _Index:
+    sel = selection(layout, length, "response")
     samples = torch.arange(layout.num_samples, dtype=_I64)
     local_sample = torch.repeat_interleave(samples, torch.tensor(sel.counts, dtype=_I64))
     whole_sample = torch.repeat_interleave(
@@ -58,10 +58,10 @@ def _index(layout: Layout, device: torch.device) -> _Index:
     )
 
 
-def _check_shares(values: object, layout: Layout, *, columns: bool) -> list[Tensor]:
+def _check_shares(values: object, local: Local, *, columns: bool) -> list[Tensor]:
     """This rank's shares ``[r_i]``, or with ``columns`` ``[r_i, *m]``, of one dtype and
     one trailing shape."""
-    counts = selection(layout, resolve_length(layout, what="the layout"), "response").counts
+    counts = selection(local.layout, local.length, "response").counts
     shares = checks.per_sample("values", values, counts, "this rank's share", floating=True)
     for i, v in enumerate(shares):
         if not columns and v.dim() != 1:
@@ -149,7 +149,8 @@ class _Sums(NamedTuple):
 def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool) -> _Sums:
     """Per sample (and statistic): the sum of value * mask over this rank's share, and
     the whole mask sum."""
-    shares = _check_shares(values, layout, columns=columns)
+    at = resolve(layout, what="the layout")
+    shares = _check_shares(values, at, columns=columns)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
     if not n:
@@ -158,7 +159,7 @@ def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool) 
     dtype = shares[0].dtype
     acc = compute_dtype(dtype)
     device = shares[0].device
-    index = _index(layout, device)
+    index = _index(layout, at.length, device)
     flat = torch.cat(shares).to(acc)
     whole_mask = torch.cat(masks).to(device=device, dtype=acc)
     mask = _columns(whole_mask.index_select(0, index.local), flat)
@@ -344,13 +345,14 @@ def _local_extreme(
     """Per sample (and statistic): the extreme of this rank's unmasked share elements
     that are not NaN, ``how.identity`` where it holds none, and whether one of them is
     NaN; ``[n, *m]`` each, detached, the values' dtype and bool."""
-    shares = _check_shares(values, layout, columns=True)
+    local = resolve(layout, what="the layout")
+    shares = _check_shares(values, local, columns=True)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
     if not n:
         return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     flat = torch.cat(shares).detach()
-    index = _index(layout, flat.device)
+    index = _index(layout, local.length, flat.device)
     kept = _columns((torch.cat(masks) != 0).to(flat.device).index_select(0, index.local), flat)
     samples = _columns(index.local_sample, flat).expand_as(flat)
     nan = kept & flat.isnan()

@@ -7,18 +7,21 @@ from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import _checks as checks
 from ._errors import LayoutError
-from ._extract import extract_responses
+from ._extract import split
 from ._layout import Layout
-from ._pack import response_rows, row_temperatures, shifted_targets
-from ._plan import resolve_length
+from ._pack import checked_tokens, targets_of, temperatures_of
+from ._plan import Local, Span, resolve
 from ._support import SupportArg, take_rows
 from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from ._vocab import args
-from ._vocab.hidden import linear_log_probs_and_entropy
-from ._vocab.logits import log_probs_and_entropy
+from ._vocab import hidden as hidden_driver
+from ._vocab import logits as logits_driver
+from ._vocab.engine import Options
+from ._vocab.hidden import default_linear_chunk_rows
 
 
 @overload
@@ -107,28 +110,54 @@ def response_log_probs(
         LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
             three functions above.
     """
-    if checks.tensor("logits", logits, "a torch.Tensor [T, V_local]").dim() != 2:
+    x = _two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])")
+    local, targets, tau = _inputs(x, "logits", tokens, layout, temperature)
+    x, options = _options(x, targets, tau, local, with_entropy, entropy_grad, tp_group, chunk_size, support,
+                          entropy_over, softcap, vocab_size)
+    # only the response rows get the softmax's statistics; the others' gradient is zero
+    log_probs, entropy = logits_driver.apply(x, targets, options._replace(rows=local.reads["response"].mask))
+    return split(local, log_probs, entropy)
+
+
+def _two_d(name: str, value: object, shape: str, flatten: str) -> Tensor:
+    x = checks.tensor(name, value, f"a torch.Tensor {shape}")
+    if x.dim() != 2:
         raise LayoutError(
-            f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
-            "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
+            f"{name} has shape {tuple(x.shape)}; it must be 2-D {shape} (flatten the batch "
+            f"first: {flatten})"
         )
-    length = resolve_length(layout, int(logits.shape[0]), "logits")
-    local = layout.with_local_length(length)
-    targets = shifted_targets(tokens, local).to(logits.device)
-    log_probs, entropy = log_probs_and_entropy(
-        logits,
-        targets,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        temperature=row_temperatures(temperature, local),
-        tp_group=tp_group,
-        chunk_size=chunk_size,
-        support=support,
-        entropy_over=entropy_over,
-        softcap=softcap,
-        vocab_size=vocab_size,
-    )
-    return extract_responses(log_probs, local, entropy)
+    return x
+
+
+def _inputs(
+    x: Tensor, what: str, tokens: object, layout: Layout, temperature: object
+) -> tuple[Local, Tensor, float | Tensor]:
+    """The call's one resolution of ``layout`` (``T`` from ``x``), the targets of
+    ``tokens`` and the per-row temperature, on ``x``'s device."""
+    items = checked_tokens(tokens, layout)
+    tau = checks.temperatures(temperature, layout.num_samples, "sample")
+    spans: tuple[Span, ...] = ("targets", "response", "sample") if isinstance(tau, Tensor) else ("targets", "response")
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
+    return local, targets_of(items, local), temperatures_of(tau, local)
+
+
+def _options(
+    x: Tensor, targets: Tensor, tau: float | Tensor, local: Local, with_entropy: bool, entropy_grad: bool,
+    tp_group: dist.ProcessGroup | None, chunk_size: object, support: object, entropy_over: object,
+    softcap: object, vocab_size: object,
+) -> tuple[Tensor, Options]:
+    """The logits and the vocabulary engine's ``Options`` of a per-sample call, every
+    argument checked once, before any collective."""
+    x = args.logits(x)
+    tau_rows = args.temperature(tau, local.length, x)
+    chunk = args.chunk_size(chunk_size)
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * x.shape[1])
+    args.in_vocabulary(targets, vocab)
+    support_ = args.sets(support, entropy_over, local.length, vocab)
+    return x, Options(with_entropy=with_entropy, entropy_grad=entropy_grad, tau=tau_rows, tp_group=tp_group,
+                      chunk_size=chunk, support=support_, over_support=entropy_over == "support", cap=cap,
+                      vocab_size=vocab)
 
 
 @overload
@@ -221,39 +250,26 @@ def response_log_probs_from_hidden(
             ``linear_log_probs_and_entropy``; ``hidden`` of a length the layout cannot
             hold; a support over another number of rows than ``hidden``'s.
     """
-    if checks.tensor("hidden", hidden, "a torch.Tensor [T, H]").dim() != 2:
-        raise LayoutError(
-            f"hidden has shape {tuple(hidden.shape)}; it must be 2-D [T, H] (flatten the "
-            "batch first: hidden.reshape(-1, hidden.shape[-1]))"
-        )
-    length = resolve_length(layout, int(hidden.shape[0]), "hidden")
-    local = layout.with_local_length(length)
-    host_rows, counts = response_rows(local)
-    rows = host_rows.to(hidden.device)
-    targets = shifted_targets(tokens, local).to(hidden.device)
-    tau = row_temperatures(temperature, local)
-    if support is not None:
-        # the whole support against the whole hidden (its errors name the caller's
-        # rows), then the response rows' sets
-        _, weight_, _ = args.head_and_targets(hidden, weight, targets)
-        args.chunk_size(chunk_size)
-        vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-        whole = args.sets(support, entropy_over, length, vocab, "hidden")
-        assert whole is not None
-        support = take_rows(whole, host_rows)
-    log_probs, entropy = linear_log_probs_and_entropy(
-        hidden[rows],
-        weight,
-        targets[rows],
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        temperature=tau if isinstance(tau, float) else tau[host_rows.to(tau.device)],
-        tp_group=tp_group,
-        chunk_size=chunk_size,
-        support=support,
-        entropy_over=entropy_over,
-        softcap=softcap,
-        vocab_size=vocab_size,
+    h = _two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])")
+    local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature)
+    read = local.reads["response"]
+    h, w = args.head(h, weight)
+    tau_rows = args.temperature(tau, local.length, h)
+    chunk = args.chunk_size(chunk_size)
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * w.shape[0])
+    args.in_vocabulary(targets, vocab)
+    # the whole support against the whole hidden (its errors name the caller's rows),
+    # then the response rows' sets
+    whole = args.sets(support, entropy_over, local.length, vocab, "hidden")
+    options = Options(
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        tau=tau_rows if isinstance(tau_rows, float) else tau_rows[read.rows], tp_group=tp_group,
+        chunk_size=default_linear_chunk_rows(w.shape[0]) if chunk is None else chunk,
+        support=None if whole is None else take_rows(whole, read.selection.rows),
+        over_support=entropy_over == "support", cap=cap, vocab_size=vocab,
     )
+    log_probs, entropy = hidden_driver.apply(h[read.rows], w, targets[read.rows], options)
+    counts = read.selection.counts
     shares = list(torch.split(log_probs, counts))
     return shares, None if entropy is None else list(torch.split(entropy, counts))

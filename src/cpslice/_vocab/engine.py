@@ -133,7 +133,7 @@ def row_terms(
     g = torch.zeros(ids.shape, dtype=saved.max.dtype, device=ids.device) if g_lp is None else (
         g_lp.to(saved.max.dtype)
     )
-    parts = split(saved.restricted, g, g_entropy, opts.over_support, gap)
+    parts = split(saved.restricted, g, g_entropy, opts.over_support, gap, opts.rows)
     # H may be a placeholder where a row's set took its entropy gradient
     h = None if parts.g_entropy is None else entropy
     row = row_grad(

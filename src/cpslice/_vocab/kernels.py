@@ -46,6 +46,7 @@ from typing import Any, NamedTuple, cast, no_type_check
 import torch
 from torch import Tensor
 
+from .._cache import boundary
 from .._types import compute_dtype
 from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
 
@@ -159,6 +160,7 @@ Runs = list[tuple[int, int]] | None
 """Row ranges ``[lo, hi)`` a pass reads, ascending and disjoint; None: every row."""
 
 
+@boundary  # data-dependent (nonzero, tolist): not for a compiled caller to trace
 def runs_of(need: Tensor, gap: int) -> list[tuple[int, int]]:
     """Row ranges ``[lo, hi)`` covering every row where ``need`` (CPU bool ``[T]``) is
     True; runs closer than ``gap`` rows are merged, so that a chunked pass over them
@@ -175,10 +177,6 @@ def runs_of(need: Tensor, gap: int) -> list[tuple[int, int]]:
     last = torch.ones_like(keep)
     last[:-1] = keep[1:]
     return list(zip(starts[keep].tolist(), ends[last].tolist()))
-
-
-def _covers(runs: Runs, rows: int) -> bool:
-    return runs is None or sum(hi - lo for lo, hi in runs) == rows
 
 
 class Workspace:
@@ -452,15 +450,16 @@ def stats(
     of the tile ``x`` into ``out`` (``[n]`` fields of the compute dtype; the other rows are
     left as they are, e.g. ``stats.placeholders``), of the logits as ``softmax`` reads
     them (capped, then tempered; the max is the capped logits'). A tile of no columns (a
-    shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled kernels
-    read every row, so they run only when ``runs`` covers them all."""
-    if (
-        _covers(runs, x.shape[0])
-        and use_compiled(x)
-        and _compiled_stats(x, softmax, chunks.compiled, out)
-    ):
-        return
-    _eager_stats(x, softmax, chunks.eager, [(0, x.shape[0])] if runs is None else runs, work or Workspace(), out)
+    shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. Each run of rows is a
+    tile of its own for the compiled kernels (which read every row of a tile), so a pass
+    over some rows (the response rows) runs them as a pass over all rows does."""
+    eager = []
+    for lo, hi in [(0, x.shape[0])] if runs is None else runs:
+        part = x[lo:hi]
+        if not (use_compiled(part) and _compiled_stats(part, softmax.rows(slice(lo, hi)), chunks.compiled,
+                                                       out.map(lambda f: f[lo:hi]))):
+            eager.append((lo, hi))
+    _eager_stats(x, softmax, chunks.eager, eager, work or Workspace(), out)
 
 
 def _compiled_grad(
@@ -545,12 +544,18 @@ def grad(
     """Write the gradient w.r.t. the raw logits of the rows of ``runs`` of the tile ``x``
     into ``out`` (``[n, V]`` with contiguous rows, its dtype; rows outside ``runs`` are
     left as they are): ``p * (a log p + b)`` with ``M``, ``log S`` the rows' totals, plus
-    the one-hot terms of ``row``, through the cap's ``tanh``. The compiled kernels write
-    every row, so they run only when ``runs`` covers them all."""
-    if _covers(runs, x.shape[0]) and use_compiled(x):
-        if _compiled_grad(x, big_m, log_s, softmax, row, chunks.compiled, out):
-            return
-    _eager_grad(
-        x, big_m, log_s, softmax, row, chunks.eager, [(0, x.shape[0])] if runs is None else runs,
-        work or Workspace(), out,
-    )
+    the one-hot terms of ``row``, through the cap's ``tanh``. Each run of rows is a tile
+    of its own for the compiled kernels, as in ``stats``."""
+    eager = []
+    for s, e in [(0, x.shape[0])] if runs is None else runs:
+        part = x[s:e]
+        if not (use_compiled(part) and _compiled_grad(part, big_m[s:e], log_s[s:e], softmax.rows(slice(s, e)),
+                                                      _row_slice(row, s, e), chunks.compiled, out[s:e])):
+            eager.append((s, e))
+    _eager_grad(x, big_m, log_s, softmax, row, chunks.eager, eager, work or Workspace(), out)
+
+
+def _row_slice(row: RowGrad, s: int, e: int) -> RowGrad:
+    """The terms of rows ``[s, e)``."""
+    return RowGrad(None if row.a is None else row.a[s:e], row.b[s:e],
+                   None if row.hot is None else row.hot[s:e], row.column[s:e])

@@ -47,7 +47,8 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
     if el is not None and not options.dense_entropy:
         # rows with a set need no full pass: their log-prob (and entropy) is sparse
-        runs = kernels.runs_of(~el.host_has_set, chunks.eager)
+        need = ~el.host_has_set
+        runs = kernels.runs_of(need if options.rows is None else need & options.rows, chunks.eager)
     cdt = compute_dtype(logits.dtype)
     dense = placeholders(rows, column.shape[1], cdt, logits.device, options.with_entropy)
     # the distribution's columns only: a padded vocabulary's rows are no ids of it

@@ -131,8 +131,11 @@ def split(
     g_entropy: Tensor | None,
     entropy_over_support: bool,
     gap: int,
+    rows: Tensor | None = None,
 ) -> Split:
-    """``Split`` of the upstream gradients (``g_lp`` ``[T, 1]``); without sets, all dense."""
+    """``Split`` of the upstream gradients (``g_lp`` ``[T, 1]``); without sets, all dense.
+    ``rows`` (CPU bool ``[T]``, None: all) bounds the rows the dense pass may need: the
+    others were never computed."""
     if restricted is None:
         return Split(g_lp, g_entropy, None, None, None)
     el = restricted.elements
@@ -146,7 +149,8 @@ def split(
         g_entropy = g_entropy.to(g_lp.dtype) - set_h
     runs = None
     if g_entropy is None or entropy_over_support:
-        runs = runs_of(~el.host_has_set, gap)
+        dense = ~el.host_has_set
+        runs = runs_of(dense if rows is None else dense & rows, gap)
     return Split(dense_lp, g_entropy, set_lp, set_h, runs)
 
 
