@@ -131,7 +131,8 @@ def from_parallel_state_setup(tp: int, cp: int) -> Got:
 
     got: Got = []
     for allgather in (False, True):
-        layout = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=allgather)
+        layout = Layout.from_parallel_state([10, 7], [4, 3],
+                                            cp_mode="allgather" if allgather else None)
         got.append((layout.cp_mode, layout.cp_rank, layout.cp_size))
     assert got[0][1] == parallel_state.get_context_parallel_rank()
     bshd = Layout.from_parallel_state([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12)
@@ -139,7 +140,7 @@ def from_parallel_state_setup(tp: int, cp: int) -> Got:
     # verl's packing: every sample padded to a multiple of tp * cp * 2
     verl = Layout.from_parallel_state([10, 7], [4, 3], align=tp * cp * 2)
     assert verl.align == tp * cp * 2 and verl.cp_rank == got[0][1]
-    given = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=True,
+    given = Layout.from_parallel_state([10, 7], [4, 3], cp_mode="allgather",
                                        padded_lengths=[11, 9])
     assert given.padded_lengths == (11, 9) and given.cp_mode == "allgather"
     dist.barrier()
@@ -180,7 +181,7 @@ def _worker(rank: int, world: int, setups: list[tuple[int, int, int]]
                 allgather = kind == "allgather"
                 layout = Layout.from_parallel_state(
                     batch.total, batch.response, qkv_format=base.qkv_format,
-                    max_seq_len=base.max_seq_len, allgather_cp=allgather,
+                    max_seq_len=base.max_seq_len, cp_mode="allgather" if allgather else None,
                     local_length=base.local_length if allgather else None,
                 )
                 layout = layout.with_local_length(base.local_length)

@@ -10,6 +10,7 @@ from ._layout_checks import (
     check_format,
     check_local_length,
     check_padding,
+    check_parallel_state_mode,
     check_samples,
     cu_seqlens_widths,
 )
@@ -131,7 +132,7 @@ class Layout:
         *,
         qkv_format: FormatArg = "thd",
         max_seq_len: IntArg | None = None,
-        allgather_cp: bool = False,
+        cp_mode: ModeArg | None = None,
         local_length: IntArg | None = None,
         padded_lengths: Lengths | None = None,
         align: IntArg | None = None,
@@ -139,24 +140,24 @@ class Layout:
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
-        The mode is ``"allgather"`` when ``allgather_cp``, else ``"zigzag"`` when the
-        CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
-        ``padded_lengths``, ``align`` and ``row_offsets`` are ``Layout``'s (e.g. verl's
-        ``align=tp * cp * 2`` under CP, ``tp`` without).
+        ``cp_mode`` None reads the mode too: ``"zigzag"`` at a CP world size above 1, else
+        ``"none"``. ``"allgather"`` is all-gather CP at that rank and size; ``"zigzag"`` and
+        ``"none"`` are checked against the size. Imports megatron-core (lazily). The other
+        arguments are ``Layout``'s (e.g. verl's ``align=tp * cp * 2`` under CP, ``tp`` without).
 
         Raises:
             ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
             RuntimeError: megatron-core's model parallel state is not initialized.
-            LayoutError: as ``Layout(...)``.
+            LayoutError: ``cp_mode="zigzag"`` at CP world size 1, or ``"none"`` above 1
+                (the message says what to pass); anything ``Layout`` refuses.
         """
         from ._megatron import cp_rank_and_size
 
         rank, size = cp_rank_and_size()
-        mode: CpMode = "allgather" if allgather_cp else ("zigzag" if size > 1 else "none")
         return cls(
             total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
-            cp_mode=mode, cp_rank=rank, cp_size=size, local_length=local_length,
-            padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
+            cp_mode=check_parallel_state_mode(cp_mode, size), cp_rank=rank, cp_size=size,
+            local_length=local_length, padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
         )
 
     @classmethod

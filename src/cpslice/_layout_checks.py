@@ -208,3 +208,24 @@ def cu_seqlens_widths(cu_seqlens_padded: object, total: tuple[int, ...]) -> tupl
             )
     return widths
 
+
+def check_parallel_state_mode(cp_mode: ModeArg | None, size: int) -> ModeArg:
+    """``Layout.from_parallel_state``'s mode at megatron-core's CP world size ``size``:
+    None reads it (``"zigzag"`` above 1, else ``"none"``); ``"zigzag"`` and ``"none"``
+    must fit the size; anything else is ``Layout``'s to check."""
+    if cp_mode is None:
+        return "zigzag" if size > 1 else "none"
+    if cp_mode == "zigzag" and size == 1:
+        raise LayoutError(
+            "cp_mode 'zigzag' but megatron-core's context-parallel world size is 1: pass "
+            "cp_mode='none' (or None, which reads it from parallel_state) to run without "
+            "context parallelism"
+        )
+    if cp_mode == "none" and size > 1:
+        raise LayoutError(
+            f"cp_mode 'none' but megatron-core's context-parallel world size is {size}: pass "
+            "cp_mode='zigzag' or 'allgather' (or None, which reads 'zigzag' from "
+            "parallel_state), or build Layout(...) without CP for a batch every CP rank "
+            "holds whole"
+        )
+    return cp_mode
