@@ -88,7 +88,7 @@ def _invariance(rank: int, world: int) -> list[tuple[str, float]]:
             for seed, batch, (base, base_grad) in zip((3, 4), batches, bases):
                 for allgather in (False, True):
                     layout = Layout.from_parallel_state(batch.total, batch.response,
-                                                        allgather_cp=allgather)
+                                                        cp_mode="allgather" if allgather else None)
                     if allgather:
                         length = pack([torch.zeros(t) for t in batch.total], layout).shape[0]
                         layout = layout.with_local_length(length)

@@ -19,6 +19,7 @@ from cpslice import (
     sum_of_sample_means,
     sum_of_tokens,
 )
+from cpslice._types import CpMode
 
 from . import oracle
 from ._dist import destroy_megatron, init_megatron, run_distributed
@@ -127,19 +128,32 @@ def from_parallel_state_setup(tp: int, cp: int) -> Got:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from cpslice import Layout
+    from cpslice import Layout, LayoutError
 
     got: Got = []
-    for allgather in (False, True):
-        layout = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=allgather)
+    modes: tuple[CpMode | None, ...] = (None, "allgather")
+    for mode in modes:
+        layout = Layout.from_parallel_state([10, 7], [4, 3], cp_mode=mode)
         got.append((layout.cp_mode, layout.cp_rank, layout.cp_size))
     assert got[0][1] == parallel_state.get_context_parallel_rank()
+    # the mode parallel_state reads, asked for by name, is the same layout; the other is
+    # refused (its message is checked by check_from_parallel_state)
+    read: CpMode = "zigzag" if cp > 1 else "none"
+    other: CpMode = "none" if cp > 1 else "zigzag"
+    asked = Layout.from_parallel_state([10, 7], [4, 3], cp_mode=read, qkv_format="bshd", max_seq_len=12)
+    assert asked == Layout.from_parallel_state([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12)
+    try:
+        Layout.from_parallel_state([10, 7], [4, 3], cp_mode=other)
+        refusal = "no error"
+    except LayoutError as e:
+        refusal = str(e)
+    got.append((refusal, got[0][1], cp))
     bshd = Layout.from_parallel_state([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12)
     assert bshd.qkv_format == "bshd" and bshd.max_seq_len == 12
     # verl's packing: every sample padded to a multiple of tp * cp * 2
     verl = Layout.from_parallel_state([10, 7], [4, 3], align=tp * cp * 2)
     assert verl.align == tp * cp * 2 and verl.cp_rank == got[0][1]
-    given = Layout.from_parallel_state([10, 7], [4, 3], allgather_cp=True,
+    given = Layout.from_parallel_state([10, 7], [4, 3], cp_mode="allgather",
                                        padded_lengths=[11, 9])
     assert given.padded_lengths == (11, 9) and given.cp_mode == "allgather"
     dist.barrier()
@@ -153,8 +167,12 @@ def check_from_parallel_state(rank: int, before: str, got: dict[tuple[int, int],
     for (tp, cp), per_setup in got.items():
         # megatron's default order "tp-cp-...": tp varies fastest, so cp rank = rank // tp
         cp_rank = (rank // tp) % cp
-        mode = "zigzag" if cp > 1 else "none"
-        assert per_setup == [(mode, cp_rank, cp), ("allgather", cp_rank, cp)], (tp, cp)
+        mode, other = ("zigzag", "none") if cp > 1 else ("none", "zigzag")
+        assert per_setup[:2] == [(mode, cp_rank, cp), ("allgather", cp_rank, cp)], (tp, cp)
+        refusal, _, _ = per_setup[2]
+        assert refusal.startswith(
+            f"cp_mode '{other}' but megatron-core's context-parallel world size is {cp}: pass "
+            f"cp_mode='{'zigzag' if cp > 1 else 'none'}'"), (tp, cp, refusal)
 
 
 def whole_lp_anchor(lp: list[torch.Tensor], ent: list[torch.Tensor]) -> torch.Tensor:
@@ -180,7 +198,7 @@ def _worker(rank: int, world: int, setups: list[tuple[int, int, int]]
                 allgather = kind == "allgather"
                 layout = Layout.from_parallel_state(
                     batch.total, batch.response, qkv_format=base.qkv_format,
-                    max_seq_len=base.max_seq_len, allgather_cp=allgather,
+                    max_seq_len=base.max_seq_len, cp_mode="allgather" if allgather else None,
                     local_length=base.local_length if allgather else None,
                 )
                 layout = layout.with_local_length(base.local_length)

@@ -103,6 +103,32 @@ def test_a_short_local_length_is_refused_where_it_is_read(kwargs: dict[str, Any]
         pack([torch.zeros(10)], layout)
 
 
+@pytest.mark.parametrize(
+    ("size", "cp_mode", "error", "match"),
+    [
+        (1, "zigzag", LayoutError, r"cp_mode 'zigzag' but megatron-core's context-parallel world "
+         r"size is 1: pass cp_mode='none' \(or None, which reads it from parallel_state\)"),
+        (4, "none", LayoutError, r"cp_mode 'none' but megatron-core's context-parallel world "
+         r"size is 4: pass cp_mode='zigzag' or 'allgather' \(or None, which reads 'zigzag'"),
+        (4, "ring", LayoutError, r"cp_mode 'ring' is not one of"),
+        (4, True, TypeError, r"cp_mode must be a str, got a bool True"),
+        (1, "allgather", LayoutError, r"cp_mode 'allgather' .* needs qkv_format 'thd'"),
+    ],
+)
+def test_from_parallel_state_checks_cp_mode_against_the_cp_size(
+    size: int, cp_mode: Any, error: type, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # megatron-core's CP rank and size come through one adapter function (test_end_to_end
+    # reads them from a real parallel_state); megatron-core first, outside jaxtyping's hook
+    import megatron.core.parallel_state  # noqa: F401
+
+    from cpslice import _megatron
+
+    monkeypatch.setattr(_megatron, "cp_rank_and_size", lambda: (size - 1, size))
+    with refused(error, match):
+        Layout.from_parallel_state([10], [4], cp_mode=cp_mode, qkv_format="bshd", max_seq_len=12)
+
+
 def test_numpy_integers_ranges_and_reals_are_accepted() -> None:
     plain = Layout([10, 6], [4, 2], cp_mode="zigzag", cp_rank=1, cp_size=2, local_length=12)
     numpy = Layout(np.array([10, 6]).tolist(), (np.int64(4), np.int32(2)), cp_mode="zigzag",

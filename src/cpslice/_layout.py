@@ -4,12 +4,16 @@ A Layout is a validated, immutable record. It holds no offset arithmetic of its
 own: every offset is read from it by ``_plan`` (docs/layouts.md, one place).
 """
 
-from collections.abc import Sequence
-
-import torch
-
-from ._checks import integer, kind, lengths, per_sample_lengths
-from ._errors import LayoutError
+from ._checks import lengths
+from ._layout_checks import (
+    check_cp,
+    check_format,
+    check_local_length,
+    check_padding,
+    check_parallel_state_mode,
+    check_samples,
+    cu_seqlens_widths,
+)
 from ._masks import mask_rows
 from ._types import (
     Boundaries,
@@ -22,28 +26,6 @@ from ._types import (
     TensorArg,
 )
 from ._widths import resolve_padded_lengths, resolve_row_offsets
-
-_FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
-_MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
-
-
-def _boundaries(values: object) -> tuple[int, ...]:
-    """``cu_seqlens_padded`` as host ints: a list/tuple of ints, or a 1-D integer tensor
-    on any device (read with one host copy)."""
-    name = "cu_seqlens_padded"
-    if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got a tensor of dtype {values.dtype}")
-        if values.dim() != 1:
-            raise LayoutError(
-                f"{name} must be 1-D [n + 1] (the padded sample boundaries), got shape "
-                f"{tuple(values.shape)}"
-            )
-        host: list[int] = values.tolist()  # the one host copy
-        return tuple(host)
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{name} must be a list of ints or an integer tensor, got {kind(values)}")
-    return tuple(integer(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
 class Layout:
@@ -60,43 +42,26 @@ class Layout:
             attention; thd or bshd) or ``"allgather"`` (contiguous split of the
             packed stream; thd only; also Ulysses-style contiguous sharding).
         cp_rank, cp_size: this rank and the context-parallel world size.
-        local_length: the length ``T`` of this rank's local tensor. For allgather
-            it defines the pieces ``[r*T, (r+1)*T)``; a function that receives the
-            local tensor infers it when it is None. When set, a local tensor of
-            another length is an error, and so is a ``local_length`` shorter than
-            the layout needs (reported by the first function that reads the layout:
-            a Layout is a record and computes no offsets itself).
-        padded_lengths: thd only, keyword-only: ``W_i >= L_i`` positions per sample,
-            its ``L_i`` tokens then ``W_i - L_i`` padding on the right (verl,
-            Megatron-Bridge, NeMo: ``PackedSeqParams.cu_seqlens_q_padded``; see
-            ``from_cu_seqlens``). No CP: sample ``i`` starts at ``W_0 + ... + W_{i-1}``;
-            zigzag: ``W_i`` must be a multiple of ``2 * cp_size`` and is cut into
-            ``2 * cp_size`` chunks; allgather: the stream of padded samples is cut into
-            ``cp_size`` pieces of ``T``. None: each sample's default extent.
+        local_length: ``T``, the length of this rank's local tensor (allgather's pieces
+            ``[r*T, (r+1)*T)``), checked where the layout is read; None: the length of
+            the local tensor a function receives.
+        padded_lengths: thd only, keyword-only: ``W_i >= L_i`` positions per sample, its
+            tokens then padding (under zigzag a multiple of ``2 * cp_size``; see
+            ``from_cu_seqlens``). None: each sample's default extent.
         align: thd only, keyword-only: shorthand for ``W_i = ceil(L_i / align) * align``
             (``align >= 1``; under zigzag a multiple of ``2 * cp_size``). Give
             ``padded_lengths`` or ``align``, not both.
         row_offsets: bshd only, keyword-only: ``o_i``, the column of row ``i`` where
-            sample ``i`` starts: it occupies columns ``[o_i, o_i + L_i)`` of its row
-            (``o_i >= 0``, ``o_i + L_i <= max_seq_len``), the columns before and after
-            it padding (a Hugging Face batch: the prompt left-padded, the response
-            right after it; see ``from_attention_mask``). Under zigzag the padded row
-            is cut into ``2 * cp_size`` chunks as without offsets, the offsets counting
-            within the row. None: every sample at column 0.
+            sample ``i`` starts (``o_i >= 0``, ``o_i + L_i <= max_seq_len``: a left-padded
+            Hugging Face row; see ``from_attention_mask``). None: every sample at column 0.
 
-    The resolved ``W_i`` of every layout is ``padded_lengths`` (the attribute): the
-    given ones; without them ``L_i`` (cp none and allgather, thd), the least multiple
-    of ``2 * cp_size`` that is ``>= L_i`` (zigzag, thd), or the padded row width
-    (bshd); ``row_offsets`` (the attribute) holds every layout's ``o_i``, zeros unless
-    given. Padding positions hold no token: never extracted, filled by ``pack``
-    and ``shifted_targets``. Two layouts are equal when they place every token of
-    every sample at the same local row: the same lengths, format, mode, rank, size,
-    local length, resolved ``padded_lengths`` and ``row_offsets`` (``align=8`` equals
-    the ``padded_lengths`` it stands for, ``row_offsets`` of zeros equals none given).
+    The attributes ``padded_lengths`` and ``row_offsets`` hold every layout's resolved ``W_i``
+    and ``o_i``. Two layouts are equal when they place every token of every sample at the same
+    local row: the same lengths, format, mode, rank, size, local length, resolved
+    ``padded_lengths`` and ``row_offsets`` (``align=8`` equals the ``padded_lengths`` it stands
+    for, ``row_offsets`` of zeros equals none given). Integers may be ints, numpy integers or
+    anything with ``__index__``; lengths any sequence of them (a list, a tuple, a ``range``).
     docs/layouts.md gives every rule.
-
-    Integers may be ints, numpy integers or anything with ``__index__``; lengths
-    any sequence of them (a list, a tuple, a ``range``).
 
     Raises:
         TypeError: a length, offset, ``max_seq_len``, rank, size, ``local_length`` or
@@ -106,22 +71,9 @@ class Layout:
             names the sample, the values and the rule.
     """
 
-    __slots__ = (
-        "total_lengths",
-        "response_lengths",
-        "qkv_format",
-        "max_seq_len",
-        "cp_mode",
-        "cp_rank",
-        "cp_size",
-        "local_length",
-        "padded_lengths",
-        "align",
-        "row_offsets",
-        "_given_padding",
-        "_key",
-        "_hash",
-    )
+    __slots__ = ("total_lengths", "response_lengths", "qkv_format", "max_seq_len", "cp_mode",
+                 "cp_rank", "cp_size", "local_length", "padded_lengths", "align", "row_offsets",
+                 "_given_padding", "_key", "_hash")  # the order in which __init__ sets them
 
     total_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
@@ -157,95 +109,20 @@ class Layout:
         align: IntArg | None = None,
         row_offsets: Lengths | None = None,
     ) -> None:
-        total = lengths("total_lengths", total_lengths)
-        response = lengths("response_lengths", response_lengths)
-        if len(total) != len(response):
-            raise LayoutError(
-                f"total_lengths has {len(total)} samples but response_lengths has "
-                f"{len(response)} (one entry per sample in each)"
-            )
-        for i, (t, r) in enumerate(zip(total, response)):
-            if t < 1:
-                raise LayoutError(f"sample {i}: total_length {t} < 1 (a sample holds a token)")
-            if r < 0:
-                raise LayoutError(f"sample {i}: response_length {r} < 0")
-            if r > t - 1:
-                raise LayoutError(
-                    f"sample {i}: response_length {r} > total_length - 1 = {t - 1} "
-                    "(a response needs at least one prompt token before it)"
-                )
-        for name, given_str in (("qkv_format", qkv_format), ("cp_mode", cp_mode)):
-            if not isinstance(given_str, str):
-                raise TypeError(f"{name} must be a str, got {kind(given_str)} {given_str!r}")
-        if qkv_format not in _FORMATS:
-            raise LayoutError(f"qkv_format {qkv_format!r} is not one of {_FORMATS}")
-        if cp_mode not in _MODES:
-            raise LayoutError(f"cp_mode {cp_mode!r} is not one of {_MODES}")
-        fmt: QkvFormat = qkv_format
-        mode: CpMode = cp_mode
-        seq: int | None = None
-        if fmt == "bshd":
-            if max_seq_len is None:
-                raise LayoutError(
-                    "qkv_format 'bshd' needs max_seq_len, the padded row length S "
-                    "(or pass qkv_format='thd' for packed samples)"
-                )
-            seq = integer("max_seq_len", max_seq_len)
-            if seq < 1:
-                raise LayoutError(f"max_seq_len {seq} < 1")
-            for i, t in enumerate(total):
-                if t > seq:
-                    raise LayoutError(
-                        f"sample {i}: total_length {t} > max_seq_len {seq} "
-                        "(a bshd row holds at most max_seq_len tokens)"
-                    )
-        elif max_seq_len is not None:
-            raise LayoutError(
-                f"max_seq_len={max_seq_len!r} is given with qkv_format 'thd', where it means "
-                "nothing; pass qkv_format='bshd' for padded rows, or drop max_seq_len"
-            )
-        size = integer("cp_size", cp_size)
-        rank = integer("cp_rank", cp_rank)
-        if size < 1:
-            raise LayoutError(f"cp_size {size} < 1")
-        if not 0 <= rank < size:
-            raise LayoutError(f"cp_rank {rank} is outside [0, cp_size={size})")
-        if mode == "none" and size > 1:
-            raise LayoutError(
-                f"cp_mode 'none' with cp_size {size}: pass cp_mode='zigzag' or "
-                "'allgather' for context parallelism, or cp_size=1"
-            )
-        if mode == "allgather" and fmt == "bshd":
-            raise LayoutError(
-                "cp_mode 'allgather' splits the packed stream, so it needs qkv_format "
-                "'thd'; pass cp_mode='zigzag' for bshd rows"
-            )
-        local: int | None = None
-        if local_length is not None:
-            local = integer("local_length", local_length)
-            if local < 0:
-                raise LayoutError(f"local_length {local} < 0")
-        given, align_ = _padding(total, fmt, mode, size, padded_lengths, align)
+        total, response = check_samples(total_lengths, response_lengths)
+        fmt, mode, seq = check_format(qkv_format, cp_mode, max_seq_len, total)
+        rank, size = check_cp(cp_rank, cp_size, fmt, mode)
+        local = check_local_length(local_length)
+        given, align_ = check_padding(total, fmt, mode, size, padded_lengths, align)
         padded = resolve_padded_lengths(total, fmt, seq, mode, size, given, align_)
         offsets = resolve_row_offsets(total, fmt, seq, row_offsets)
-        setattr_ = object.__setattr__
-        setattr_(self, "total_lengths", total)
-        setattr_(self, "response_lengths", response)
-        setattr_(self, "qkv_format", fmt)
-        setattr_(self, "max_seq_len", seq)
-        setattr_(self, "cp_mode", mode)
-        setattr_(self, "cp_rank", rank)
-        setattr_(self, "cp_size", size)
-        setattr_(self, "local_length", local)
-        setattr_(self, "padded_lengths", padded)
-        setattr_(self, "align", align_)
-        setattr_(self, "row_offsets", offsets)
-        setattr_(self, "_given_padding", given)
         key: tuple[object, ...] = (total, response, fmt, seq, mode, rank, size, local, padded)
         if any(offsets):  # offsets of zeros place every token as none: the same key
             key += (offsets,)
-        setattr_(self, "_key", key)
-        setattr_(self, "_hash", hash(key))
+        values = (total, response, fmt, seq, mode, rank, size, local, padded, align_, offsets,
+                  given, key, hash(key))  # in the order of __slots__
+        for name, value in zip(self.__slots__, values, strict=True):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_parallel_state(
@@ -255,7 +132,7 @@ class Layout:
         *,
         qkv_format: FormatArg = "thd",
         max_seq_len: IntArg | None = None,
-        allgather_cp: bool = False,
+        cp_mode: ModeArg | None = None,
         local_length: IntArg | None = None,
         padded_lengths: Lengths | None = None,
         align: IntArg | None = None,
@@ -263,32 +140,24 @@ class Layout:
     ) -> "Layout":
         """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
-        The mode is ``"allgather"`` when ``allgather_cp``, else ``"zigzag"`` when the
-        CP world size is above 1, else ``"none"``. Imports megatron-core (lazily).
-        ``padded_lengths``, ``align`` and ``row_offsets`` are ``Layout``'s (e.g. verl's
-        ``align=tp * cp * 2`` under CP, ``tp`` without).
+        ``cp_mode`` None reads the mode too: ``"zigzag"`` at a CP world size above 1, else
+        ``"none"``. ``"allgather"`` is all-gather CP at that rank and size; ``"zigzag"`` and
+        ``"none"`` are checked against the size. Imports megatron-core (lazily). The other
+        arguments are ``Layout``'s (e.g. verl's ``align=tp * cp * 2`` under CP, ``tp`` without).
 
         Raises:
             ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
             RuntimeError: megatron-core's model parallel state is not initialized.
-            LayoutError: as ``Layout(...)``.
+            LayoutError: ``cp_mode="zigzag"`` at CP world size 1, or ``"none"`` above 1
+                (the message says what to pass); anything ``Layout`` refuses.
         """
         from ._megatron import cp_rank_and_size
 
         rank, size = cp_rank_and_size()
-        mode: CpMode = "allgather" if allgather_cp else ("zigzag" if size > 1 else "none")
         return cls(
-            total_lengths,
-            response_lengths,
-            qkv_format=qkv_format,
-            max_seq_len=max_seq_len,
-            cp_mode=mode,
-            cp_rank=rank,
-            cp_size=size,
-            local_length=local_length,
-            padded_lengths=padded_lengths,
-            align=align,
-            row_offsets=row_offsets,
+            total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
+            cp_mode=check_parallel_state_mode(cp_mode, size), cp_rank=rank, cp_size=size,
+            local_length=local_length, padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
         )
 
     @classmethod
@@ -324,40 +193,9 @@ class Layout:
                 ``Layout`` refuses.
         """
         total = lengths("total_lengths", total_lengths)
-        bounds = _boundaries(cu_seqlens_padded)
-        n = len(total)
-        if len(bounds) != n + 1:
-            raise LayoutError(
-                f"cu_seqlens_padded has {len(bounds)} entries but there are {n} samples "
-                f"(it holds the n + 1 = {n + 1} padded boundaries, starting at 0)"
-            )
-        if bounds[0] != 0:
-            raise LayoutError(
-                f"cu_seqlens_padded starts at {bounds[0]}, not 0 (the global boundaries of "
-                "the whole micro-batch, before any CP split)"
-            )
-        widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        for i, (w, t) in enumerate(zip(widths, total)):
-            if w < 0:
-                raise LayoutError(
-                    f"sample {i}: cu_seqlens_padded decreases, {bounds[i]} then {bounds[i + 1]} "
-                    "(boundaries are non-decreasing)"
-                )
-            if w < t:
-                raise LayoutError(
-                    f"sample {i}: cu_seqlens_padded[{i + 1}] - cu_seqlens_padded[{i}] = "
-                    f"{bounds[i + 1]} - {bounds[i]} = {w} < total_length {t} (a padded "
-                    "sample holds its tokens, then padding)"
-                )
-        return cls(
-            total,
-            response_lengths,
-            cp_mode=cp_mode,
-            cp_rank=cp_rank,
-            cp_size=cp_size,
-            local_length=local_length,
-            padded_lengths=widths,
-        )
+        widths = cu_seqlens_widths(cu_seqlens_padded, total)
+        return cls(total, response_lengths, cp_mode=cp_mode, cp_rank=cp_rank, cp_size=cp_size,
+                   local_length=local_length, padded_lengths=widths)
 
     @classmethod
     def from_attention_mask(
@@ -392,17 +230,8 @@ class Layout:
                 ``Layout`` refuses.
         """
         total, offsets, seq = mask_rows(attention_mask)
-        return cls(
-            total,
-            response_lengths,
-            qkv_format="bshd",
-            max_seq_len=seq,
-            cp_mode=cp_mode,
-            cp_rank=cp_rank,
-            cp_size=cp_size,
-            local_length=local_length,
-            row_offsets=offsets,
-        )
+        return cls(total, response_lengths, qkv_format="bshd", max_seq_len=seq, cp_mode=cp_mode,
+                   cp_rank=cp_rank, cp_size=cp_size, local_length=local_length, row_offsets=offsets)
 
     @property
     def num_samples(self) -> int:
@@ -424,17 +253,10 @@ class Layout:
 
     def _replace(self, cp_rank: IntArg, local_length: IntArg | None) -> "Layout":
         return Layout(
-            self.total_lengths,
-            self.response_lengths,
-            qkv_format=self.qkv_format,
-            max_seq_len=self.max_seq_len,
-            cp_mode=self.cp_mode,
-            cp_rank=cp_rank,
-            cp_size=self.cp_size,
-            local_length=local_length,
-            padded_lengths=self._given_padding,
-            align=self.align,
-            row_offsets=self.row_offsets if self.qkv_format == "bshd" else None,
+            self.total_lengths, self.response_lengths, qkv_format=self.qkv_format,
+            max_seq_len=self.max_seq_len, cp_mode=self.cp_mode, cp_rank=cp_rank,
+            cp_size=self.cp_size, local_length=local_length, padded_lengths=self._given_padding,
+            align=self.align, row_offsets=self.row_offsets if self.qkv_format == "bshd" else None,
         )
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -447,65 +269,12 @@ class Layout:
         return self._hash
 
     def __repr__(self) -> str:
-        extra = f", max_seq_len={self.max_seq_len}" if self.max_seq_len is not None else ""
-        local = f", local_length={self.local_length}" if self.local_length is not None else ""
-        if self._given_padding is not None:
-            local += f", padded_lengths={list(self._given_padding)}"
-        if self.align is not None:
-            local += f", align={self.align}"
-        if any(self.row_offsets):
-            local += f", row_offsets={list(self.row_offsets)}"
-        return (
-            f"Layout(total_lengths={list(self.total_lengths)}, "
-            f"response_lengths={list(self.response_lengths)}, qkv_format={self.qkv_format!r}"
-            f"{extra}, cp_mode={self.cp_mode!r}, cp_rank={self.cp_rank}, "
-            f"cp_size={self.cp_size}{local})"
-        )
-
-
-def _padding(
-    total: tuple[int, ...],
-    fmt: QkvFormat,
-    mode: CpMode,
-    size: int,
-    padded_lengths: object,
-    align: object,
-) -> tuple[tuple[int, ...] | None, int | None]:
-    """The validated ``padded_lengths`` and ``align`` arguments (at most one of them)."""
-    if padded_lengths is None and align is None:
-        return None, None
-    what = "padded_lengths" if padded_lengths is not None else "align"
-    if fmt == "bshd":
-        raise LayoutError(
-            f"{what} is given with qkv_format 'bshd', whose rows are already padded to "
-            "max_seq_len; pass qkv_format='thd' for packed padded samples, or drop it"
-        )
-    if padded_lengths is not None and align is not None:
-        raise LayoutError(
-            f"padded_lengths and align={align!r} are both given; pass one: align a stands "
-            "for padded_lengths W_i = ceil(L_i / a) * a"
-        )
-    two_c = 2 * size
-    zigzag = (
-        f" (zigzag cuts each padded sample into 2 * cp_size = {two_c} equal chunks)"
-    )
-    if align is not None:
-        a = integer("align", align)
-        if a < 1:
-            raise LayoutError(f"align {a} < 1 (samples are padded to a multiple of align)")
-        if mode == "zigzag" and a % two_c:
-            raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
-        return None, a
-    given = per_sample_lengths("padded_lengths", padded_lengths, total)
-    for i, (w, t) in enumerate(zip(given, total)):
-        if w < t:
-            raise LayoutError(
-                f"sample {i}: padded_length {w} < total_length {t} (a padded sample holds "
-                "its tokens, then padding)"
-            )
-        if mode == "zigzag" and w % two_c:
-            raise LayoutError(
-                f"sample {i}: padded_length {w} is not a multiple of 2 * cp_size = "
-                f"{two_c}{zigzag}"
-            )
-    return given, None
+        given = self._given_padding  # the arguments as given: None and no offsets left out
+        fields = {
+            "total_lengths": list(self.total_lengths), "response_lengths": list(self.response_lengths),
+            "qkv_format": self.qkv_format, "max_seq_len": self.max_seq_len, "cp_mode": self.cp_mode,
+            "cp_rank": self.cp_rank, "cp_size": self.cp_size, "local_length": self.local_length,
+            "padded_lengths": None if given is None else list(given), "align": self.align,
+            "row_offsets": list(self.row_offsets) if any(self.row_offsets) else None,
+        }
+        return f"Layout({', '.join(f'{k}={v!r}' for k, v in fields.items() if v is not None)})"

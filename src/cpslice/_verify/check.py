@@ -131,9 +131,11 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
         RuntimeError: parallel_state gives another CP mode than the case's, or another
             layout than the attention mask.
     """
+    # zigzag and none: the mode parallel_state gives (checked against the case's below)
     state = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
-        allgather_cp=case.mode == "allgather", align=case.align, row_offsets=batch.offsets,
+        cp_mode="allgather" if case.mode == "allgather" else None, align=case.align,
+        row_offsets=batch.offsets,
     )
     if case.mode == "none" and state.cp_size > 1:
         return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
