@@ -288,6 +288,67 @@ def test_response_distillation_under_every_layout(cfg: Config, kind: str, tail: 
     assert all(bool(s.all()) for s in seen), "their union is every response token"
 
 
+@settings(max_examples=10, deadline=None)
+@given(configs(max_cp=4), st.integers(1, 4), st.booleans())
+def test_the_teachers_per_sample_top_k_under_every_layout(cfg: Config, k: int, per_sample_tau: bool) -> None:
+    """response_topk_log_probs (and its hidden-state twin): every rank's ``[r_i, k]``
+    shares are the float64 top-k of each response token's log-softmax (values and ids),
+    the gradient reaches the response rows only, an empty share is in the graph."""
+    vocab = 9
+    gen = torch.Generator().manual_seed(len(cfg.total) * 7 + k)
+    full = [ref.peaked_logits(n, vocab, gen, peak=3.0) for n in cfg.total]
+    taus = [0.5 + 0.25 * i for i in range(len(cfg.total))]
+    temperature: Any = taus if per_sample_tau else 0.8
+    want_v, want_g = [], []
+    for n, r, x, tau in zip(cfg.total, cfg.response, full, taus):
+        x64 = x.clone().requires_grad_(True)
+        top = torch.topk(torch.log_softmax(x64 / (tau if per_sample_tau else 0.8), -1)[n - r - 1 : n - 1], k)
+        want_v.append(top)
+        (g,) = torch.autograd.grad(top.values.sum(), x64) if r else (torch.zeros_like(x),)
+        want_g.append(g)
+    length = local_length(cfg)
+    for rank in range(cfg.cp):
+        layout = cfg.layout(rank).with_local_length(length)
+        for path in ("logits", "hidden"):
+            local = _rows(full, cfg, rank, vocab).requires_grad_(True)
+            if path == "logits":
+                values, ids = cpslice.response_topk_log_probs(local, k, layout, temperature=temperature, chunk_size=3)
+            else:
+                values, ids = cpslice.response_topk_log_probs_from_hidden(
+                    local, torch.eye(vocab, dtype=torch.float64), k, layout, temperature=temperature, chunk_size=3)
+            want = oracle_shares([t.values for t in want_v], cfg, rank)
+            want_ids = oracle_shares([t.indices for t in want_v], cfg, rank)
+            assert [v.shape for v in values] == [w.shape for w in want] == [i.shape for i in ids]
+            for v, w, i, wi in zip(values, want, ids, want_ids):
+                assert v.grad_fn is not None and i.dtype == torch.int64
+                torch.testing.assert_close(v, w, rtol=0, atol=1e-10)
+                assert torch.equal(i, wi)
+            (grad,) = torch.autograd.grad(sum((v.sum() for v in values), 0 * local.sum()), local)
+            torch.testing.assert_close(grad, _rows(want_g, cfg, rank, vocab) * _held(cfg, rank, length), rtol=0,
+                                       atol=1e-10)
+
+
+def _held(cfg: Config, rank: int, length: int) -> Tensor:
+    """``[T, 1]``: 1 at this rank's response rows (the gradient of the others is 0)."""
+    rows = cpslice.response_rows(cfg.layout(rank).with_local_length(length)).rows
+    out = torch.zeros(length, 1, dtype=torch.float64)
+    out[rows] = 1.0
+    return out
+
+
+def test_the_teachers_top_k_refusals() -> None:
+    # no rows at all (a rank that holds nothing): [0, k], not a reshape error
+    for got in (topk_log_probs(torch.zeros(0, 5), 2), linear_topk_log_probs(torch.zeros(0, 3), torch.zeros(5, 3), 2)):
+        assert [x.shape for x in got] == [(0, 2), (0, 2)]
+    layout = cpslice.Layout([5, 4], [2, 1])
+    with refused(LayoutError, r"k=7 is larger than the vocabulary: 6 ids"):
+        cpslice.response_topk_log_probs(torch.zeros(9, 6), 7, layout)
+    with refused(LayoutError, r"logits has length 8 but the layout|the layout needs at least 9"):
+        cpslice.response_topk_log_probs(torch.zeros(8, 6), 2, layout)
+    with refused(LayoutError, r"k=0 is not allowed"):
+        cpslice.response_topk_log_probs_from_hidden(torch.zeros(9, 3), torch.zeros(6, 3), 0, layout)
+
+
 def test_only_the_response_rows_are_computed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dense pass reads the response rows' chunks only (no copy of the logits selects
     them): a long prompt is never read."""

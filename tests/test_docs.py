@@ -13,6 +13,7 @@
 - Every ```text transcript of ``$ cpslice plan ...`` is what that command prints.
 """
 
+import inspect
 import re
 import shlex
 from pathlib import Path
@@ -70,6 +71,20 @@ def test_the_readme_api_table_is_the_public_api() -> None:
     text = README.read_text()
     rows = re.findall(r"^\| `(\w+)[`(]", text[text.index("## The API") :], re.M)
     assert sorted(rows) == sorted(cpslice.__all__), "one row per public name, each once"
+
+
+def test_the_readme_api_table_writes_every_argument_by_its_name() -> None:
+    """Each argument a row of the table writes (``name`` or ``name=...``, ``...`` for the
+    rest) is a parameter of that function, in the signature's order."""
+    text = README.read_text()
+    calls = re.findall(r"^\| `(\w+)\(([^)`]*)\)`", text[text.index("## The API") :], re.M)
+    assert len(calls) > 20
+    for name, written in calls:
+        target = getattr(cpslice, name)
+        params = list(inspect.signature(target.__init__ if inspect.isclass(target) else target).parameters)
+        names = [a.split("=")[0].strip() for a in written.split(",") if a.strip() not in ("", "...")]
+        assert all(n in params for n in names), (name, names, params)
+        assert names == sorted(names, key=params.index), (name, "out of the signature's order")
 
 
 PLANS = [body for page in PAGES for body in blocks(page, "text") if body.startswith("$ cpslice plan ")]

@@ -25,6 +25,8 @@ else:
 from ._cache import clear_caches as clear_caches
 from ._distill import response_distillation as response_distillation
 from ._distill import response_distillation_from_hidden as response_distillation_from_hidden
+from ._distill import response_topk_log_probs as response_topk_log_probs
+from ._distill import response_topk_log_probs_from_hidden as response_topk_log_probs_from_hidden
 from ._distill import topk_divergence as topk_divergence
 from ._errors import LayoutError as LayoutError
 from ._extract import extract_responses as extract_responses
@@ -78,6 +80,8 @@ __all__ = [
     "response_log_probs",
     "response_log_probs_from_hidden",
     "response_rows",
+    "response_topk_log_probs",
+    "response_topk_log_probs_from_hidden",
     "sample_max",
     "sample_means",
     "sample_min",

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import _checks as checks
 from ._errors import LayoutError
-from ._extract import shard
+from ._extract import shard, split
 from ._layout import Layout
 from ._pack import temperatures_of
 from ._plan import Local, Span, resolve
@@ -49,7 +49,7 @@ from ._types import (
     TopK,
     compute_dtype,
 )
-from ._vocab import args
+from ._vocab import args, topk
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
 from ._vocab.engine import Options
@@ -354,3 +354,100 @@ def response_distillation_from_hidden(
     teacher = _rows(step.lps, step.k, student.dtype, h.device)
     div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)
     return list(torch.split(div, step.counts))
+
+
+def _teacher_step(
+    x: Tensor, vocab_local: int, what: str, k: object, layout: Layout, temperature: object,
+    chunk_size: object, softcap: object, vocab_size: object, tp_group: dist.ProcessGroup | None,
+) -> tuple[Local, int, float | Tensor, int | None, float | None, int]:
+    """Every check of a per-sample top-k, in order, before any collective: the layout
+    resolved once, ``k``, the per-row temperature, the chunk, the cap, the vocabulary."""
+    k_ = args.k_best(k)
+    per_sample = checks.temperatures(temperature, layout.num_samples, "sample")
+    spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
+    tau = temperatures_of(per_sample, local)
+    chunk = args.chunk_size(chunk_size)
+    cap = checks.softcap(softcap)
+    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * vocab_local)
+    topk.check_k(k_, vocab, compute_dtype(x.dtype))
+    return local, k_, tau, chunk, cap, vocab
+
+
+def response_topk_log_probs(
+    logits: TensorArg,
+    k: IntArg,
+    layout: Layout,
+    *,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+) -> tuple[list[TopK], list[TopK]]:
+    """The teacher's side of ``response_distillation``, per sample: each response
+    token's ``k`` most likely ids over the whole (tensor-parallel) vocabulary and their
+    log-probs, this rank's share of every sample.
+
+    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard);
+    only the response rows are computed (``topk_log_probs`` of those rows, no copy of
+    the logits selects them). ``temperature`` (one real, or one per sample), ``softcap``
+    and ``vocab_size`` as ``response_log_probs``'s: no padded id is ever chosen.
+
+    Returns:
+        ``(log_probs, ids)``: per sample, ``[r_i, k]`` float32 log-probs (float64 for
+        float64 logits), descending, and ``[r_i, k]`` int64 global ids, aligned with
+        ``extract_responses``' shares and the same on every rank of ``tp_group``; an
+        empty share is a zero-length view, in the graph. Differentiable w.r.t.
+        ``logits`` as ``topk_log_probs``. A teacher's whole ``[R_i, k]`` tensors for
+        ``response_distillation`` are these shares gathered (``gather_responses``) or,
+        without CP, these.
+
+    Collectives: those of ``topk_log_probs`` (one all-gather over ``tp_group``, entered
+    by every rank, one that holds no response included); no CP communication.
+
+    Raises:
+        TypeError, LayoutError: as ``topk_log_probs``; logits of a length the layout
+            cannot hold. Raised before any collective.
+    """
+    x = args.logits(logits)
+    local, k_, tau, chunk, cap, vocab = _teacher_step(x, x.shape[1], "logits", k, layout, temperature,
+                                                      chunk_size, softcap, vocab_size, tp_group)
+    read = local.reads["response"]
+    options = Options(with_entropy=False, entropy_grad=False, tau=args.temperature(tau, local.length, x),
+                      tp_group=tp_group, chunk_size=chunk, support=None, over_support=False, rows=read.mask,
+                      cap=cap, vocab_size=vocab)
+    values, ids = logits_driver.apply_topk(x, k_, options)
+    return split(local, values)[0], split(local, ids)[0]
+
+
+def response_topk_log_probs_from_hidden(
+    hidden: TensorArg,
+    weight: TensorArg,
+    k: IntArg,
+    layout: Layout,
+    *,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+) -> tuple[list[TopK], list[TopK]]:
+    """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
+    response rows of ``hidden`` (an ``[R, H]`` copy) through ``linear_topk_log_probs``,
+    the logits never built.
+
+    Returns, collectives and raises as ``response_topk_log_probs`` (with
+    ``linear_topk_log_probs``'s); differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    h, w = args.head(hidden, weight)
+    local, k_, tau, chunk, cap, vocab = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature,
+                                                      chunk_size, softcap, vocab_size, tp_group)
+    read = local.reads["response"]
+    rows_tau = tau if isinstance(tau, float) else tau[read.rows.to(tau.device)]
+    values, ids = hidden_driver.linear_topk_log_probs(
+        h[read.rows], w, k_, temperature=rows_tau, tp_group=tp_group, chunk_size=chunk, softcap=cap,
+        vocab_size=vocab,
+    )
+    counts = read.selection.counts
+    return list(torch.split(values, counts)), list(torch.split(ids, counts))

@@ -7,6 +7,7 @@ recomputes ``p`` chunk by chunk from the saved logits and the global ``M`` and `
 writing the gradient once into one ``[T, V_local]`` buffer, with no communication.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal, cast, overload
 
@@ -99,10 +100,18 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     dense = placeholders(rows, 0, cdt, logits.device, with_entropy=False)
     x = logits[:, : shard.valid]
-    kernels.stats(x, options.softmax, dense, chunks=chunks)
-    local = topk.of_tile(x, shard.offset, k, cdt, width=min(k, vocab))
+    runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
+    kernels.stats(x, options.softmax, dense, chunks=chunks, runs=runs)
+    width = min(k, vocab)
+    if runs is None:
+        local = topk.of_tile(x, shard.offset, k, cdt, width=width)
+    else:  # the rows of the runs only; the others' candidates are -inf, never read
+        local = topk.Candidates(torch.full((rows, width), -math.inf, dtype=cdt, device=logits.device),
+                                torch.zeros((rows, width), dtype=torch.int64, device=logits.device))
+        for lo, hi in runs:
+            local.values[lo:hi], local.ids[lo:hi] = topk.of_tile(x[lo:hi], shard.offset, k, cdt, width=width)
     log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax)
-    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, None)
+    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, runs)
 
 
 class _LogProbs(torch.autograd.Function):

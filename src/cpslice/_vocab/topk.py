@@ -79,8 +79,9 @@ def choose(
     (totals,), gathered = combine([dense], tau, shard.group, extra)
     assert gathered is not None
     # [W, c, T] per shard -> [T, W * c]
-    values = gathered[:, :c].permute(2, 0, 1).reshape(rows, -1)
-    ids = gathered[:, c:].permute(2, 0, 1).reshape(rows, -1)
+    width = gathered.shape[0] * c  # not -1: T = 0 (a rank of no rows) has no size to infer
+    values = gathered[:, :c].permute(2, 0, 1).reshape(rows, width)
+    ids = gathered[:, c:].permute(2, 0, 1).reshape(rows, width)
     best, at = torch.topk(values, k, dim=1)
     log_p = (softmax.logits(best) - totals.max[:, None]) / per_row(tau) - totals.log_sum[:, None]
     return log_p, ids.gather(1, at).to(torch.int64), totals
