@@ -35,15 +35,15 @@ PLANTS = {
     ),
     # redistribute cuts the allgather pieces at the least local length, not the tensor's
     "redistribute reads the least length": Plant(
-        (("_redistribute.py", "from ._plan import resolve_length, response_base, select, selection",
-          "from ._plan import needed_length, resolve_length, response_base, select, selection"),
-         ("_redistribute.py", 'select(layout, resolve_length(layout, what="the layout"), "response")',
-          'select(layout, needed_length(layout), "response")')),
+        (("_redistribute.py", "from ._plan import resolve, response_base, select, selection",
+          "from ._plan import needed_length, resolve, response_base, select, selection"),
+         ("_redistribute.py", "route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device)",
+          "route = _device_route(src, needed_length(src), dst, needed_length(dst), size, nlists, stacked.device)")),
         ("--cp-size", "2", "--mode", "allgather"),
     ),
     # every sample one position wider than its cu_seqlens_padded say
     "from_cu_seqlens widths off by one": Plant(
-        (("_layout.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
+        (("_layout_checks.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
           "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
         ("--cp-size", "2", "--format", "thd"),
     ),

@@ -128,6 +128,11 @@ def distill_kinds(i: Any, r: Any) -> None:
         hidden, weight, teacher, teacher_ids, _layout(), beta=beta, temperature=r, chunk_size=i
     )
     assert [s.shape[0] for s in shares] == RESPONSE
+    values, chosen = cpslice.response_topk_log_probs(logits, k, _layout(), temperature=[r, r], chunk_size=i,
+                                                     softcap=r, vocab_size=i + 4)
+    assert [v.shape for v in values] == [c.shape for c in chosen] == [(n, int(k)) for n in RESPONSE]
+    values, _ = cpslice.response_topk_log_probs_from_hidden(hidden, weight, k, _layout(), temperature=r, chunk_size=i)
+    assert [v.shape[0] for v in values] == RESPONSE
 
 
 def support_kinds(i: Any, r: Any) -> None:
@@ -177,7 +182,8 @@ CALLS: dict[str, Callable[..., None]] = {
     "Support": support_kinds,
     **dict.fromkeys(
         ["log_probs_at", "linear_log_probs_at", "topk_log_probs", "linear_topk_log_probs",
-         "topk_divergence", "response_distillation", "response_distillation_from_hidden"],
+         "topk_divergence", "response_distillation", "response_distillation_from_hidden",
+         "response_topk_log_probs", "response_topk_log_probs_from_hidden"],
         distill_kinds,
     ),
     "sample_means": reducer_kinds,
