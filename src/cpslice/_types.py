@@ -45,8 +45,9 @@ Tail = Literal["bin", "renormalize"]
 # argument, the sample and the rule, where a beartype error raised first would say less.
 # So every entry point accepts the same integers (int, numpy integers, anything with
 # ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1. The one
-# alias that names a cpslice class, ``support``'s, lives beside it (``_support.SupportArg``):
-# this module stays below every other in the import graph.
+# alias that names a cpslice class, ``support``'s, lives beside that class
+# (``_vocab.support.SupportArg``, ``_support.SupportArg``): this module stays below every
+# other in the import graph.
 if TYPE_CHECKING:
     TensorArg = Tensor
     IntArg = SupportsIndex

@@ -9,9 +9,9 @@ from torch import Tensor
 from .. import _checks as checks
 from .._cache import boundary
 from .._errors import LayoutError
-from .._support import Support, check_support
 from .._types import compute_dtype
 from .stats import Tau
+from .support import Support, check_support
 
 
 def chunk_size(value: object) -> int | None:
@@ -189,7 +189,7 @@ def sets(
     support: object, entropy_over: object, rows: int, vocab_total: int, what: str = "logits"
 ) -> Support | None:
     """``support`` checked against the ``rows`` of ``what`` and the vocabulary (see
-    ``_support.check_support``), after ``entropy_over``."""
+    ``support.check_support``), after ``entropy_over``."""
     if entropy_over not in ("full", "support"):
         raise LayoutError(
             f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "

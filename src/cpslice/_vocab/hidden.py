@@ -36,7 +36,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _checks as checks
-from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -53,6 +52,7 @@ from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
 from .sparse import Elements, element_grad, elements, set_stats
 from .stats import RowGrad, RowStats, Shard, merge, placeholders, shard_of
+from .support import SupportArg
 
 # Module-level, so that a test can count the collectives.
 _all_reduce: Callable[..., object] = dist.all_reduce

@@ -16,7 +16,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _checks as checks
-from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -32,6 +31,7 @@ from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
 from .sparse import element_grad, elements, scatter_grad, set_stats
 from .stats import placeholders, shard_of
+from .support import SupportArg
 
 
 def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
