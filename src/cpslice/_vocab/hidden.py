@@ -28,14 +28,13 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, cast, overload
+from typing import Any, Literal, NamedTuple, Unpack, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _checks as checks
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -436,66 +435,24 @@ apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]
 
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[False] = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False,
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, None]: ...
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[True],
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[True],
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow | None]: ...
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
+    entropy_grad: bool = True, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
@@ -547,16 +504,11 @@ def linear_log_probs_and_entropy(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    args.in_vocabulary(targets_, vocab)
-    support_ = args.sets(support, entropy_over, hidden_.shape[0], vocab, "hidden")
-    if chunk is None:
-        chunk = default_linear_chunk_rows(weight_.shape[0])
-    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support",
-                      cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp_group,
+        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+    )
     return apply(hidden_, weight_, targets_, options)
 
 
@@ -592,13 +544,10 @@ def linear_log_probs_at(
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    args.in_vocabulary(ids_, vocab, "ids")
-    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+    )
     log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
 
@@ -632,11 +581,10 @@ def linear_topk_log_probs(
     """
     hidden_, weight_ = args.head(hidden, weight)
     k_ = args.k_best(k)
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    topk.check_k(k_, vocab, compute_dtype(hidden_.dtype))
-    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+    )
+    assert options.vocab_size is not None
+    topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))
     return apply_topk(hidden_, weight_, k_, options)
