@@ -28,6 +28,7 @@ from .._types import (
 )
 from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
+from .memory import buffer
 from .sparse import element_grad, elements, scatter_grad, set_stats
 from .stats import placeholders, shard_of
 from .support import SupportArg
@@ -74,7 +75,7 @@ def backward(
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
     runs = saved.dense_rows if parts.runs is None else parts.runs
     covered = runs is None or sum(hi - lo for lo, hi in runs) == rows
-    grad = kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
+    grad = buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
     if covered and valid < vocab:
         grad[:, valid:].zero_()
     kernels.grad(
