@@ -114,3 +114,108 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert find_cycle(import_graph(tmp_path)) is None
     (pkg / "b.py").write_text("def g():\n    from .c import y\n")
     assert find_cycle(import_graph(tmp_path)) == ["cpslice.b", "cpslice.c", "cpslice.b"]
+
+
+# The two halves of docs/architecture.md and what both may import. Every other module
+# (the glue, the command line, the package) may import anything.
+LAYOUT = {
+    f"cpslice.{m}"
+    for m in ("_layout", "_plan", "_widths", "_masks", "_pack", "_extract", "_redistribute", "_reduce", "_megatron")
+}
+VOCAB = "cpslice._vocab"
+SHARED = {f"cpslice.{m}" for m in ("_checks", "_errors", "_types", "_cache")}
+GLUE = {f"cpslice.{m}" for m in ("_response", "_distill", "_support")}
+OUTSIDE = {"cpslice", "cpslice.__main__", "cpslice._debug"}
+OUTSIDE_PACKAGES = ("cpslice._cli", "cpslice._verify")
+
+
+def _in_vocab(name: str) -> bool:
+    return name == VOCAB or name.startswith(VOCAB + ".")
+
+
+def reachable(graph: Graph, start: str) -> dict[str, list[str]]:
+    """Every module ``start`` imports, directly or through others, with one import path
+    ``[start, ..., module]`` to each."""
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        node = todo.pop()
+        for nxt in sorted(graph[node]):
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                todo.append(nxt)
+    del paths[start]
+    return paths
+
+
+def half_violations(graph: Graph) -> list[str]:
+    """Each import path by which a ``_vocab`` module reaches a layout module, a layout
+    module reaches ``_vocab``, or a shared module reaches either half or the glue."""
+    found = []
+    for name in sorted(graph):
+        if _in_vocab(name):
+            banned = LAYOUT | GLUE
+        elif name in LAYOUT:
+            banned = {m for m in graph if _in_vocab(m)} | GLUE
+        elif name in SHARED:
+            banned = LAYOUT | GLUE | {m for m in graph if _in_vocab(m)}
+        else:
+            continue
+        for target, path in sorted(reachable(graph, name).items()):
+            if target in banned:
+                found.append(" -> ".join(path))
+    return found
+
+
+def test_every_module_has_a_place() -> None:
+    """A new module joins a half, the shared modules, the glue or the outside here, so
+    that the test below covers it."""
+    graph = import_graph(SRC)
+    placed = LAYOUT | SHARED | GLUE | OUTSIDE
+    unplaced = {
+        m for m in graph if m not in placed and not _in_vocab(m) and not m.startswith(OUTSIDE_PACKAGES)
+    }
+    assert not unplaced, f"place these modules in tests/test_imports.py: {sorted(unplaced)}"
+    assert (LAYOUT | SHARED | GLUE) <= set(graph), sorted((LAYOUT | SHARED | GLUE) - set(graph))
+
+
+def test_the_halves_do_not_import_each_other() -> None:
+    """No ``_vocab`` module imports a layout module (or the glue), directly or through
+    others; no layout module imports ``_vocab`` (or the glue); the shared modules import
+    neither half."""
+    violations = half_violations(import_graph(SRC))
+    assert not violations, "imports across the halves:\n" + "\n".join(violations)
+
+
+def test_a_path_across_the_halves_is_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "cpslice"
+    (pkg / "_vocab").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "_types.py": "",
+        "_plan.py": "from ._types import x\n",
+        "_support.py": "from ._plan import y\n",
+        "_vocab/__init__.py": "",
+        "_vocab/args.py": "from . import sparse\n",
+        "_vocab/sparse.py": "def f():\n    from .. import _types\n",
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    assert half_violations(import_graph(tmp_path)) == []
+    # through the glue, inside a function: still a path from the engine to the layout
+    (pkg / "_vocab" / "sparse.py").write_text("def f():\n    from .._support import Support\n")
+    assert half_violations(import_graph(tmp_path)) == [
+        "cpslice._vocab.args -> cpslice._vocab.sparse -> cpslice._support -> cpslice._plan",
+        "cpslice._vocab.args -> cpslice._vocab.sparse -> cpslice._support",
+        "cpslice._vocab.sparse -> cpslice._support -> cpslice._plan",
+        "cpslice._vocab.sparse -> cpslice._support",
+    ]
+    (pkg / "_vocab" / "sparse.py").write_text("")
+    type_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._vocab import args\n"
+    (pkg / "_types.py").write_text(type_only)
+    assert half_violations(import_graph(tmp_path)) == [
+        "cpslice._plan -> cpslice._types -> cpslice._vocab.args",
+        "cpslice._plan -> cpslice._types -> cpslice._vocab.args -> cpslice._vocab.sparse",
+        "cpslice._types -> cpslice._vocab.args",
+        "cpslice._types -> cpslice._vocab.args -> cpslice._vocab.sparse",
+    ]

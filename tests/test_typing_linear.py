@@ -28,3 +28,17 @@ def test_overloads_make_the_entropy_type_exact() -> None:
     both = response_log_probs_from_hidden(hidden, weight, tokens, layout, with_entropy=True)
     assert_type(both, tuple[list[Tensor], list[Tensor]])
     assert [x.shape for x in both[1]] == [(1,)]
+
+
+def test_every_shared_keyword_at_once() -> None:
+    hidden, weight = torch.zeros(3, 4), torch.zeros(5, 4)
+    targets = torch.tensor([0, 1, 4])
+    every = linear_log_probs_and_entropy(
+        hidden, weight, targets, with_entropy=True, entropy_grad=False, temperature=0.7, tp_group=None,
+        chunk_size=2, support=None, entropy_over="support", softcap=30.0, vocab_size=5,
+    )
+    assert_type(every, tuple[Tensor, Tensor])
+    assert every[1].shape == (3,)
+    if not hidden.is_cuda:  # static checks only: the call raises at run time
+        return
+    linear_log_probs_and_entropy(hidden, weight, targets, with_entopy=True)  # type: ignore[call-overload]

@@ -1,8 +1,8 @@
-"""Per-row token sets (top-p / top-k replay): the ``Support`` record, built from a layout.
+"""Per-row token sets (top-p / top-k replay): the public ``Support``, built from a layout.
 
-A ``Support`` is the layout side of the sets: which ids each local row keeps, in CSR
-form, checked once and read by the vocabulary functions' token-set driver
-(``_vocab.sparse``), which does their arithmetic.
+The record, its checks and its arithmetic are the vocabulary engine's
+(``_vocab.support``); this subclass, on the glue's side, adds what needs a ``Layout``:
+``from_responses``, which places the rollout's per-token sets on this rank's rows.
 """
 
 from collections.abc import Sequence
@@ -15,23 +15,14 @@ from . import _checks as checks
 from ._errors import LayoutError
 from ._layout import Layout
 from ._plan import exclusive_cumsum, resolve_length, response_base, selection
-from ._types import IdsArg, TensorArg
+from ._types import IdsArg
+from ._vocab import support as engine
+from ._vocab.support import first_duplicate
 
 _I64 = torch.int64
 
 
-def _first_duplicate(ids: Tensor, row: Tensor) -> int | None:
-    """Index (into ``ids``) of an id that repeats within its row, else None. CPU only."""
-    if ids.numel() < 2:
-        return None
-    # sort by (row, id): ids are >= 0 here; either copy of a repeat names it (a
-    # stable sort, several times slower on the CPU, is not needed)
-    key, order = torch.sort(row * (int(ids.max()) + 1) + ids)
-    same = (key[1:] == key[:-1]).nonzero()
-    return int(order[int(same[0, 0])]) if same.numel() else None
-
-
-class Support:
+class Support(engine.Support):
     """Per-row token sets over the ``T`` rows of one local tensor, in CSR form.
 
     Row ``t``'s set is ``ids[offsets[t]:offsets[t + 1]]``, global token ids (a TP rank
@@ -54,74 +45,7 @@ class Support:
             beyond the vocabulary are refused by the log-prob functions (on the CPU).
     """
 
-    __slots__ = ("ids", "offsets", "_host_offsets")
-
-    ids: Tensor
-    offsets: Tensor
-    _host_offsets: Tensor
-
-    def __init__(self, ids: TensorArg, offsets: TensorArg) -> None:
-        for name, x in (("ids", ids), ("offsets", offsets)):
-            if not isinstance(x, Tensor):
-                raise TypeError(f"Support {name} must be an int64 torch.Tensor, got {type(x).__name__}")
-            if x.dtype != _I64:
-                raise TypeError(f"Support {name} has dtype {x.dtype}; pass int64 ({name}.long())")
-            if x.dim() != 1:
-                raise LayoutError(f"Support {name} has shape {tuple(x.shape)}; it must be 1-D")
-        if ids.device != offsets.device:
-            raise LayoutError(
-                f"Support ids is on {ids.device} but offsets on {offsets.device}; put them "
-                "on the same device"
-            )
-        if offsets.numel() == 0:
-            raise LayoutError("Support offsets is empty; it must be [T + 1], starting at 0")
-        host = offsets.to("cpu")  # one small copy; a device sync only for device offsets
-        if int(host[0]) != 0:
-            raise LayoutError(f"Support offsets[0] = {int(host[0])}; CSR offsets start at 0")
-        drop = (host[1:] < host[:-1]).nonzero()
-        if drop.numel():
-            t = int(drop[0, 0])
-            raise LayoutError(
-                f"Support offsets decrease at row {t}: offsets[{t}] = {int(host[t])} > "
-                f"offsets[{t + 1}] = {int(host[t + 1])} (row {t}'s set is "
-                "ids[offsets[t]:offsets[t + 1]]; offsets must be non-decreasing)"
-            )
-        if int(host[-1]) != ids.numel():
-            raise LayoutError(
-                f"Support offsets ends at {int(host[-1])} but ids has {ids.numel()} "
-                "elements; offsets[T] must equal len(ids)"
-            )
-        if ids.device.type == "cpu" and ids.numel():
-            row = torch.repeat_interleave(
-                torch.arange(host.numel() - 1), host.diff(), output_size=ids.numel()
-            )
-            neg = (ids < 0).nonzero()
-            if neg.numel():
-                k = int(neg[0, 0])
-                raise LayoutError(
-                    f"Support row {int(row[k])}: id {int(ids[k])} < 0 (token ids are >= 0)"
-                )
-            k_dup = _first_duplicate(ids, row)
-            if k_dup is not None:
-                raise LayoutError(
-                    f"Support row {int(row[k_dup])}: id {int(ids[k_dup])} appears twice in "
-                    "the row's set (each kept token once)"
-                )
-        setattr_ = object.__setattr__
-        setattr_(self, "ids", ids)
-        setattr_(self, "offsets", offsets)
-        setattr_(self, "_host_offsets", host)
-
-    @property
-    def num_rows(self) -> int:
-        """``T``, the rows the sets are over."""
-        return int(self._host_offsets.numel()) - 1
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"Support is immutable; build a new one ({name})")
-
-    def __repr__(self) -> str:
-        return f"Support(rows={self.num_rows}, ids={self.ids.numel()}, device={self.ids.device})"
+    __slots__ = ()
 
     @classmethod
     def from_responses(cls, ids: IdsArg, offsets: IdsArg, layout: Layout) -> "Support":
@@ -179,12 +103,9 @@ class Support:
         total = int(local_off[-1])
         take = torch.repeat_interleave(lo - exclusive_cumsum(count), count, output_size=total)
         take = take + torch.arange(total, dtype=_I64)
-        out = cls.__new__(cls)
-        setattr_ = object.__setattr__
         # validated above, for every sample: no second pass over the ids
-        setattr_(out, "ids", flat_ids.index_select(0, take.to(device)))
-        setattr_(out, "offsets", local_off.to(device))
-        setattr_(out, "_host_offsets", local_off)
+        out = cls.__new__(cls)
+        out._init_checked(flat_ids.index_select(0, take.to(device)), local_off.to(device), local_off)
         return out
 
 
@@ -264,7 +185,7 @@ def _check_ids(flat_ids: Tensor, glob: Tensor, starts: Tensor, ends: Tensor, res
     if neg.numel():
         k = int(neg[0, 0])
         raise LayoutError(f"{where(k)}: id {int(flat_ids[k])} < 0 (token ids are >= 0)")
-    k_dup = _first_duplicate(flat_ids, token)
+    k_dup = first_duplicate(flat_ids, token)
     if k_dup is not None:
         raise LayoutError(
             f"{where(k_dup)}: id {int(flat_ids[k_dup])} appears twice in the token's set "
@@ -272,51 +193,10 @@ def _check_ids(flat_ids: Tensor, glob: Tensor, starts: Tensor, ends: Tensor, res
         )
 
 
-def host_offsets(support: Support) -> Tensor:
-    """The CPU copy of ``support.offsets`` its constructor read (no further device sync)."""
-    return support._host_offsets
-
-
-def check_support(support: object, rows: int, vocab_total: int, what: str = "logits") -> Support:
-    """The support given to a log-prob function, checked against the ``[T]`` rows of
-    ``what`` and the vocabulary (ids on the CPU only, where it costs no device sync)."""
-    if not isinstance(support, Support):
-        raise TypeError(
-            f"support must be a cpslice.Support or None, got {type(support).__name__} "
-            "(build one with Support(ids, offsets) or Support.from_responses)"
-        )
-    if support.num_rows != rows:
-        raise LayoutError(
-            f"support has {support.num_rows} rows but {what} has {rows}; the sets are per "
-            "row of the local tensor (offsets must be [T + 1]; Support.from_responses "
-            "gives the layout's local_length rows, else the least it needs: build the "
-            "Layout with local_length=T)"
-        )
-    ids = support.ids
-    if ids.device.type == "cpu" and ids.numel():
-        bad = (ids >= vocab_total).nonzero()
-        if bad.numel():
-            k = int(bad[0, 0])
-            row = int(torch.searchsorted(host_offsets(support), torch.tensor(k), right=True)) - 1
-            raise LayoutError(
-                f"support row {row}: id {int(ids[k])} is outside the vocabulary "
-                f"[0, {vocab_total}) ({bad.numel()} such ids)"
-            )
-    return support
-
-
-def take_rows(support: Support, rows: Tensor) -> Support:
+def take_rows(support: engine.Support, rows: Tensor) -> Support:
     """The sets of the given rows (CPU int64 indices into ``support``'s rows, in any
-    order), as a ``Support`` over ``len(rows)`` rows: for a function that computes only
-    some rows (the response rows of ``response_log_probs_from_hidden``)."""
-    host = host_offsets(support)
-    counts = host.diff()[rows]
-    offsets = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(counts, 0)])
-    k = int(offsets[-1])
-    within = torch.arange(k) - torch.repeat_interleave(offsets[:-1], counts, output_size=k)
-    index = torch.repeat_interleave(host[:-1][rows], counts, output_size=k) + within
-    device = support.ids.device
-    return Support(support.ids[index.to(device)], offsets.to(device))
+    order), as a ``Support`` over ``len(rows)`` rows (``_vocab.support.select_rows``)."""
+    return Support(*engine.select_rows(support, rows))
 
 
 if TYPE_CHECKING:

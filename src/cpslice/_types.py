@@ -6,9 +6,10 @@ bound across the arguments and the result of one call.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, SupportsFloat, SupportsIndex
+from typing import TYPE_CHECKING, Generic, Literal, SupportsFloat, SupportsIndex, TypedDict, TypeVar
 
 import torch
+import torch.distributed as dist
 from jaxtyping import Float, Int64, Shaped
 from torch import Tensor
 
@@ -45,8 +46,9 @@ Tail = Literal["bin", "renormalize"]
 # argument, the sample and the rule, where a beartype error raised first would say less.
 # So every entry point accepts the same integers (int, numpy integers, anything with
 # ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1. The one
-# alias that names a cpslice class, ``support``'s, lives beside it (``_support.SupportArg``):
-# this module stays below every other in the import graph.
+# alias that names a cpslice class, ``support``'s, lives beside that class
+# (``_vocab.support.SupportArg``, ``_support.SupportArg``): this module stays below every
+# other in the import graph.
 if TYPE_CHECKING:
     TensorArg = Tensor
     IntArg = SupportsIndex
@@ -74,6 +76,31 @@ else:
     TensorArg = IntArg = RealArg = TemperatureArg = SampleTemperatureArg = ChunkArg = Lengths = Boundaries = object
     FormatArg = ModeArg = EntropyOverArg = DivergenceArg = TailArg = IdsArg = object
     Shares = Masks = Denominators = object
+
+
+TemperatureT = TypeVar("TemperatureT")
+SupportT = TypeVar("SupportT")
+
+
+class LogProbKeywords(TypedDict, Generic[TemperatureT, SupportT], total=False):
+    """The keywords that the log-prob functions with an entropy share beside
+    ``with_entropy`` (``log_probs_and_entropy``, ``linear_log_probs_and_entropy`` and
+    their per-sample forms), for their overload stubs: ``**kwargs: Unpack[...]``, the
+    implementation naming each keyword with its default (so that ``inspect.signature``
+    shows them). Generic in the two that differ: the temperature (one per row, or one
+    per sample) and the support's class (which this module, below every other, cannot
+    name). Use it through an alias that binds both for the type checker and is this
+    class itself at run time (beartype reads no subscripted ``TypedDict``):
+    ``_vocab.args.Keywords``."""
+
+    entropy_grad: bool
+    temperature: TemperatureT
+    tp_group: dist.ProcessGroup | None
+    chunk_size: ChunkArg
+    support: SupportT | None
+    entropy_over: EntropyOverArg
+    softcap: RealArg | None
+    vocab_size: IntArg | None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

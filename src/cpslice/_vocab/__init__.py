@@ -13,12 +13,17 @@ computes its tiles of logits its own way and hands them to it:
 - ``engine``: what every driver shares around its tiles: a call's ``Options``, the
   all-gather and each row's result (``finish``), the ``Saved`` record, the backward's
   ``row_terms``;
-- ``args``: the vocabulary functions' argument checks;
-- drivers: ``logits`` (row chunks of the logits: ``log_probs_and_entropy``),
-  ``hidden`` (``[rows, V_block]`` matmul tiles of ``hidden @ weight.T``:
+- ``support``: the ``Support`` record of per-row token sets, its checks and its row
+  arithmetic (the public ``cpslice.Support`` subclasses it, adding what needs a layout);
+- ``args``: the vocabulary functions' argument checks, and their one entry
+  (``options``: every argument but the tensors, checked once into the ``Options``);
+- drivers: ``logits`` (row chunks of the logits: ``log_probs_and_entropy``; its
+  gradient's buffer from ``memory``), ``hidden`` (``[rows, V_block]`` matmul tiles of
+  ``hidden @ weight.T``, cut and walked forward by ``tiles``:
   ``linear_log_probs_and_entropy``), and ``sparse`` (the gathered elements of each
   row's token set, ``Support``), which the other two call for rows with a set.
 
 Each public function's ``torch.autograd.Function`` is a thin shell over the driver's
-module-level ``forward`` and ``backward``.
+module-level ``forward`` and ``backward``. No module here imports the layout half or the
+glue (``tests/test_imports.py``).
 """

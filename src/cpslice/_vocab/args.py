@@ -1,6 +1,12 @@
 """The vocabulary functions' argument checks, on ``_checks``' rules: a wrong kind is a
 ``TypeError``, a wrong shape, value or range a ``LayoutError``; every message names the
-argument, the values and the rule. All run before any collective."""
+argument, the values and the rule. All run before any collective.
+
+Every public function checks its tensors (``logits_and_targets``, ``head_and_targets``,
+``logits``, ``head``), then hands every other argument to ``options``, the one entry:
+each checked once, in one order, into the call's ``Options``."""
+
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 import torch.distributed as dist
@@ -9,9 +15,56 @@ from torch import Tensor
 from .. import _checks as checks
 from .._cache import boundary
 from .._errors import LayoutError
-from .._support import Support, check_support
-from .._types import compute_dtype
+from .._types import LogProbKeywords, TemperatureArg, compute_dtype
+from .engine import Options
 from .stats import Tau
+from .support import Support, check_support
+
+if TYPE_CHECKING:
+    Keywords = LogProbKeywords[TemperatureArg, Support]
+    """The keywords of ``log_probs_and_entropy`` and ``linear_log_probs_and_entropy``
+    beside ``with_entropy``: one temperature per row, the engine's ``Support``."""
+else:  # beartype reads no subscripted TypedDict; at run time each value is ``object``
+    Keywords = LogProbKeywords
+
+
+def options(
+    x: Tensor,
+    vocab_local: int,
+    ids: Tensor | None,
+    *,
+    what: str = "logits",
+    default_chunk: int | None = None,
+    with_entropy: bool = False,
+    **keywords: Unpack[Keywords],
+) -> Options:
+    """The call's ``Options`` from the checked ``x`` (``[T, V_local]`` logits or ``[T, H]``
+    hidden states, named ``what``), its shard's ``vocab_local`` ids, its checked ``ids``
+    (``[T]`` targets, ``[T, k]`` ids, or None for a top-k) and the raw keywords, a keyword
+    not given taking its public default. In this order: the temperature, ``chunk_size``
+    (None: ``default_chunk``), ``softcap``, ``vocab_size`` (and ``tp_group``'s
+    membership), the ids inside the vocabulary (on the CPU), ``entropy_over`` and the
+    ``support``. Nothing here enters a collective."""
+    tp_group = keywords.get("tp_group")
+    tau = temperature(keywords.get("temperature", 1.0), x.shape[0], x)
+    chunk = chunk_size(keywords.get("chunk_size"))
+    cap = checks.softcap(keywords.get("softcap"))
+    vocab = checks.vocab_size(keywords.get("vocab_size"), tp_world(tp_group) * vocab_local)
+    if ids is not None:
+        in_vocabulary(ids, vocab, "targets" if ids.dim() == 1 else "ids")
+    entropy_over = keywords.get("entropy_over", "full")
+    support = sets(keywords.get("support"), entropy_over, x.shape[0], vocab, what)
+    return Options(
+        with_entropy=with_entropy,
+        entropy_grad=keywords.get("entropy_grad", True),
+        tau=tau,
+        tp_group=tp_group,
+        chunk_size=default_chunk if chunk is None else chunk,
+        support=support,
+        over_support=entropy_over == "support",
+        cap=cap,
+        vocab_size=vocab,
+    )
 
 
 def chunk_size(value: object) -> int | None:
@@ -189,7 +242,7 @@ def sets(
     support: object, entropy_over: object, rows: int, vocab_total: int, what: str = "logits"
 ) -> Support | None:
     """``support`` checked against the ``rows`` of ``what`` and the vocabulary (see
-    ``_support.check_support``), after ``entropy_over``."""
+    ``support.check_support``), after ``entropy_over``."""
     if entropy_over not in ("full", "support"):
         raise LayoutError(
             f"entropy_over={entropy_over!r} is not one of 'full' (entropy over the whole "

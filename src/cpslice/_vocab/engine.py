@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._support import Support
 from .sparse import Elements, Restricted, Split, split
 from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
+from .support import Support
 
 
 class Options(NamedTuple):

@@ -1,10 +1,10 @@
 """The hidden-state driver: log-probs and entropy straight from the final hidden states
 and the LM-head weight, ``logits = hidden @ weight.T`` never built whole.
 
-Its tiles are ``[rows, V_block]`` matmul tiles (``Tiles``), walked the same way forward
-and backward. Forward computes each tile's logits, reduces them with ``kernels.stats``,
-merges a row's vocabulary blocks (``stats.merge``, as TP shards merge) and drops the
-logits; ``engine.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
+Its tiles are ``[rows, V_block]`` matmul tiles (``tiles.Tiles``), walked the same way
+forward and backward. Forward (``tiles.dense_pass``) computes each tile's logits,
+reduces them with ``kernels.stats``, merges a row's vocabulary blocks (``stats.merge``,
+as TP shards merge) and drops the logits; ``engine.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
 log-probs and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
 Backward walks the same tiles vocabulary block by vocabulary block: each tile's logits
 are recomputed by the same matmul, so bit for bit those the statistics came from (a row
@@ -25,18 +25,14 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
-import math
-import operator
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, cast, overload
+from typing import Any, Literal, NamedTuple, Unpack, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _checks as checks
-from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -52,7 +48,9 @@ from .._types import (
 from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
 from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowGrad, RowStats, Shard, merge, placeholders, shard_of
+from .stats import placeholders, shard_of
+from .support import SupportArg
+from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, row_slice, spans
 
 # Module-level, so that a test can count the collectives.
 _all_reduce: Callable[..., object] = dist.all_reduce
@@ -63,136 +61,10 @@ about this many bytes; a tile (``Tiles``) holds half as many elements. Larger th
 logits path's chunks: each tile runs a matmul, and a matmul of few rows is slow
 (measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
 matmul, 256-row chunks 1.2x)."""
-TILE_ROWS = 2048
-"""Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
-ELEMENT_BYTES = 16 * 2**20
-"""Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
-
-
 def default_linear_chunk_rows(vocab: int) -> int:
     """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
     within ``LINEAR_CHUNK_BYTES``; at least one row."""
     return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
-
-
-def _blocks(size: int, block: int) -> list[tuple[int, int]]:
-    return [(s, min(s + block, size)) for s in range(0, size, block)]
-
-
-class Tiles(NamedTuple):
-    """The ``[rows, columns]`` tiles of both passes: half as many elements as one chunk of
-    ``chunk`` rows (``chunk * V_local``; a backward tile holds its logits, its gradient and
-    the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows (all of them if
-    fewer), so that a tile's weight-gradient block sums many rows in one matmul."""
-
-    rows: int
-    columns: int
-
-    @classmethod
-    def of(cls, rows: int, vocab: int, chunk: int) -> "Tiles":
-        tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
-        return cls(tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows))))
-
-    def blocks(self, vocab: int) -> list[tuple[int, int]]:
-        """The vocabulary blocks ``[v0, v1)``."""
-        return _blocks(vocab, self.columns)
-
-    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
-        """The kernels' chunks on one tile of ``rows`` rows: the whole tile at once eagerly,
-        the compiled kernels' rows for its block width."""
-        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
-
-
-def _element_rows(width: int) -> int:
-    """Support elements per piece: one float32 ``[n, width]`` product within
-    ``ELEMENT_BYTES``."""
-    return max(1, ELEMENT_BYTES // (4 * max(width, 1)))
-
-
-def _element_logits(hidden: Tensor, weight: Tensor, el: Elements, cdt: torch.dtype) -> Tensor:
-    """``[E]``: the logit of each support element, ``hidden[row] . weight[col]``, rounded
-    to the inputs' dtype as the materialized head's logits are; ``[n, H]`` pieces."""
-    x = torch.empty(el.row.numel(), dtype=cdt, device=hidden.device)
-    for s, e in _blocks(el.row.numel(), _element_rows(hidden.shape[1])):
-        prod = hidden[el.row[s:e]].to(cdt) * weight[el.col[s:e]].to(cdt)
-        x[s:e] = prod.sum(1).to(hidden.dtype).to(cdt)
-    return x
-
-
-def _in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
-    """``row`` on the tile columns ``[v0, v1)``: the picked ids held there, by their column
-    in the block."""
-    inside = held & (row.column >= v0) & (row.column < v1)
-    hot = None if row.hot is None else torch.where(inside, row.hot, 0.0)
-    return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
-
-
-def _rows(row: RowGrad, s: int, e: int) -> RowGrad:
-    return RowGrad(
-        None if row.a is None else row.a[s:e], row.b[s:e],
-        None if row.hot is None else row.hot[s:e], row.column[s:e],
-    )
-
-
-def _dense_pass(
-    hidden: Hidden,
-    weight: HeadWeight,
-    column: Tensor,
-    held: Tensor,
-    dense: RowStats,
-    runs: list[tuple[int, int]],
-    shard: Shard,
-    options: Options,
-    best: int | None = None,
-) -> topk.Candidates | None:
-    """Fill the rows of ``runs`` of ``dense`` (the picked ids' ``column``/``held`` ``[T, k]``
-    included) from the tiles of ``hidden @ weight.T`` over the shard's valid columns;
-    with ``best``, also return each row's ``best`` largest logits and their global ids,
-    padded with -inf to ``min(best, V_local)`` (rows outside ``runs``: -inf only)."""
-    assert options.chunk_size is not None
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    cdt = dense.max.dtype
-    tiles = Tiles.of(rows, vocab, options.chunk_size)
-    blocks = tiles.blocks(shard.valid)
-    width = 0 if best is None else min(best, vocab)
-    found = topk.Candidates(
-        torch.full((rows, width), -math.inf, dtype=cdt, device=hidden.device),
-        torch.zeros((rows, width), dtype=torch.int64, device=hidden.device),
-    )
-    work = kernels.Workspace()
-    for s, e in kernels.pieces(runs, tiles.rows):
-        if not blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
-            dense.max[s:e], dense.sum[s:e] = -math.inf, 0.0
-            if dense.ent is not None:
-                dense.ent[s:e] = 0.0
-            continue
-        chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
-        softmax = options.softmax.rows(slice(s, e))
-        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
-        parts = _two_slots(dense, e - s)
-        running: topk.Candidates | None = None
-        for b, (v0, v1) in enumerate(blocks):
-            # the same [rows, V_block] tiles, by the same matmuls, as backward: its
-            # recomputed logits are these bit for bit, so the gradient's p and the
-            # forward's max and sum agree (a row sure of its target gets exactly 0)
-            x = torch.mm(hidden[s:e], weight[v0:v1].t())
-            slot = min(b, 1)
-            part = parts.map(operator.itemgetter(slot))
-            kernels.stats(x, softmax, part, chunks=chunks, work=work)
-            inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
-            at = torch.where(inside, column[s:e] - v0, 0)
-            part.picked.copy_(torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0))
-            if best is not None:
-                tile = topk.of_tile(x, shard.offset + v0, best, cdt, width=0)  # padded below
-                running = tile if running is None else topk.merge(running, tile, best)
-            del x
-            if slot:
-                _write(parts, 0, merge(parts, softmax.tau))
-        _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
-        if running is not None:
-            c = running.values.shape[1]
-            found.values[s:e, :c], found.ids[s:e, :c] = running
-    return None if best is None else found
 
 
 def forward(
@@ -210,7 +82,7 @@ def forward(
     runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
     if options.support is not None:
         el = elements(options.support, ids, shard)
-        x_el = options.softmax.logits(_element_logits(hidden, weight, el, cdt))
+        x_el = options.softmax.logits(element_logits(hidden, weight, el, cdt))
         if not options.dense_entropy:
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
@@ -218,7 +90,7 @@ def forward(
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
-    _dense_pass(hidden, weight, column, held, dense, runs, shard, options)
+    dense_pass(hidden, weight, column, held, dense, runs, shard, options)
     return finish(dense, sets, ids, shard, options, runs)
 
 
@@ -233,22 +105,10 @@ def topk_forward(
     none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
     dense = placeholders(rows, 0, cdt, hidden.device, with_entropy=False)
     everything = [(0, rows)]
-    found = _dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
+    found = dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
     assert found is not None
     log_p, ids, totals = topk.choose(dense, found, k, shard, options.softmax)
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, everything)
-
-
-def _two_slots(like: RowStats, rows: int) -> RowStats:
-    """New ``[2, rows, ...]`` buffers for the fields of ``like``."""
-    return like.map(lambda f: f.new_empty((2, rows, *f.shape[1:])))
-
-
-def _write(into: RowStats, at: int | slice, stats: RowStats) -> None:
-    """``into[at] = stats``, field by field."""
-    for field, value in zip(into, stats):
-        if field is not None and value is not None:
-            field[at] = value
 
 
 class _Sum:
@@ -300,7 +160,7 @@ class _ByBlock(NamedTuple):
         gradient: ``coef * hidden[row]`` at each column."""
         lo, hi = self.bounds[i], self.bounds[i + 1]
         cdt = acc.acc.dtype
-        for s, e in _blocks(hi - lo, _element_rows(hidden.shape[1])):
+        for s, e in spans(hi - lo, element_rows(hidden.shape[1])):
             part = self.coef[lo + s : lo + e, None] * hidden[self.row[lo + s : lo + e]].to(cdt)
             acc.index_add(self.col[lo + s : lo + e] - v0, part)
 
@@ -335,7 +195,7 @@ def backward(
         assert parts.set_lp is not None
         coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.softmax)
         if acc_h is not None:
-            for s, e in _blocks(coef.numel(), _element_rows(hidden.shape[1])):
+            for s, e in spans(coef.numel(), element_rows(hidden.shape[1])):
                 acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(cdt))
         if grad_w is not None:
             by_block = _ByBlock.of(el, coef, valid, tiles.columns)
@@ -344,12 +204,12 @@ def backward(
     for i, (v0, v1) in enumerate(tiles.blocks(valid)):
         w_b = weight[v0:v1]
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
-        row_b = _in_block(row, held, v0, v1)
+        row_b = in_block(row, held, v0, v1)
         for s, e in pieces:
             x = torch.mm(hidden[s:e], w_b.t())
             g = g_buf[: x.numel()].view(x.shape)
             kernels.grad(
-                x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), _rows(row_b, s, e), g,
+                x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), row_slice(row_b, s, e), g,
                 chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
             )
             del x
@@ -436,66 +296,24 @@ apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]
 
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[False] = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False,
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, None]: ...
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[True],
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[True],
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
+    **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow | None]: ...
 def linear_log_probs_and_entropy(
-    hidden: TensorArg,
-    weight: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
+    entropy_grad: bool = True, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
@@ -515,7 +333,7 @@ def linear_log_probs_and_entropy(
             multiplied out and get zero gradient).
         chunk_size: sizes the tiles, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
-            ``TILE_ROWS`` rows (all rows if fewer). None picks
+            ``tiles.TILE_ROWS`` rows (all rows if fewer). None picks
             ``default_linear_chunk_rows(V_local)``: ``chunk_size`` rows of float32
             within 32 MiB.
 
@@ -547,16 +365,11 @@ def linear_log_probs_and_entropy(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    args.in_vocabulary(targets_, vocab)
-    support_ = args.sets(support, entropy_over, hidden_.shape[0], vocab, "hidden")
-    if chunk is None:
-        chunk = default_linear_chunk_rows(weight_.shape[0])
-    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support",
-                      cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp_group,
+        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+    )
     return apply(hidden_, weight_, targets_, options)
 
 
@@ -592,13 +405,10 @@ def linear_log_probs_at(
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    args.in_vocabulary(ids_, vocab, "ids")
-    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+    )
     log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
 
@@ -632,11 +442,10 @@ def linear_topk_log_probs(
     """
     hidden_, weight_ = args.head(hidden, weight)
     k_ = args.k_best(k)
-    tau = args.temperature(temperature, hidden_.shape[0], hidden_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * weight_.shape[0])
-    topk.check_k(k_, vocab, compute_dtype(hidden_.dtype))
-    chunk = default_linear_chunk_rows(weight_.shape[0]) if chunk is None else chunk
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+    )
+    assert options.vocab_size is not None
+    topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))
     return apply_topk(hidden_, weight_, k_, options)

@@ -9,15 +9,13 @@ writing the gradient once into one ``[T, V_local]`` buffer, with no communicatio
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, Unpack, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import _checks as checks
-from .._support import SupportArg
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -31,8 +29,10 @@ from .._types import (
 )
 from . import args, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms
+from .memory import buffer
 from .sparse import element_grad, elements, scatter_grad, set_stats
 from .stats import placeholders, shard_of
+from .support import SupportArg
 
 
 def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
@@ -77,7 +77,7 @@ def backward(
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
     runs = saved.dense_rows if parts.runs is None else parts.runs
     covered = runs is None or sum(hi - lo for lo, hi in runs) == rows
-    grad = kernels.buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
+    grad = buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
     if covered and valid < vocab:
         grad[:, valid:].zero_()
     kernels.grad(
@@ -171,61 +171,20 @@ apply_topk = cast(Callable[[Tensor, int, Options], tuple[Tensor, Tensor]], _TopK
 
 @overload
 def log_probs_and_entropy(
-    logits: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[False] = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False, **kwargs: Unpack[args.Keywords]
 ) -> tuple[PerRow, None]: ...
 @overload
 def log_probs_and_entropy(
-    logits: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: Literal[True],
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, targets: TensorArg, *, with_entropy: Literal[True], **kwargs: Unpack[args.Keywords]
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def log_probs_and_entropy(
-    logits: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, targets: TensorArg, *, with_entropy: bool = False, **kwargs: Unpack[args.Keywords]
 ) -> tuple[PerRow, PerRow | None]: ...
 def log_probs_and_entropy(
-    logits: TensorArg,
-    targets: TensorArg,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
+    logits: TensorArg, targets: TensorArg, *, with_entropy: bool = False, entropy_grad: bool = True,
+    temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
+    support: SupportArg = None, entropy_over: EntropyOverArg = "full", softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
 ) -> tuple[PerRow, PerRow | None]:
     """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
@@ -233,90 +192,74 @@ def log_probs_and_entropy(
 
     Args:
         logits: ``[T, V_local]`` float32 or bfloat16 (float16, float64 accepted), this
-            rank's vocabulary shard: TP rank ``r`` holds token ids
-            ``[r * V_local, (r + 1) * V_local)``, all shards of equal size. Never
-            modified; saved for backward by reference (do not modify it in place
-            before backward).
-        targets: ``[T]`` int64 *global* token ids; a target in another rank's shard
-            takes its logit from that rank. Padding rows need some id in range.
+            rank's vocabulary shard: TP rank ``r`` holds token ids ``[r * V_local, (r + 1)
+            * V_local)``, all shards of equal size. Never modified; saved for backward by
+            reference (do not modify it in place before backward).
+        targets: ``[T]`` int64 *global* token ids; a target in another rank's shard takes
+            its logit from that rank. Padding rows need some id in range.
         with_entropy: also return the entropy of each row's distribution.
-        entropy_grad: with False the entropy is a detached metric (no gradient,
-            nothing saved for it).
+        entropy_grad: False: the entropy is a detached metric (no gradient, none saved).
         temperature: finite, > 0; the (capped) logits are divided by it. A ``[T]`` float
-            tensor gives one per row (rollouts sampled at different temperatures; each
-            finite and > 0, checked where it is on the CPU; on a device a bad one
-            gives that row NaN).
-        tp_group: the tensor-parallel group the vocabulary is split over; None means
-            the whole vocabulary is local.
+            tensor gives one per row (rollouts sampled at different temperatures), each
+            checked where it is on the CPU (on a device a bad one gives its row NaN).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: all local).
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
             ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
-            resident), 64 MiB elsewhere. With the compiled kernels
-            (``CPSLICE_COMPILE``, see ``_vocab.kernels``) it is their fixed chunk's rows;
-            None picks ``[C, V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
+            resident), 64 MiB elsewhere. With the compiled kernels (``CPSLICE_COMPILE``,
+            see ``_vocab.kernels``) it is their fixed chunk's rows; None picks ``[C,
+            V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
         support: per-row token sets (top-p / top-k replay), the same on every rank of
-            ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under
-            the softmax restricted to ``S_t`` plus its target (a target outside the
-            set still gets a finite log-prob); its gradient is zero outside that set.
-            A row with an empty set is unrestricted. ``O(K)`` work on those rows: the
-            logits are gathered at the set's ids, never masked or copied.
-        entropy_over: ``"full"`` (default): the entropy over the whole vocabulary,
-            one full pass over every row. ``"support"``: rows with a set take the
-            entropy of their restricted distribution, with no full pass over them.
-        softcap: ``c`` (finite, > 0) for a model whose output is soft-capped (Gemma 2
-            and 3's ``final_logit_softcapping``): the softmax reads ``c * tanh(x / c) /
+            ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under the
+            softmax restricted to ``S_t`` plus its target (a target outside the set still
+            gets a finite log-prob); its gradient is zero outside that set. A row with an
+            empty set is unrestricted. ``O(K)`` work on those rows: the logits are
+            gathered at the set's ids, never masked or copied.
+        entropy_over: ``"full"`` (default): the entropy over the whole vocabulary, one
+            full pass over every row. ``"support"``: rows with a set take the entropy of
+            their restricted distribution, with no full pass over them.
+        softcap: ``c`` (finite, > 0) for a model whose output is soft-capped (Gemma 2 and
+            3's ``final_logit_softcapping``): the softmax reads ``c * tanh(x / c) /
             temperature``, applied inside the chunk kernels (no capped copy of the
             logits), the gradient through the ``tanh``. None: the logits as given.
-        vocab_size: the ids of the distribution, ``[0, vocab_size)`` of a padded
-            vocabulary (megatron pads the LM head to a multiple of
-            ``make_vocab_size_divisible_by * tp``; the inference engine samples only the
-            tokenizer's ids): the padded ids, on whichever shard, are excluded from the
-            softmax, the entropy and any top-k, and get zero gradient; a target or set
-            id ``>= vocab_size`` is refused like one outside the vocabulary. At most the
-            full vocabulary (all shards); None: all of it.
+        vocab_size: the ids of the distribution, ``[0, vocab_size)`` of a padded vocabulary
+            (megatron pads the LM head to a multiple of ``make_vocab_size_divisible_by *
+            tp``; the inference engine samples only the tokenizer's ids): the padded ids,
+            on whichever shard, are excluded from the softmax, the entropy and any top-k,
+            and get zero gradient; a target or set id ``>= vocab_size`` is refused like one
+            outside the vocabulary. At most the full vocabulary (all shards); None: all.
 
     Returns:
-        ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits,
-        which are computed in float64; every other dtype in float32), entropy None
-        unless ``with_entropy``. Differentiable w.r.t. ``logits``. Memory: beyond the
-        logits, only ``[T]`` statistics and the chunk work buffers in forward, and
-        in backward the one ``[T, V_local]`` gradient (dtype of logits); with a
-        support, ``O(K + T)`` more. Rows with a set skip the chunked full pass unless
-        the full entropy is asked for.
+        ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits, which
+        are computed in float64), entropy None unless ``with_entropy``. Differentiable
+        w.r.t. ``logits``. Memory: beyond the logits, ``[T]`` statistics and the chunk
+        work buffers in forward, the one ``[T, V_local]`` gradient (dtype of logits) in
+        backward; with a support, ``O(K + T)`` more.
 
-    Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor
-    in forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
-    ``entropy_over="support"``), entered by every rank whatever its inputs or sets
-    (T = 0 too); ``T``, ``with_entropy``, ``entropy_over`` and whether a support is
-    given must agree across the group. Backward enters none. Without ``tp_group``,
-    no communication.
+    Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor in
+    forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
+    ``entropy_over="support"``), entered by every rank whatever its inputs or sets (T = 0
+    too); ``T``, ``with_entropy``, ``entropy_over`` and whether a support is given must
+    agree across the group. Backward enters none; without ``tp_group``, nothing does.
 
     Raises:
         TypeError: logits not a floating-point tensor, targets not an int64 tensor,
             temperature not a real number or a floating-point tensor, softcap not a real
-            number, chunk_size or vocab_size not an integer.
+            number, chunk_size or vocab_size not an integer, support not a ``Support``.
         LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
             different devices, temperature (or a row's) not finite and > 0 or not
-            ``[T]``, softcap not finite and > 0, chunk_size < 1, vocab_size < 1 or
-            beyond the full vocabulary, a CPU target outside ``[0, vocab_size)``
-            (checked only on the CPU, where
-            it costs no device sync; elsewhere that row's log-prob is NaN), a support
-            over another number of rows or with a CPU id outside the vocabulary (on
-            a device such a row's log-prob is NaN),
-            ``entropy_over`` not ``"full"`` or ``"support"``. Raised before any
-            collective. (``support`` not a ``Support``: TypeError.)
+            ``[T]``, softcap not finite and > 0, chunk_size < 1, vocab_size < 1 or beyond
+            the full vocabulary, ``entropy_over`` not ``"full"`` or ``"support"``, a
+            support over another number of rows; on the CPU (where it costs no device
+            sync; on a device such a row's log-prob is NaN) a target or a support id
+            outside ``[0, vocab_size)``. Raised before any collective.
 
-    A row whose logits are all -inf, or hold NaN or +inf, gives NaN; single -inf
-    logits (masked tokens) are fine.
+    A row whose logits are all -inf, or hold NaN or +inf, gives NaN; single -inf logits
+    (masked tokens) are fine.
     """
     logits_, targets_ = args.logits_and_targets(logits, targets)
-    tau = args.temperature(temperature, logits_.shape[0], logits_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
-    args.in_vocabulary(targets_, vocab)
-    support_ = args.sets(support, entropy_over, logits_.shape[0], vocab)
-    options = Options(with_entropy, entropy_grad, tau, tp_group, chunk, support_, entropy_over == "support",
-                      cap=cap, vocab_size=vocab)
+    options = args.options(logits_, logits_.shape[1], targets_, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                           temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, support=support,
+                           entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size)
     return apply(logits_, targets_, options)
 
 
@@ -361,12 +304,10 @@ def log_probs_at(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     logits_, ids_ = args.logits_and_targets(logits, ids, "ids")
-    tau = args.temperature(temperature, logits_.shape[0], logits_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
-    args.in_vocabulary(ids_, vocab, "ids")
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        logits_, logits_.shape[1], ids_, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size,
+        softcap=softcap, vocab_size=vocab_size,
+    )
     log_p, _ = apply(logits_, ids_, options)
     return log_p
 
@@ -409,10 +350,10 @@ def topk_log_probs(
     """
     logits_ = args.logits(logits)
     k_ = args.k_best(k)
-    tau = args.temperature(temperature, logits_.shape[0], logits_)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * logits_.shape[1])
-    topk.check_k(k_, vocab, compute_dtype(logits_.dtype))
-    options = Options(False, False, tau, tp_group, chunk, None, False, cap=cap, vocab_size=vocab)
+    options = args.options(
+        logits_, logits_.shape[1], None, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size,
+        softcap=softcap, vocab_size=vocab_size,
+    )
+    assert options.vocab_size is not None
+    topk.check_k(k_, options.vocab_size, compute_dtype(logits_.dtype))
     return apply_topk(logits_, k_, options)

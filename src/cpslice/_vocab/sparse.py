@@ -22,9 +22,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._support import Support, host_offsets
 from .kernels import runs_of
 from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
+from .support import Support, host_offsets
 
 _I64 = torch.int64
 

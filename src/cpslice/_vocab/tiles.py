@@ -1,0 +1,156 @@
+"""The tiles of the hidden-state driver (``hidden``): ``[rows, V_block]`` tiles of
+``hidden @ weight.T`` (``Tiles``), the pieces the support elements are multiplied out in,
+and the forward's dense pass over the tiles (``dense_pass``), its vocabulary blocks
+merged as TP shards merge. The backward (``hidden.backward``) walks the same tiles.
+"""
+
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._types import HeadWeight, Hidden
+from . import kernels, topk
+from .engine import Options
+from .sparse import Elements
+from .stats import RowGrad, RowStats, Shard, merge
+
+TILE_ROWS = 2048
+"""Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
+ELEMENT_BYTES = 16 * 2**20
+"""Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
+
+
+def spans(size: int, block: int) -> list[tuple[int, int]]:
+    """``[0, size)`` in spans ``[s, e)`` of ``block`` (the last one shorter)."""
+    return [(s, min(s + block, size)) for s in range(0, size, block)]
+
+
+class Tiles(NamedTuple):
+    """The ``[rows, columns]`` tiles of both passes: half as many elements as one chunk of
+    ``chunk`` rows (``chunk * V_local``; a backward tile holds its logits, its gradient and
+    the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows (all of them if
+    fewer), so that a tile's weight-gradient block sums many rows in one matmul."""
+
+    rows: int
+    columns: int
+
+    @classmethod
+    def of(cls, rows: int, vocab: int, chunk: int) -> "Tiles":
+        tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
+        return cls(tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows))))
+
+    def blocks(self, vocab: int) -> list[tuple[int, int]]:
+        """The vocabulary blocks ``[v0, v1)``."""
+        return spans(vocab, self.columns)
+
+    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
+        """The kernels' chunks on one tile of ``rows`` rows: the whole tile at once eagerly,
+        the compiled kernels' rows for its block width."""
+        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
+
+
+def element_rows(width: int) -> int:
+    """Support elements per piece: one float32 ``[n, width]`` product within
+    ``ELEMENT_BYTES``."""
+    return max(1, ELEMENT_BYTES // (4 * max(width, 1)))
+
+
+def element_logits(hidden: Tensor, weight: Tensor, el: Elements, cdt: torch.dtype) -> Tensor:
+    """``[E]``: the logit of each support element, ``hidden[row] . weight[col]``, rounded
+    to the inputs' dtype as the materialized head's logits are; ``[n, H]`` pieces."""
+    x = torch.empty(el.row.numel(), dtype=cdt, device=hidden.device)
+    for s, e in spans(el.row.numel(), element_rows(hidden.shape[1])):
+        prod = hidden[el.row[s:e]].to(cdt) * weight[el.col[s:e]].to(cdt)
+        x[s:e] = prod.sum(1).to(hidden.dtype).to(cdt)
+    return x
+
+
+def in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
+    """``row`` on the tile columns ``[v0, v1)``: the picked ids held there, by their column
+    in the block."""
+    inside = held & (row.column >= v0) & (row.column < v1)
+    hot = None if row.hot is None else torch.where(inside, row.hot, 0.0)
+    return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
+
+
+def row_slice(row: RowGrad, s: int, e: int) -> RowGrad:
+    return RowGrad(
+        None if row.a is None else row.a[s:e], row.b[s:e],
+        None if row.hot is None else row.hot[s:e], row.column[s:e],
+    )
+
+
+def dense_pass(
+    hidden: Hidden,
+    weight: HeadWeight,
+    column: Tensor,
+    held: Tensor,
+    dense: RowStats,
+    runs: list[tuple[int, int]],
+    shard: Shard,
+    options: Options,
+    best: int | None = None,
+) -> topk.Candidates | None:
+    """Fill the rows of ``runs`` of ``dense`` (the picked ids' ``column``/``held`` ``[T, k]``
+    included) from the tiles of ``hidden @ weight.T`` over the shard's valid columns;
+    with ``best``, also return each row's ``best`` largest logits and their global ids,
+    padded with -inf to ``min(best, V_local)`` (rows outside ``runs``: -inf only)."""
+    assert options.chunk_size is not None
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    cdt = dense.max.dtype
+    tiles = Tiles.of(rows, vocab, options.chunk_size)
+    blocks = tiles.blocks(shard.valid)
+    width = 0 if best is None else min(best, vocab)
+    found = topk.Candidates(
+        torch.full((rows, width), -math.inf, dtype=cdt, device=hidden.device),
+        torch.zeros((rows, width), dtype=torch.int64, device=hidden.device),
+    )
+    work = kernels.Workspace()
+    for s, e in kernels.pieces(runs, tiles.rows):
+        if not blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
+            dense.max[s:e], dense.sum[s:e] = -math.inf, 0.0
+            if dense.ent is not None:
+                dense.ent[s:e] = 0.0
+            continue
+        chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
+        softmax = options.softmax.rows(slice(s, e))
+        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
+        parts = _two_slots(dense, e - s)
+        running: topk.Candidates | None = None
+        for b, (v0, v1) in enumerate(blocks):
+            # the same [rows, V_block] tiles, by the same matmuls, as backward: its
+            # recomputed logits are these bit for bit, so the gradient's p and the
+            # forward's max and sum agree (a row sure of its target gets exactly 0)
+            x = torch.mm(hidden[s:e], weight[v0:v1].t())
+            slot = min(b, 1)
+            part = parts.map(operator.itemgetter(slot))
+            kernels.stats(x, softmax, part, chunks=chunks, work=work)
+            inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
+            at = torch.where(inside, column[s:e] - v0, 0)
+            part.picked.copy_(torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0))
+            if best is not None:
+                tile = topk.of_tile(x, shard.offset + v0, best, cdt, width=0)  # padded below
+                running = tile if running is None else topk.merge(running, tile, best)
+            del x
+            if slot:
+                _write(parts, 0, merge(parts, softmax.tau))
+        _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
+        if running is not None:
+            c = running.values.shape[1]
+            found.values[s:e, :c], found.ids[s:e, :c] = running
+    return None if best is None else found
+
+
+def _two_slots(like: RowStats, rows: int) -> RowStats:
+    """New ``[2, rows, ...]`` buffers for the fields of ``like``."""
+    return like.map(lambda f: f.new_empty((2, rows, *f.shape[1:])))
+
+
+def _write(into: RowStats, at: int | slice, stats: RowStats) -> None:
+    """``into[at] = stats``, field by field."""
+    for field, value in zip(into, stats):
+        if field is not None and value is not None:
+            field[at] = value
