@@ -36,7 +36,7 @@ from ._errors import LayoutError
 from ._extract import shard, split
 from ._layout import Layout
 from ._pack import temperatures_of
-from ._plan import Local, Span, resolve
+from ._plan import Local, Read, Span, resolve
 from ._types import (
     ChunkArg,
     DivergenceArg,
@@ -215,45 +215,45 @@ def _rows(parts: list[Tensor], k: int, dtype: torch.dtype, device: torch.device)
 
 class _Step(NamedTuple):
     """A distillation step's checked arguments: this rank's layout resolved once (its
-    response rows), the per-row temperature, the chunk, the cap, the distribution's
-    size, the teacher's per-sample tensors and their ``k``."""
+    response rows), the vocabulary engine's ``Options`` over every local row, and this
+    rank's shares of the teacher's per-sample log-probs and ids, and their ``k``."""
 
     local: Local
-    tau: float | Tensor
-    chunk: int | None
-    cap: float | None
-    vocab: int
+    options: Options
     lps: list[Tensor]
-    """This rank's shares of the teacher's log-probs and ids, per sample."""
     ids: list[Tensor]
     k: int
 
-    @property
-    def rows(self) -> Tensor:
-        """The response rows (CPU), in extraction order."""
-        return self.local.reads["response"].selection.rows
 
-    @property
-    def counts(self) -> list[int]:
-        return self.local.reads["response"].selection.counts
-
-
-def _prepare(
-    x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: object,
-    softcap: object, vocab_size: object, tp_group: dist.ProcessGroup | None,
-    teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
-) -> _Step:
-    """Every check of a distillation step, in order, before any collective."""
+def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tuple[Local, float | Tensor]:
+    """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
+    its per-row temperature."""
     per_sample = checks.temperatures(temperature, layout.num_samples, "sample")
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
-    tau = temperatures_of(per_sample, local)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * vocab_local)
-    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, vocab)
+    return local, temperatures_of(per_sample, local)
+
+
+def _prepare(
+    x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: ChunkArg,
+    softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
+    teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
+) -> _Step:
+    """Every check of a distillation step, in order, before any collective."""
+    local, tau = _resolved(x, what, layout, temperature)
+    default = hidden_driver.default_linear_chunk_rows(vocab_local) if what == "hidden" else None
+    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
+    assert options.vocab_size is not None
+    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, options.vocab_size)
     _check_divergence(kind, beta, tail)
-    return _Step(local, tau, chunk, cap, vocab, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
+    return _Step(local, options, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
+
+
+def _response_rows(options: Options, read: Read) -> Options:
+    """``options`` for the response rows of ``read`` alone (the hidden path's ``[R, H]``
+    copy): their temperatures."""
+    return options._replace(tau=options.tau if isinstance(options.tau, float) else options.tau[read.rows])
 
 
 def response_distillation(
@@ -307,14 +307,10 @@ def response_distillation(
     read = step.local.reads["response"]
     picked = torch.zeros((x.shape[0], step.k), dtype=torch.int64, device=x.device)
     picked[read.rows] = _rows(step.ids, step.k, torch.int64, x.device)
-    tau = step.tau if isinstance(step.tau, float) else step.tau.to(device=x.device, dtype=compute_dtype(x.dtype))
-    options = Options(with_entropy=False, entropy_grad=False, tau=tau, tp_group=tp_group, chunk_size=step.chunk,
-                      support=None, over_support=False, rows=read.mask, cap=step.cap, vocab_size=step.vocab)
-    student, _ = logits_driver.apply(x, picked, options)
-    rows = read.rows
+    student, _ = logits_driver.apply(x, picked, step.options._replace(rows=read.mask))
     teacher = _rows(step.lps, step.k, student.dtype, x.device)
-    div = topk_divergence(student[rows], teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, step.counts))
+    div = topk_divergence(student[read.rows], teacher, kind=kind, beta=beta, tail=tail)
+    return list(torch.split(div, read.selection.counts))
 
 
 def response_distillation_from_hidden(
@@ -344,34 +340,28 @@ def response_distillation_from_hidden(
     h, w = args.head(hidden, weight)
     step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
+    read = step.local.reads["response"]
     picked = _rows(step.ids, step.k, torch.int64, h.device)
-    rows = step.local.reads["response"].rows
-    tau = step.tau if isinstance(step.tau, float) else step.tau[rows.to(step.tau.device)]
-    student = hidden_driver.linear_log_probs_at(
-        h[rows], w, picked, temperature=tau, tp_group=tp_group, chunk_size=step.chunk,
-        softcap=step.cap, vocab_size=step.vocab,
-    )
+    student, _ = hidden_driver.apply(h[read.rows], w, picked, _response_rows(step.options, read))
     teacher = _rows(step.lps, step.k, student.dtype, h.device)
     div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, step.counts))
+    return list(torch.split(div, read.selection.counts))
 
 
 def _teacher_step(
     x: Tensor, vocab_local: int, what: str, k: object, layout: Layout, temperature: object,
-    chunk_size: object, softcap: object, vocab_size: object, tp_group: dist.ProcessGroup | None,
-) -> tuple[Local, int, float | Tensor, int | None, float | None, int]:
+    chunk_size: ChunkArg, softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
+) -> tuple[Local, int, Options]:
     """Every check of a per-sample top-k, in order, before any collective: the layout
-    resolved once, ``k``, the per-row temperature, the chunk, the cap, the vocabulary."""
+    resolved once, ``k``, and the engine's ``Options`` over every local row."""
     k_ = args.k_best(k)
-    per_sample = checks.temperatures(temperature, layout.num_samples, "sample")
-    spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
-    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
-    tau = temperatures_of(per_sample, local)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * vocab_local)
-    topk.check_k(k_, vocab, compute_dtype(x.dtype))
-    return local, k_, tau, chunk, cap, vocab
+    local, tau = _resolved(x, what, layout, temperature)
+    default = hidden_driver.default_linear_chunk_rows(vocab_local) if what == "hidden" else None
+    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
+    assert options.vocab_size is not None
+    topk.check_k(k_, options.vocab_size, compute_dtype(x.dtype))
+    return local, k_, options
 
 
 def response_topk_log_probs(
@@ -411,13 +401,9 @@ def response_topk_log_probs(
             cannot hold. Raised before any collective.
     """
     x = args.logits(logits)
-    local, k_, tau, chunk, cap, vocab = _teacher_step(x, x.shape[1], "logits", k, layout, temperature,
-                                                      chunk_size, softcap, vocab_size, tp_group)
-    read = local.reads["response"]
-    options = Options(with_entropy=False, entropy_grad=False, tau=args.temperature(tau, local.length, x),
-                      tp_group=tp_group, chunk_size=chunk, support=None, over_support=False, rows=read.mask,
-                      cap=cap, vocab_size=vocab)
-    values, ids = logits_driver.apply_topk(x, k_, options)
+    local, k_, options = _teacher_step(x, x.shape[1], "logits", k, layout, temperature, chunk_size, softcap,
+                                       vocab_size, tp_group)
+    values, ids = logits_driver.apply_topk(x, k_, options._replace(rows=local.reads["response"].mask))
     return split(local, values)[0], split(local, ids)[0]
 
 
@@ -441,13 +427,9 @@ def response_topk_log_probs_from_hidden(
     ``linear_topk_log_probs``'s); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w = args.head(hidden, weight)
-    local, k_, tau, chunk, cap, vocab = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature,
-                                                      chunk_size, softcap, vocab_size, tp_group)
+    local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
+                                       vocab_size, tp_group)
     read = local.reads["response"]
-    rows_tau = tau if isinstance(tau, float) else tau[read.rows.to(tau.device)]
-    values, ids = hidden_driver.linear_topk_log_probs(
-        h[read.rows], w, k_, temperature=rows_tau, tp_group=tp_group, chunk_size=chunk, softcap=cap,
-        vocab_size=vocab,
-    )
+    values, ids = hidden_driver.apply_topk(h[read.rows], w, k_, _response_rows(options, read))
     counts = read.selection.counts
     return list(torch.split(values, counts)), list(torch.split(ids, counts))

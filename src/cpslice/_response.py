@@ -20,7 +20,6 @@ from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleT
 from ._vocab import args
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
-from ._vocab.engine import Options
 from ._vocab.hidden import default_linear_chunk_rows
 
 
@@ -110,10 +109,13 @@ def response_log_probs(
         LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
             three functions above.
     """
-    x = _two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])")
+    x = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"))
     local, targets, tau = _inputs(x, "logits", tokens, layout, temperature)
-    x, options = _options(x, targets, tau, local, with_entropy, entropy_grad, tp_group, chunk_size, support,
-                          entropy_over, softcap, vocab_size)
+    options = args.options(
+        x, x.shape[1], targets, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
+        tp_group=tp_group, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
+        vocab_size=vocab_size,
+    )
     # only the response rows get the softmax's statistics; the others' gradient is zero
     log_probs, entropy = logits_driver.apply(x, targets, options._replace(rows=local.reads["response"].mask))
     return split(local, log_probs, entropy)
@@ -139,25 +141,6 @@ def _inputs(
     spans: tuple[Span, ...] = ("targets", "response", "sample") if isinstance(tau, Tensor) else ("targets", "response")
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
     return local, targets_of(items, local), temperatures_of(tau, local)
-
-
-def _options(
-    x: Tensor, targets: Tensor, tau: float | Tensor, local: Local, with_entropy: bool, entropy_grad: bool,
-    tp_group: dist.ProcessGroup | None, chunk_size: object, support: object, entropy_over: object,
-    softcap: object, vocab_size: object,
-) -> tuple[Tensor, Options]:
-    """The logits and the vocabulary engine's ``Options`` of a per-sample call, every
-    argument checked once, before any collective."""
-    x = args.logits(x)
-    tau_rows = args.temperature(tau, local.length, x)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * x.shape[1])
-    args.in_vocabulary(targets, vocab)
-    support_ = args.sets(support, entropy_over, local.length, vocab)
-    return x, Options(with_entropy=with_entropy, entropy_grad=entropy_grad, tau=tau_rows, tp_group=tp_group,
-                      chunk_size=chunk, support=support_, over_support=entropy_over == "support", cap=cap,
-                      vocab_size=vocab)
 
 
 @overload
@@ -250,24 +233,19 @@ def response_log_probs_from_hidden(
             ``linear_log_probs_and_entropy``; ``hidden`` of a length the layout cannot
             hold; a support over another number of rows than ``hidden``'s.
     """
-    h = _two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])")
+    h, w = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight)
     local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature)
     read = local.reads["response"]
-    h, w = args.head(h, weight)
-    tau_rows = args.temperature(tau, local.length, h)
-    chunk = args.chunk_size(chunk_size)
-    cap = checks.softcap(softcap)
-    vocab = checks.vocab_size(vocab_size, args.tp_world(tp_group) * w.shape[0])
-    args.in_vocabulary(targets, vocab)
-    # the whole support against the whole hidden (its errors name the caller's rows),
-    # then the response rows' sets
-    whole = args.sets(support, entropy_over, local.length, vocab, "hidden")
-    options = Options(
-        with_entropy=with_entropy, entropy_grad=entropy_grad,
-        tau=tau_rows if isinstance(tau_rows, float) else tau_rows[read.rows], tp_group=tp_group,
-        chunk_size=default_linear_chunk_rows(w.shape[0]) if chunk is None else chunk,
-        support=None if whole is None else take_rows(whole, read.selection.rows),
-        over_support=entropy_over == "support", cap=cap, vocab_size=vocab,
+    # every argument against the whole hidden (a support's errors name the caller's
+    # rows), then the response rows' temperatures and sets
+    whole = args.options(
+        h, w.shape[0], targets, what="hidden", default_chunk=default_linear_chunk_rows(w.shape[0]),
+        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau, tp_group=tp_group,
+        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+    )
+    options = whole._replace(
+        tau=whole.tau if isinstance(whole.tau, float) else whole.tau[read.rows],
+        support=None if whole.support is None else take_rows(whole.support, read.selection.rows),
     )
     log_probs, entropy = hidden_driver.apply(h[read.rows], w, targets[read.rows], options)
     counts = read.selection.counts

@@ -86,7 +86,8 @@ def forward(
         if not options.dense_entropy:
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
-            runs = kernels.runs_of(~el.host_has_set, options.chunk_size)
+            need = ~el.host_has_set
+            runs = kernels.runs_of(need if options.rows is None else need & options.rows, options.chunk_size)
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
