@@ -29,8 +29,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
     from cpslice import Layout, extract_responses, redistribute
-    from cpslice._plan import needed_length
-    from cpslice._plan import resolve_length
+    from cpslice._plan import needed_length, resolve_length
     from cpslice._redistribute import _route
 
     rng = random.Random(0)
@@ -55,7 +54,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     from cpslice._redistribute import _element_ids
 
     ids = _element_ids(src, resolve_length(src), src.cp_rank)  # where this rank's shares sit in the whole responses
-    dst_counts = {dst: _route(src, resolve_length(src), dst, resolve_length(dst), CP).dst_counts for dst in (zig, whole)}
+    dst_counts = {dst: _route(src, resolve_length(src), dst, resolve_length(dst), CP).dst_counts
+                  for dst in (zig, whole)}
 
     def padded(dst: Layout) -> Callable[[], None]:
         def step() -> None:

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import cpslice
-from cpslice import Layout
-from cpslice import _plan
+from cpslice import Layout, _plan
 
 PACKAGE = Path(cpslice.__file__).parent
 # the functions themselves, under debug mode's wrappers (which share one code object)

@@ -3,7 +3,7 @@ the per-sample split. Where the layout side (``_pack``, ``_extract``) meets the
 vocabulary functions (``_vocab``)."""
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, Unpack, overload
 
 import torch
 import torch.distributed as dist
@@ -22,54 +22,31 @@ from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
 from ._vocab.hidden import default_linear_chunk_rows
 
+if TYPE_CHECKING:
+    from ._types import LogProbKeywords
+    from ._support import Support
+
+    Keywords = LogProbKeywords[SampleTemperatureArg, Support]
+    """The per-sample functions' keywords beside ``with_entropy``: one temperature per
+    sample (or one for all), a ``cpslice.Support``."""
+else:  # beartype reads no subscripted TypedDict (see _types.LogProbKeywords)
+    from ._types import LogProbKeywords as Keywords
+
 
 @overload
 def response_log_probs(
-    logits: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: Literal[False] = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[False] = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs(
-    logits: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: Literal[True],
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[True], **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs(
-    logits: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs(
     logits: TensorArg,
@@ -145,54 +122,18 @@ def _inputs(
 
 @overload
 def response_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: Literal[False] = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[False] = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: Literal[True],
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[True], **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
     hidden: TensorArg,

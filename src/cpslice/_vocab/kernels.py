@@ -34,6 +34,7 @@ debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch cod
 """
 
 import math
+import operator
 import os
 import types
 import warnings
@@ -412,9 +413,9 @@ def stats(
     over some rows (the response rows) runs them as a pass over all rows does."""
     eager = []
     for lo, hi in [(0, x.shape[0])] if runs is None else runs:
-        part = x[lo:hi]
-        if not (use_compiled(part) and _compiled_stats(part, softmax.rows(slice(lo, hi)), chunks.compiled,
-                                                       out.map(lambda f: f[lo:hi]))):
+        part, rows = x[lo:hi], slice(lo, hi)
+        if not (use_compiled(part) and _compiled_stats(part, softmax.rows(rows), chunks.compiled,
+                                                       out.map(operator.itemgetter(rows)))):
             eager.append((lo, hi))
     _eager_stats(x, softmax, chunks.eager, eager, work or Workspace(), out)
 
