@@ -121,83 +121,28 @@ def run(
                     daemon=True)
         for r in range(config.world)
     ]
-    results: list[CaseResult] = []
-    pending: dict[int, list[Report]] = {}
-    clock = {"last": time.monotonic()}  # when the last layout finished (or all started)
-
-    def take(report: Report) -> None:
-        """File a case's errors; a case every rank has sent is a result."""
-        arrived = pending.setdefault(report.case, [])
-        arrived.append(report)
-        while len(pending.get(len(results), [])) == config.world:
-            now = time.monotonic()
-            results.append(_combine(config, len(results), pending[len(results)],
-                                    now - clock["last"]))
-            clock["last"] = now
-            if progress is not None:
-                progress(results[-1])
-
-    def broken(message: str, case: int, reason: str) -> VerifyFailure:
-        return VerifyFailure(message, case, reason, results)
-
-    started = 0
-    start = time.monotonic()
-    deadline = start + config.startup_timeout
+    watch = _Watch(config, progress, ready)
     try:
         with _sigint_ignored():
             for p in procs:
                 p.start()
-        while len(results) < len(config.cases):
-            left = deadline - time.monotonic()
+        while len(watch.results) < len(config.cases):
+            left = watch.deadline - time.monotonic()
             if left <= 0:
-                if started < config.world:
-                    raise VerifyFailure(
-                        f"{config.world - started} of {config.world} ranks did not start "
-                        f"within --startup-timeout {config.startup_timeout:g} s (spawning "
-                        "them and importing torch and megatron-core; on a loaded machine "
-                        "pass a larger --startup-timeout); killed them"
-                    )
-                done = len(pending.get(len(results), []))
-                raise broken(
-                    f"{config.world - done} of {config.world} ranks made no progress on "
-                    f"layout {config.cases[len(results)].name} for --timeout "
-                    f"{config.timeout:g} s (a hang: a rank skipped a collective?); "
-                    "killed them", len(results),
-                    f"hang: no progress for --timeout {config.timeout:g} s",
-                )
+                raise watch.timed_out()
             try:
-                report = out.get(timeout=min(left, 0.5))
+                report: Report | None = out.get(timeout=min(left, 0.5))
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    rank, code = dead[0]
-                    case = len(results) if started == config.world else -1
-                    raise broken(f"rank {rank} died with exit code {code}", case,
-                                 f"rank {rank} died with exit code {code}") from None
+                report = None
+            if report is None:
+                watch.check_alive(procs)
                 continue
             if report.failure is not None:
-                if report.case < 0:
-                    raise VerifyFailure(f"rank {report.rank} raised while starting:\n"
-                                        f"{report.failure}")
-                _drain(out, take, results, report.case, min(DRAIN_SECONDS, config.timeout))
-                last_line = report.failure.strip().splitlines()[-1]
-                raise broken(
-                    f"rank {report.rank} raised in layout {config.cases[report.case].name}:"
-                    f"\n{report.failure}", report.case, f"rank {report.rank} raised: {last_line}",
-                )
-            if report.errors is None:
-                started += 1
-                if started == config.world:
-                    clock["last"] = time.monotonic()
-                    deadline = clock["last"] + config.timeout
-                    if ready is not None:
-                        ready(clock["last"] - start)
-                continue
-            deadline = time.monotonic() + config.timeout  # a rank made progress
-            take(report)
+                raise watch.failed(report, out)
+            watch.receive(report)
         for p in procs:
             p.join(timeout=10)
-        return results
+        return watch.results
     finally:
         for p in procs:
             if p.is_alive():
@@ -205,6 +150,89 @@ def run(
                 p.join(timeout=5)
         out.close()
         del store
+
+
+class _Watch:
+    """What ``run`` knows of the ranks while they work: the results so far, the reports
+    of the cases not yet complete, how many ranks started, and the deadline of the next
+    step (the start, then no progress for ``config.timeout``)."""
+
+    def __init__(self, config: Config, progress: Callable[[CaseResult], None] | None,
+                 ready: Callable[[float], None] | None) -> None:
+        self.config, self.progress, self.ready = config, progress, ready
+        self.results: list[CaseResult] = []
+        self.pending: dict[int, list[Report]] = {}
+        self.started = 0
+        self.start = self.last = time.monotonic()  # last: when the last layout finished
+        self.deadline = self.start + config.startup_timeout
+
+    def take(self, report: Report) -> None:
+        """File a case's errors; a case every rank has sent is a result."""
+        self.pending.setdefault(report.case, []).append(report)
+        while len(self.pending.get(len(self.results), [])) == self.config.world:
+            now = time.monotonic()
+            case = len(self.results)
+            self.results.append(_combine(self.config, case, self.pending[case], now - self.last))
+            self.last = now
+            if self.progress is not None:
+                self.progress(self.results[-1])
+
+    def broken(self, message: str, case: int, reason: str) -> VerifyFailure:
+        return VerifyFailure(message, case, reason, self.results)
+
+    def timed_out(self) -> VerifyFailure:
+        """The failure of a start that took too long, or of a hang."""
+        config = self.config
+        if self.started < config.world:
+            return VerifyFailure(
+                f"{config.world - self.started} of {config.world} ranks did not start "
+                f"within --startup-timeout {config.startup_timeout:g} s (spawning "
+                "them and importing torch and megatron-core; on a loaded machine "
+                "pass a larger --startup-timeout); killed them"
+            )
+        done = len(self.pending.get(len(self.results), []))
+        return self.broken(
+            f"{config.world - done} of {config.world} ranks made no progress on "
+            f"layout {config.cases[len(self.results)].name} for --timeout "
+            f"{config.timeout:g} s (a hang: a rank skipped a collective?); "
+            "killed them", len(self.results),
+            f"hang: no progress for --timeout {config.timeout:g} s",
+        )
+
+    def check_alive(self, procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+        """Raise the failure of the first rank that died."""
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            rank, code = dead[0]
+            case = len(self.results) if self.started == self.config.world else -1
+            raise self.broken(f"rank {rank} died with exit code {code}", case,
+                              f"rank {rank} died with exit code {code}")
+
+    def failed(self, report: Report, out: Outbox) -> VerifyFailure:
+        """The failure of a rank that raised (the other ranks' reports of the cases
+        before it drained first)."""
+        assert report.failure is not None
+        if report.case < 0:
+            return VerifyFailure(f"rank {report.rank} raised while starting:\n{report.failure}")
+        _drain(out, self.take, self.results, report.case, min(DRAIN_SECONDS, self.config.timeout))
+        last_line = report.failure.strip().splitlines()[-1]
+        return self.broken(
+            f"rank {report.rank} raised in layout {self.config.cases[report.case].name}:"
+            f"\n{report.failure}", report.case, f"rank {report.rank} raised: {last_line}",
+        )
+
+    def receive(self, report: Report) -> None:
+        """A rank's start, or its errors of one case (progress: a new deadline)."""
+        if report.errors is None:
+            self.started += 1
+            if self.started == self.config.world:
+                self.last = time.monotonic()
+                self.deadline = self.last + self.config.timeout
+                if self.ready is not None:
+                    self.ready(self.last - self.start)
+            return
+        self.deadline = time.monotonic() + self.config.timeout  # a rank made progress
+        self.take(report)
 
 
 def _drain(
