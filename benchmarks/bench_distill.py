@@ -14,7 +14,7 @@ back-propagates the mean into the student's logits (or hidden states and LM head
   float32 logits, gathered at the ids, through autograd;
 - ``verl``: verl's way, written out here: a ``[T, V]`` float32 softmax saved by an
   autograd Function for its backward (the gradient from the saved probabilities);
-- ``hidden``: ``linear_log_probs_at(hidden, weight, ids)`` (``H`` = 1024; float32 only:
+- ``hidden``: ``log_probs_at_from_hidden(hidden, weight, ids)`` (``H`` = 1024; float32 only:
   this CPU's bfloat16 matmul is emulated), against
 - ``head``: the materialized head, ``hidden @ weight.T`` then ``log_probs_at``.
 
@@ -88,7 +88,7 @@ class _SavedSoftmax(torch.autograd.Function):
 
 
 def _student(method: str, x: tuple[Tensor, ...], ids: Tensor, targets: Tensor) -> Tensor:
-    from cpslice import linear_log_probs_at, log_probs_and_entropy, log_probs_at
+    from cpslice import log_probs_and_entropy, log_probs_at, log_probs_at_from_hidden
 
     if method == "cpslice":
         return log_probs_at(x[0], ids, temperature=TEMPERATURE)
@@ -101,7 +101,7 @@ def _student(method: str, x: tuple[Tensor, ...], ids: Tensor, targets: Tensor) -
         out: Tensor = apply(x[0], ids, TEMPERATURE)  # type: ignore[no-untyped-call]
         return out
     if method == "hidden":
-        return linear_log_probs_at(x[0], x[1], ids, temperature=TEMPERATURE)
+        return log_probs_at_from_hidden(x[0], x[1], ids, temperature=TEMPERATURE)
     return log_probs_at(x[0] @ x[1].T, ids, temperature=TEMPERATURE)
 
 

@@ -1,13 +1,13 @@
 """Log-probs + entropy from the hidden states: cpslice against materializing the logits.
 
 Forward and backward from the hidden states and the LM-head weight: cpslice's
-``linear_log_probs_and_entropy`` against building the ``[T, V]`` logits.
+``log_probs_and_entropy_from_hidden`` against building the ``[T, V]`` logits.
 
 Methods, all computing log p of the targets and the entropy of ``softmax(hidden @
 weight.T / temperature)`` and back-propagating a random upstream gradient on both into
 ``hidden`` and ``weight``:
 
-- ``cpslice``: ``linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True)``
+- ``cpslice``: ``log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entropy=True)``
   (chunk logits, never a ``[T, V]`` tensor; backward recomputes them);
 - ``materialized``: ``logits = hidden @ weight.T`` then ``log_probs_and_entropy(logits, ...)``
   (cpslice's logits path: the logits and their gradient are the ``[T, V]`` buffers);
@@ -64,10 +64,10 @@ class Result:
 
 
 def _step(method: str, hidden: Tensor, weight: Tensor, targets: Tensor, g: tuple[Tensor, Tensor]) -> None:
-    from cpslice import linear_log_probs_and_entropy, log_probs_and_entropy
+    from cpslice import log_probs_and_entropy, log_probs_and_entropy_from_hidden
 
     if method == "cpslice":
-        logp, entropy = linear_log_probs_and_entropy(
+        logp, entropy = log_probs_and_entropy_from_hidden(
             hidden, weight, targets, with_entropy=True, temperature=TEMPERATURE
         )
     elif method == "materialized":

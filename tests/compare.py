@@ -5,7 +5,7 @@ values, gradients and the caller's tensors untouched, for the logits path
 import torch
 from torch import Tensor
 
-from cpslice import linear_log_probs_and_entropy, log_probs_and_entropy
+from cpslice import log_probs_and_entropy, log_probs_and_entropy_from_hidden
 
 from .reference import EPS32, grad_atol, grad_close, linear_reference, reference, tolerance, value_atol
 
@@ -56,7 +56,7 @@ def check_linear(
     before = (hidden.detach().clone(), weight.detach().clone())
     h = hidden.detach().requires_grad_(True)
     w = weight.detach().requires_grad_(True)
-    logp, entropy = linear_log_probs_and_entropy(
+    logp, entropy = log_probs_and_entropy_from_hidden(
         h, w, targets, with_entropy=True, temperature=temperature, chunk_size=chunk_size
     )
     out = torch.float64 if hidden.dtype == torch.float64 else torch.float32

@@ -10,13 +10,13 @@ import torch
 
 from cpslice import (
     Layout,
-    linear_log_probs_at,
-    linear_topk_log_probs,
     log_probs_at,
+    log_probs_at_from_hidden,
     pack,
     response_distillation,
     shard_responses,
     topk_log_probs,
+    topk_log_probs_from_hidden,
 )
 
 from . import distill_reference as ref
@@ -91,10 +91,10 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
         h64, w64 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         before = dict(calls)
         if name == "at":
-            got = linear_log_probs_at(hid, shard, ids, temperature=0.9, tp_group=group, chunk_size=2)
+            got = log_probs_at_from_hidden(hid, shard, ids, temperature=0.9, tp_group=group, chunk_size=2)
             want = ref.log_probs_at(h64 @ w64.T, ids, 0.9)
         else:
-            got, top = linear_topk_log_probs(hid, shard, 4, temperature=0.9, tp_group=group, chunk_size=2)
+            got, top = topk_log_probs_from_hidden(hid, shard, 4, temperature=0.9, tp_group=group, chunk_size=2)
             want, want_ids = ref.teacher_top_k(h64 @ w64.T, 4, 0.9)
             assert torch.equal(top, want_ids)
         torch.autograd.backward([(got * g).sum(), (want * g).sum()])

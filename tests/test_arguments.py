@@ -94,7 +94,7 @@ def hidden_kinds(i: Any, r: Any) -> None:
     gen = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
     targets = torch.arange(9) % 7
-    lp, _ = cpslice.linear_log_probs_and_entropy(
+    lp, _ = cpslice.log_probs_and_entropy_from_hidden(
         hidden, weight, targets, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4
     )
     want, _ = cpslice.log_probs_and_entropy(hidden @ weight.T, targets, temperature=r, softcap=r, vocab_size=i + 4)
@@ -112,9 +112,9 @@ def distill_kinds(i: Any, r: Any) -> None:
     k = i if int(i) <= 7 else 2
     top, top_ids = cpslice.topk_log_probs(logits, k, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4)
     assert top.shape == (9, int(k))
-    assert cpslice.linear_topk_log_probs(hidden, weight, k, temperature=r, chunk_size=i)[1].shape == (9, int(k))
+    assert cpslice.topk_log_probs_from_hidden(hidden, weight, k, temperature=r, chunk_size=i)[1].shape == (9, int(k))
     at = cpslice.log_probs_at(logits, ids, temperature=r, chunk_size=i, softcap=r, vocab_size=i + 4)
-    assert cpslice.linear_log_probs_at(hidden, weight, ids, temperature=r, chunk_size=i).shape == at.shape
+    assert cpslice.log_probs_at_from_hidden(hidden, weight, ids, temperature=r, chunk_size=i).shape == at.shape
     beta = r if 0 < float(r) < 1 else np.float32(0.25)
     assert cpslice.topk_divergence(at, at, kind="jsd", beta=beta).shape == (9,)
     teacher = [top[:2], top[5:6]]
@@ -177,11 +177,11 @@ CALLS: dict[str, Callable[..., None]] = {
     "shifted_targets": pack_kinds,
     "log_probs_and_entropy": log_probs_kinds,
     "response_log_probs": log_probs_kinds,
-    "linear_log_probs_and_entropy": hidden_kinds,
+    "log_probs_and_entropy_from_hidden": hidden_kinds,
     "response_log_probs_from_hidden": hidden_kinds,
     "Support": support_kinds,
     **dict.fromkeys(
-        ["log_probs_at", "linear_log_probs_at", "topk_log_probs", "linear_topk_log_probs",
+        ["log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
          "topk_divergence", "response_distillation", "response_distillation_from_hidden",
          "response_topk_log_probs", "response_topk_log_probs_from_hidden"],
         distill_kinds,

@@ -19,13 +19,13 @@ from torch import Tensor
 import cpslice
 from cpslice import (
     LayoutError,
-    linear_log_probs_at,
-    linear_topk_log_probs,
     log_probs_at,
+    log_probs_at_from_hidden,
     response_distillation,
     response_distillation_from_hidden,
     topk_divergence,
     topk_log_probs,
+    topk_log_probs_from_hidden,
 )
 from cpslice._types import compute_dtype
 from cpslice._vocab import kernels, topk
@@ -121,14 +121,14 @@ def test_hidden_state_forms_equal_the_materialized_head() -> None:
     ids = ref.spread_ids(t, 4, v, gen)
     g = torch.randn(t, 4, generator=gen, dtype=torch.float64)
     for chunk in (1, 3, None):
-        lp = linear_log_probs_at(hidden, weight, ids, temperature=0.8, chunk_size=chunk)
+        lp = log_probs_at_from_hidden(hidden, weight, ids, temperature=0.8, chunk_size=chunk)
         want = ref.log_probs_at(hidden @ weight.T, ids, 0.8)
         torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
         got = torch.autograd.grad((lp * g).sum(), (hidden, weight))
         expected = torch.autograd.grad((want * g).sum(), (hidden, weight))
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-        values, top = linear_topk_log_probs(hidden, weight, 4, temperature=0.8, chunk_size=chunk)
+        values, top = topk_log_probs_from_hidden(hidden, weight, 4, temperature=0.8, chunk_size=chunk)
         want_v, want_ids = ref.teacher_top_k(hidden @ weight.T, 4, 0.8)
         assert torch.equal(top, want_ids)
         torch.testing.assert_close(values, want_v, rtol=0, atol=1e-12)
@@ -338,7 +338,8 @@ def _held(cfg: Config, rank: int, length: int) -> Tensor:
 
 def test_the_teachers_top_k_refusals() -> None:
     # no rows at all (a rank that holds nothing): [0, k], not a reshape error
-    for got in (topk_log_probs(torch.zeros(0, 5), 2), linear_topk_log_probs(torch.zeros(0, 3), torch.zeros(5, 3), 2)):
+    nothing = (topk_log_probs(torch.zeros(0, 5), 2), topk_log_probs_from_hidden(torch.zeros(0, 3), torch.zeros(5, 3), 2))
+    for got in nothing:
         assert [x.shape for x in got] == [(0, 2), (0, 2)]
     layout = cpslice.Layout([5, 4], [2, 1])
     with refused(LayoutError, r"k=7 is larger than the vocabulary: 6 ids"):
@@ -390,8 +391,8 @@ IDS = torch.tensor([[0, 1], [2, 3], [1, 1]])
         (lambda: topk_log_probs(GOOD, 5), LayoutError, r"k=5 is larger than the vocabulary: 4 ids"),
         (lambda: topk_log_probs(GOOD, 0), LayoutError, r"k=0 is not allowed: it must be >= 1"),
         (lambda: topk_log_probs(GOOD, 1.5), TypeError, r"k 1.5 is a float, not an int"),  # type: ignore[arg-type]
-        (lambda: linear_log_probs_at(GOOD, GOOD, IDS.double()), TypeError, "ids has dtype torch.float64"),
-        (lambda: linear_topk_log_probs(GOOD, GOOD, 9), LayoutError, "k=9 is larger than the vocabulary"),
+        (lambda: log_probs_at_from_hidden(GOOD, GOOD, IDS.double()), TypeError, "ids has dtype torch.float64"),
+        (lambda: topk_log_probs_from_hidden(GOOD, GOOD, 9), LayoutError, "k=9 is larger than the vocabulary"),
         (lambda: topk_divergence(GOOD, GOOD[:, :3]), LayoutError,
          r"student has shape \(3, 4\) but teacher has \(3, 3\)"),
         (lambda: topk_divergence(GOOD, GOOD, kind="kl"), LayoutError, r"kind='kl' is not one of 'forward'"),  # type: ignore[arg-type]
@@ -419,7 +420,7 @@ def test_top_k_refuses_ids_float32_would_round(dtype: torch.dtype) -> None:
     with refused(LayoutError, match):
         topk_log_probs(torch.zeros((), dtype=dtype).expand(2, BEYOND), 1)
     with refused(LayoutError, match):
-        linear_topk_log_probs(torch.zeros(2, 1, dtype=dtype), torch.zeros((), dtype=dtype).expand(BEYOND, 1), 1)
+        topk_log_probs_from_hidden(torch.zeros(2, 1, dtype=dtype), torch.zeros((), dtype=dtype).expand(BEYOND, 1), 1)
     topk.check_k(1, 2**24, compute_dtype(dtype))  # the last vocabulary that fits
 
 

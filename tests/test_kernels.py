@@ -273,7 +273,7 @@ def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
 def test_hidden_state_path_runs_the_compiled_kernels(
     dtype: torch.dtype, value_rel: float, grad_rel: float, use: Use, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """linear_log_probs_and_entropy through the compiled kernels, forward and backward on
+    """log_probs_and_entropy_from_hidden through the compiled kernels, forward and backward on
     its [rows, V_block] tiles; values and gradients against the float64 reference."""
     use("1")
     monkeypatch.setattr(_kernels, "_ready", set())  # only this test's kernels count

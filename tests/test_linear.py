@@ -1,4 +1,4 @@
-"""linear_log_probs_and_entropy and response_log_probs_from_hidden without TP, against a
+"""log_probs_and_entropy_from_hidden and response_log_probs_from_hidden without TP, against a
 float64 reference (``log_softmax(hidden @ weight.T / temperature)``): values, the
 gradients of hidden and weight, chunking, dtypes, temperatures, entropy_grad, every
 refusal, and no tensor of ``[T, V]`` size anywhere in forward or backward."""
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cpslice import (
     Layout,
     LayoutError,
-    linear_log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
     pack,
     response_log_probs_from_hidden,
     shard_responses,
@@ -79,7 +79,7 @@ def test_float64_gradcheck() -> None:
     targets = torch.randint(0, 7, (5,), generator=gen)
 
     def both(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        return linear_log_probs_and_entropy(h, w, targets, with_entropy=True, temperature=0.8,
+        return log_probs_and_entropy_from_hidden(h, w, targets, with_entropy=True, temperature=0.8,
                                             chunk_size=2)
 
     assert torch.autograd.gradcheck(both, (hidden, weight))
@@ -94,7 +94,7 @@ def test_peaked_rows_and_large_logits() -> None:
     targets[0] = int((hidden[0] @ weight.T).argmax())
     for temperature in TEMPS:
         check_linear(hidden, weight, targets, temperature, 4, value_rel=64 * EPS32)
-    logp, entropy = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True)
+    logp, entropy = log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entropy=True)
     assert abs(float(logp[0])) < 1e-6 and abs(float(entropy[0])) < 1e-6
 
 
@@ -105,7 +105,7 @@ def test_chunk_sizes_agree() -> None:
     targets = torch.randint(0, 29, (37,), generator=gen)
     got = []
     for chunk in (1, 4, 36, 37, 100, None):
-        logp, entropy = linear_log_probs_and_entropy(
+        logp, entropy = log_probs_and_entropy_from_hidden(
             hidden, weight, targets, with_entropy=True, temperature=1.7, chunk_size=chunk
         )
         grads = torch.autograd.grad(logp.sum() + 2 * entropy.sum(), (hidden, weight))
@@ -119,7 +119,7 @@ def test_chunk_sizes_agree() -> None:
 def test_zero_rows(with_entropy: bool) -> None:
     hidden = torch.zeros(0, 4, requires_grad=True)
     weight = torch.randn(8, 4, requires_grad=True)
-    logp, entropy = linear_log_probs_and_entropy(
+    logp, entropy = log_probs_and_entropy_from_hidden(
         hidden, weight, torch.zeros(0, dtype=torch.int64), with_entropy=with_entropy, chunk_size=3
     )
     assert logp.shape == (0,) and logp.dtype == torch.float32
@@ -138,7 +138,7 @@ def test_without_entropy_and_entropy_as_a_detached_metric() -> None:
     _, ref_h, ref_dh, ref_dw = linear_reference(hidden, weight, targets, 0.5, g, torch.zeros(7))
     for with_entropy in (False, True):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        logp, entropy = linear_log_probs_and_entropy(
+        logp, entropy = log_probs_and_entropy_from_hidden(
             h, w, targets, with_entropy=with_entropy, entropy_grad=False, temperature=0.5,
             chunk_size=2,
         )
@@ -161,7 +161,7 @@ def test_gradient_through_one_output_or_one_input(which: str) -> None:
     g, zero = torch.randn(6, generator=gen), torch.zeros(6)
     h = hidden.clone().requires_grad_(which != "weight only")
     w = weight.clone().requires_grad_(which != "hidden only")
-    logp, entropy = linear_log_probs_and_entropy(h, w, targets, with_entropy=True, chunk_size=4)
+    logp, entropy = log_probs_and_entropy_from_hidden(h, w, targets, with_entropy=True, chunk_size=4)
     if which == "entropy":
         torch.autograd.backward((entropy * g).sum())
         *_, ref_dh, ref_dw = linear_reference(hidden, weight, targets, 1.0, zero, g)
@@ -202,7 +202,7 @@ def test_never_a_tensor_of_logits_size(dtype: torch.dtype) -> None:
     weight = torch.randn(v, h, generator=gen).to(dtype).requires_grad_(True)
     targets = torch.randint(0, v, (t,), generator=gen)
     with _Sizes() as sizes:
-        logp, entropy = linear_log_probs_and_entropy(
+        logp, entropy = log_probs_and_entropy_from_hidden(
             hidden, weight, targets, with_entropy=True, temperature=0.9, chunk_size=chunk
         )
         torch.autograd.backward(logp.sum() + entropy.sum())
@@ -243,7 +243,7 @@ def test_refusals(
     hidden: object, weight: object, targets: object, kwargs: dict[str, object], error: type, match: str
 ) -> None:
     with refused(error, match):
-        linear_log_probs_and_entropy(hidden, weight, targets, **kwargs)  # type: ignore[call-overload]
+        log_probs_and_entropy_from_hidden(hidden, weight, targets, **kwargs)  # type: ignore[call-overload]
 
 
 # --- response_log_probs_from_hidden ---------------------------------------------------
@@ -318,10 +318,10 @@ def test_response_from_hidden_refuses_and_keeps_the_entropy_none() -> None:
 
 
 def test_default_linear_chunk_rows() -> None:
-    from cpslice._vocab.hidden import default_linear_chunk_rows
+    from cpslice._vocab.hidden import default_hidden_chunk_rows
 
-    assert default_linear_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
-    assert default_linear_chunk_rows(10**9) == 1
+    assert default_hidden_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
+    assert default_hidden_chunk_rows(10**9) == 1
 
 
 @pytest.mark.parametrize("chunk", [1, 3, None])
@@ -332,7 +332,7 @@ def test_a_row_sure_of_its_target_gets_exactly_zero_gradient(chunk: int | None) 
     gen = torch.Generator().manual_seed(4)
     hidden = (torch.randn(40, 5, generator=gen) * 4).requires_grad_(True)
     weight = torch.randn(1, 5, generator=gen).requires_grad_(True)
-    logp, entropy = linear_log_probs_and_entropy(
+    logp, entropy = log_probs_and_entropy_from_hidden(
         hidden, weight, torch.zeros(40, dtype=torch.int64), with_entropy=True, temperature=0.5,
         chunk_size=chunk,
     )

@@ -1,4 +1,4 @@
-"""Supports (top-p / top-k sets) on the hidden-state path: ``linear_log_probs_and_entropy``
+"""Supports (top-p / top-k sets) on the hidden-state path: ``log_probs_and_entropy_from_hidden``
 and ``response_log_probs_from_hidden`` with ``support=`` against the float64 masked
 reference on ``hidden @ weight.T`` (values, and the gradients of hidden and weight),
 over the random sets of tests/supports.py; rows with a set compute no logits row
@@ -19,8 +19,8 @@ from cpslice import (
     Layout,
     LayoutError,
     Support,
-    linear_log_probs_and_entropy,
     log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
     response_log_probs,
     response_log_probs_from_hidden,
 )
@@ -44,7 +44,7 @@ def check(
     x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     use_h = case["with_entropy"] and case["entropy_grad"]
     with spy or contextlib.nullcontext():
-        lp, ent = linear_log_probs_and_entropy(
+        lp, ent = log_probs_and_entropy_from_hidden(
             x, w, targets, with_entropy=case["with_entropy"], entropy_grad=case["entropy_grad"],
             temperature=case["temperature"], chunk_size=case["chunk"], support=csr(case["sets"]),
             entropy_over=case["over"],
@@ -114,7 +114,7 @@ def test_bfloat16_equals_the_materialized_path_to_float32_rounding(over: str) ->
     targets = torch.randint(0, v, (t,), generator=gen)
     sets = [torch.randperm(v, generator=gen)[: 1 + row % 6].tolist() if row % 3 else [] for row in range(t)]
     kw: dict[str, Any] = {"with_entropy": True, "temperature": 1.3, "support": csr(sets), "entropy_over": over}
-    lp, ent = linear_log_probs_and_entropy(hidden, weight, targets, chunk_size=16, **kw)
+    lp, ent = log_probs_and_entropy_from_hidden(hidden, weight, targets, chunk_size=16, **kw)
     want_lp, want_ent = log_probs_and_entropy(hidden @ weight.T, targets, **kw)
     scale = float((hidden.float() @ weight.float().T).abs().max()) / 1.3
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=16 * 2.0**-24 * scale)
@@ -211,8 +211,8 @@ def test_support_refusals_on_the_hidden_path() -> None:
     with refused(LayoutError, rf"support row 4: id {vocab + 2} is outside the vocabulary"):
         response_log_probs_from_hidden(hidden, weight, tokens, layout, support=far)
     with refused(LayoutError, "entropy_over='all' is not one of"):
-        linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+        log_probs_and_entropy_from_hidden(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
                                      support=far, entropy_over="all")  # type: ignore[call-overload]
     with refused(TypeError, "support must be a cpslice.Support or None, got list"):
-        linear_log_probs_and_entropy(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+        log_probs_and_entropy_from_hidden(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
                                      support=[[1]])  # type: ignore[call-overload]

@@ -77,7 +77,7 @@ def _check(case: dict[str, Any], dtype: torch.dtype, path: str) -> None:
     else:  # the hidden-state path: logits = hidden @ weight.T with weight the identity-ish head
         hidden = case["logits"].to(dtype).requires_grad_(True)
         weight = torch.eye(v, dtype=dtype).requires_grad_(True)
-        lp, h = cpslice.linear_log_probs_and_entropy(hidden, weight, case["targets"], with_entropy=True, **opts)
+        lp, h = cpslice.log_probs_and_entropy_from_hidden(hidden, weight, case["targets"], with_entropy=True, **opts)
         leaves = (hidden, weight)
         h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
         ref_leaves = (h64, w64)
@@ -165,9 +165,9 @@ def test_ids_and_top_k_with_the_options(dtype: torch.dtype) -> None:
     torch.testing.assert_close(g.double(), want_g, rtol=0, atol=1e-10 if dtype == torch.float64 else 2.0**-6)
     assert bool((g[:, 9:] == 0).all())
     eye = torch.eye(12, dtype=dtype)
-    torch.testing.assert_close(cpslice.linear_log_probs_at(x.detach(), eye, ids, **opts), got.detach(),
+    torch.testing.assert_close(cpslice.log_probs_at_from_hidden(x.detach(), eye, ids, **opts), got.detach(),
                                rtol=0, atol=atol)
-    lv, lt = cpslice.linear_topk_log_probs(x.detach(), eye, 4, **opts)
+    lv, lt = cpslice.topk_log_probs_from_hidden(x.detach(), eye, 4, **opts)
     assert torch.equal(lt, top)
     torch.testing.assert_close(lv, values.detach(), rtol=0, atol=atol)
 
@@ -187,7 +187,7 @@ def test_supports_with_the_options(dtype: torch.dtype) -> None:
         if path == "logits":
             lp, _ = cpslice.log_probs_and_entropy(x, targets, **kw)
         else:
-            lp, _ = cpslice.linear_log_probs_and_entropy(x, torch.eye(10, dtype=dtype), targets, **kw)
+            lp, _ = cpslice.log_probs_and_entropy_from_hidden(x, torch.eye(10, dtype=dtype), targets, **kw)
         (g,) = torch.autograd.grad(lp.sum(), x)
         x64 = logits.clone().requires_grad_(True)
         capped = 5.0 * torch.tanh(x64 / 5.0) / taus[:, None]
@@ -266,7 +266,7 @@ def test_an_id_past_vocab_size_is_nan_where_the_host_does_not_check(
     cpu = torch.zeros(2, 10)
     with refused(LayoutError, r"ids\[1, 0\] = 8 is outside the vocabulary \[0, 7\) \(1 such ids\)"):
         (cpslice.log_probs_at(cpu, torch.tensor([[1], [8]]), vocab_size=7) if path == "logits" else
-         cpslice.linear_log_probs_at(cpu, torch.eye(10), torch.tensor([[1], [8]]), vocab_size=7))
+         cpslice.log_probs_at_from_hidden(cpu, torch.eye(10), torch.tensor([[1], [8]]), vocab_size=7))
     monkeypatch.setattr(args, "in_vocabulary", lambda *a, **k: None)
     monkeypatch.setattr(args, "check_support", lambda support, *a, **k: support)
     logits, targets, _ = ref.inputs(6, 10, 21, 7)
@@ -325,7 +325,7 @@ def test_refusals(kwargs: dict[str, Any], error: type[Exception], match: str) ->
     with refused(error, match):
         cpslice.log_probs_and_entropy(GOOD, TARGETS, **kwargs)
     with refused(error, match):
-        cpslice.linear_log_probs_and_entropy(GOOD, torch.eye(4), TARGETS, **kwargs)
+        cpslice.log_probs_and_entropy_from_hidden(GOOD, torch.eye(4), TARGETS, **kwargs)
 
 
 def test_refusals_of_the_per_sample_and_top_k_forms() -> None:

@@ -8,7 +8,7 @@ each path enters only the collectives it should (counted):
   none backward), two of them again through the compiled kernels, and the range check
   that refuses an id before any collective;
 - ``support_worker``: the same under supports (``SUPPORT_CASES``);
-- ``linear_worker``: linear_log_probs_and_entropy (``LINEAR_CASES``: one all-gather
+- ``linear_worker``: log_probs_and_entropy_from_hidden (``LINEAR_CASES``: one all-gather
   forward, one all-reduce backward, the full hidden gradient on every rank), then
   with supports (``LINEAR_SUPPORT_CASES``).
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import LayoutError, linear_log_probs_and_entropy, log_probs_and_entropy
+from cpslice import LayoutError, log_probs_and_entropy, log_probs_and_entropy_from_hidden
 from cpslice._vocab import hidden as _hidden
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
@@ -252,7 +252,7 @@ def _run_linear(group: Any, tp: int, tp_rank: int, log: list[str]) -> int:
         x = hidden.clone().requires_grad_(True)
         w = weight[rows].clone().requires_grad_(True)
         before = calls()
-        logp, entropy = linear_log_probs_and_entropy(
+        logp, entropy = log_probs_and_entropy_from_hidden(
             x, w, targets, with_entropy=with_entropy, entropy_grad=entropy_grad,
             temperature=temp, tp_group=group, chunk_size=chunk,
         )
@@ -293,7 +293,7 @@ def _run_linear_support(group: Any, tp: int, tp_rank: int) -> int:
         g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
         rows = slice(tp_rank * v_local, (tp_rank + 1) * v_local)
         x, w = hidden.clone().requires_grad_(True), weight[rows].clone().requires_grad_(True)
-        lp, ent = linear_log_probs_and_entropy(  # type: ignore[call-overload]
+        lp, ent = log_probs_and_entropy_from_hidden(  # type: ignore[call-overload]
             x, w, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
             chunk_size=chunk, support=csr(sets), entropy_over=over,
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from cpslice import linear_log_probs_and_entropy, log_probs_and_entropy, topk_log_probs
+from cpslice import log_probs_and_entropy, log_probs_and_entropy_from_hidden, topk_log_probs
 
 from . import transform_reference as ref
 from ._dist import tp_groups
@@ -42,7 +42,7 @@ def _cases(group: Any, tp: int, rank: int) -> int:
         else:  # hidden = the logits, weight = this shard's rows of the identity
             hidden = base.to(dtype).requires_grad_(True)
             weight = torch.eye(total, dtype=dtype)[cols].clone().requires_grad_(True)
-            lp, h = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, chunk_size=2, **opts)
+            lp, h = log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entropy=True, chunk_size=2, **opts)
             g_h, g_w = torch.autograd.grad(lp.sum() + h.sum(), (hidden, weight))
             # the full hidden gradient
             torch.testing.assert_close(g_h.double(), want_g, rtol=0, atol=2.0**-6 if low else 1e-10)

@@ -48,9 +48,9 @@ from ._response import response_log_probs as response_log_probs
 from ._response import response_log_probs_from_hidden as response_log_probs_from_hidden
 from ._support import Support as Support
 from ._types import Strategy as Strategy
-from ._vocab.hidden import linear_log_probs_and_entropy as linear_log_probs_and_entropy
-from ._vocab.hidden import linear_log_probs_at as linear_log_probs_at
-from ._vocab.hidden import linear_topk_log_probs as linear_topk_log_probs
+from ._vocab.hidden import log_probs_and_entropy_from_hidden as log_probs_and_entropy_from_hidden
+from ._vocab.hidden import log_probs_at_from_hidden as log_probs_at_from_hidden
+from ._vocab.hidden import topk_log_probs_from_hidden as topk_log_probs_from_hidden
 from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
 from ._vocab.logits import log_probs_at as log_probs_at
 from ._vocab.logits import topk_log_probs as topk_log_probs
@@ -68,9 +68,9 @@ __all__ = [
     "extract_responses",
     "extraction_strategy",
     "gather_responses",
-    "linear_log_probs_and_entropy",
-    "linear_log_probs_at",
-    "linear_topk_log_probs",
+    "log_probs_and_entropy_from_hidden",
+    "log_probs_at_from_hidden",
+    "topk_log_probs_from_hidden",
     "log_probs_and_entropy",
     "log_probs_at",
     "pack",

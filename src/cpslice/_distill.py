@@ -241,7 +241,7 @@ def _prepare(
 ) -> _Step:
     """Every check of a distillation step, in order, before any collective."""
     local, tau = _resolved(x, what, layout, temperature)
-    default = hidden_driver.default_linear_chunk_rows(vocab_local) if what == "hidden" else None
+    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
     options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
                            tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
     assert options.vocab_size is not None
@@ -330,11 +330,11 @@ def response_distillation_from_hidden(
     vocab_size: IntArg | None = None,
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
-    response rows of ``hidden`` (an ``[R, H]`` copy) through ``linear_log_probs_at``, the
+    response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
     logits never built.
 
     Returns, collectives and raises as ``response_distillation`` (with
-    ``linear_log_probs_at``'s: one all-gather forward, one all-reduce of the hidden
+    ``log_probs_at_from_hidden``'s: one all-gather forward, one all-reduce of the hidden
     gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w = args.head(hidden, weight)
@@ -356,7 +356,7 @@ def _teacher_step(
     resolved once, ``k``, and the engine's ``Options`` over every local row."""
     k_ = args.k_best(k)
     local, tau = _resolved(x, what, layout, temperature)
-    default = hidden_driver.default_linear_chunk_rows(vocab_local) if what == "hidden" else None
+    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
     options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
                            tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
     assert options.vocab_size is not None
@@ -420,11 +420,11 @@ def response_topk_log_probs_from_hidden(
     vocab_size: IntArg | None = None,
 ) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
-    response rows of ``hidden`` (an ``[R, H]`` copy) through ``linear_topk_log_probs``,
+    response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
     the logits never built.
 
     Returns, collectives and raises as ``response_topk_log_probs`` (with
-    ``linear_topk_log_probs``'s); differentiable w.r.t. ``hidden`` and ``weight``.
+    ``topk_log_probs_from_hidden``'s); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w = args.head(hidden, weight)
     local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,

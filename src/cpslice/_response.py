@@ -20,11 +20,11 @@ from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleT
 from ._vocab import args
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
-from ._vocab.hidden import default_linear_chunk_rows
+from ._vocab.hidden import default_hidden_chunk_rows
 
 if TYPE_CHECKING:
-    from ._types import LogProbKeywords
     from ._support import Support
+    from ._types import LogProbKeywords
 
     Keywords = LogProbKeywords[SampleTemperatureArg, Support]
     """The per-sample functions' keywords beside ``with_entropy``: one temperature per
@@ -158,7 +158,7 @@ def response_log_probs_from_hidden(
     every TP rank), ``weight`` its ``[V_local, H]`` LM-head shard, ``tokens`` the whole
     per-sample token tensors ``[L_i]``. The rows ``response_rows`` names are taken from
     ``hidden`` (an ``[R, H]`` copy), their targets from ``shifted_targets``, and
-    ``linear_log_probs_and_entropy`` runs on them; the result is split per sample.
+    ``log_probs_and_entropy_from_hidden`` runs on them; the result is split per sample.
     Returns what ``response_log_probs(hidden @ weight.T, tokens, layout, ...)`` returns:
     one ``[r_i]`` float32 share per sample (an empty share is a zero-length view, in the
     graph) and the entropy shares aligned with them (None unless ``with_entropy``).
@@ -166,12 +166,12 @@ def response_log_probs_from_hidden(
     (``Support.from_responses``); the response rows' sets are taken from it, and its
     errors name its own rows.
 
-    Collectives: those of ``linear_log_probs_and_entropy`` (one all-gather over
+    Collectives: those of ``log_probs_and_entropy_from_hidden`` (one all-gather over
     ``tp_group`` forward, one all-reduce backward); no CP communication.
 
     Raises:
         TypeError, LayoutError: as ``shifted_targets`` and
-            ``linear_log_probs_and_entropy``; ``hidden`` of a length the layout cannot
+            ``log_probs_and_entropy_from_hidden``; ``hidden`` of a length the layout cannot
             hold; a support over another number of rows than ``hidden``'s.
     """
     h, w = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight)
@@ -180,7 +180,7 @@ def response_log_probs_from_hidden(
     # every argument against the whole hidden (a support's errors name the caller's
     # rows), then the response rows' temperatures and sets
     whole = args.options(
-        h, w.shape[0], targets, what="hidden", default_chunk=default_linear_chunk_rows(w.shape[0]),
+        h, w.shape[0], targets, what="hidden", default_chunk=default_hidden_chunk_rows(w.shape[0]),
         with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau, tp_group=tp_group,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
     )

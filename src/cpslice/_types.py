@@ -84,7 +84,7 @@ SupportT = TypeVar("SupportT")
 
 class LogProbKeywords(TypedDict, Generic[TemperatureT, SupportT], total=False):
     """The keywords that the log-prob functions with an entropy share beside
-    ``with_entropy`` (``log_probs_and_entropy``, ``linear_log_probs_and_entropy`` and
+    ``with_entropy`` (``log_probs_and_entropy``, ``log_probs_and_entropy_from_hidden`` and
     their per-sample forms), for their overload stubs: ``**kwargs: Unpack[...]``, the
     implementation naming each keyword with its default (so that ``inspect.signature``
     shows them). Generic in the two that differ: the temperature (one per row, or one

@@ -20,7 +20,7 @@ computes its tiles of logits its own way and hands them to it:
 - drivers: ``logits`` (row chunks of the logits: ``log_probs_and_entropy``; its
   gradient's buffer from ``memory``), ``hidden`` (``[rows, V_block]`` matmul tiles of
   ``hidden @ weight.T``, cut and walked forward by ``tiles``:
-  ``linear_log_probs_and_entropy``), and ``sparse`` (the gathered elements of each
+  ``log_probs_and_entropy_from_hidden``), and ``sparse`` (the gathered elements of each
   row's token set, ``Support``), which the other two call for rows with a set.
 
 Each public function's ``torch.autograd.Function`` is a thin shell over the driver's

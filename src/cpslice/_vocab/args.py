@@ -22,7 +22,7 @@ from .support import Support, check_support
 
 if TYPE_CHECKING:
     Keywords = LogProbKeywords[TemperatureArg, Support]
-    """The keywords of ``log_probs_and_entropy`` and ``linear_log_probs_and_entropy``
+    """The keywords of ``log_probs_and_entropy`` and ``log_probs_and_entropy_from_hidden``
     beside ``with_entropy``: one temperature per row, the engine's ``Support``."""
 else:  # beartype reads no subscripted TypedDict; at run time each value is ``object``
     Keywords = LogProbKeywords

@@ -61,7 +61,7 @@ about this many bytes; a tile (``Tiles``) holds half as many elements. Larger th
 logits path's chunks: each tile runs a matmul, and a matmul of few rows is slow
 (measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
 matmul, 256-row chunks 1.2x)."""
-def default_linear_chunk_rows(vocab: int) -> int:
+def default_hidden_chunk_rows(vocab: int) -> int:
     """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
     within ``LINEAR_CHUNK_BYTES``; at least one row."""
     return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
@@ -296,21 +296,21 @@ apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]
 
 
 @overload
-def linear_log_probs_and_entropy(
+def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False,
     **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, None]: ...
 @overload
-def linear_log_probs_and_entropy(
+def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[True],
     **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow]: ...
 @overload
-def linear_log_probs_and_entropy(
+def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
     **kwargs: Unpack[args.Keywords],
 ) -> tuple[PerRow, PerRow | None]: ...
-def linear_log_probs_and_entropy(
+def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
     entropy_grad: bool = True, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
@@ -335,7 +335,7 @@ def linear_log_probs_and_entropy(
         chunk_size: sizes the tiles, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
             ``tiles.TILE_ROWS`` rows (all rows if fewer). None picks
-            ``default_linear_chunk_rows(V_local)``: ``chunk_size`` rows of float32
+            ``default_hidden_chunk_rows(V_local)``: ``chunk_size`` rows of float32
             within 32 MiB.
 
     Returns:
@@ -367,14 +367,14 @@ def linear_log_probs_and_entropy(
     """
     hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
     options = args.options(
-        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp_group,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
     )
     return apply(hidden_, weight_, targets_, options)
 
 
-def linear_log_probs_at(
+def log_probs_at_from_hidden(
     hidden: TensorArg,
     weight: TensorArg,
     ids: TensorArg,
@@ -390,7 +390,7 @@ def linear_log_probs_at(
 
     Args:
         hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size: as
-            ``linear_log_probs_and_entropy``.
+            ``log_probs_and_entropy_from_hidden``.
         ids: ``[T, k]`` int64 global token ids, as ``log_probs_at``'s.
 
     Returns:
@@ -402,19 +402,19 @@ def linear_log_probs_at(
     when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]`` in backward.
 
     Raises:
-        TypeError, LayoutError: as ``linear_log_probs_and_entropy`` for hidden and weight,
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
     options = args.options(
-        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
     )
     log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
 
 
-def linear_topk_log_probs(
+def topk_log_probs_from_hidden(
     hidden: TensorArg,
     weight: TensorArg,
     k: IntArg,
@@ -438,13 +438,13 @@ def linear_topk_log_probs(
     in backward.
 
     Raises:
-        TypeError, LayoutError: as ``linear_log_probs_and_entropy`` for hidden and weight,
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
             as ``topk_log_probs`` for ``k``. Raised before any collective.
     """
     hidden_, weight_ = args.head(hidden, weight)
     k_ = args.k_best(k)
     options = args.options(
-        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_linear_chunk_rows(weight_.shape[0]),
+        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
     )
     assert options.vocab_size is not None

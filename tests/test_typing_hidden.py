@@ -1,4 +1,4 @@
-"""Static typing of linear_log_probs_and_entropy's and response_log_probs_from_hidden's
+"""Static typing of log_probs_and_entropy_from_hidden's and response_log_probs_from_hidden's
 overloads, checked by mypy in `make typecheck` (assert_type is a no-op at run time)."""
 
 from typing import assert_type
@@ -6,18 +6,18 @@ from typing import assert_type
 import torch
 from torch import Tensor
 
-from cpslice import Layout, linear_log_probs_and_entropy, response_log_probs_from_hidden
+from cpslice import Layout, log_probs_and_entropy_from_hidden, response_log_probs_from_hidden
 
 
 def test_overloads_make_the_entropy_type_exact() -> None:
     hidden, weight = torch.zeros(3, 4), torch.zeros(5, 4)
     targets = torch.tensor([0, 1, 4])
-    plain = linear_log_probs_and_entropy(hidden, weight, targets)
+    plain = log_probs_and_entropy_from_hidden(hidden, weight, targets)
     assert_type(plain, tuple[Tensor, None])
-    on = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=True, entropy_grad=False)
+    on = log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entropy=True, entropy_grad=False)
     assert_type(on, tuple[Tensor, Tensor])
     flag = hidden.shape[0] > 1
-    maybe = linear_log_probs_and_entropy(hidden, weight, targets, with_entropy=flag, chunk_size=2)
+    maybe = log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entropy=flag, chunk_size=2)
     assert_type(maybe, tuple[Tensor, Tensor | None])
     assert on[1].shape == (3,) and maybe[1] is not None
 
@@ -33,7 +33,7 @@ def test_overloads_make_the_entropy_type_exact() -> None:
 def test_every_shared_keyword_at_once() -> None:
     hidden, weight = torch.zeros(3, 4), torch.zeros(5, 4)
     targets = torch.tensor([0, 1, 4])
-    every = linear_log_probs_and_entropy(
+    every = log_probs_and_entropy_from_hidden(
         hidden, weight, targets, with_entropy=True, entropy_grad=False, temperature=0.7, tp_group=None,
         chunk_size=2, support=None, entropy_over="support", softcap=30.0, vocab_size=5,
     )
@@ -41,4 +41,4 @@ def test_every_shared_keyword_at_once() -> None:
     assert every[1].shape == (3,)
     if not hidden.is_cuda:  # static checks only: the call raises at run time
         return
-    linear_log_probs_and_entropy(hidden, weight, targets, with_entopy=True)  # type: ignore[call-overload]
+    log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entopy=True)  # type: ignore[call-overload]
