@@ -338,7 +338,8 @@ def _held(cfg: Config, rank: int, length: int) -> Tensor:
 
 def test_the_teachers_top_k_refusals() -> None:
     # no rows at all (a rank that holds nothing): [0, k], not a reshape error
-    nothing = (topk_log_probs(torch.zeros(0, 5), 2), topk_log_probs_from_hidden(torch.zeros(0, 3), torch.zeros(5, 3), 2))
+    nothing = (topk_log_probs(torch.zeros(0, 5), 2),
+               topk_log_probs_from_hidden(torch.zeros(0, 3), torch.zeros(5, 3), 2))
     for got in nothing:
         assert [x.shape for x in got] == [(0, 2), (0, 2)]
     layout = cpslice.Layout([5, 4], [2, 1])
