@@ -280,7 +280,7 @@ def test_an_id_past_vocab_size_is_nan_where_the_host_does_not_check(
     def call(fn: str, *rest: Any, **kw: Any) -> Any:
         if path == "logits":
             return getattr(cpslice, fn)(logits, *rest, **kw)
-        return getattr(cpslice, f"linear_{fn}")(logits, head, *rest, **kw)
+        return getattr(cpslice, f"{fn}_from_hidden")(logits, head, *rest, **kw)
 
     lp, h = call("log_probs_and_entropy", targets, with_entropy=True, **opts)
     assert torch.equal(lp.isnan(), bad), lp
