@@ -115,10 +115,11 @@ def test_the_left_padded_rows_come_from_an_attention_mask_filled_to_the_last_col
     layout refusing one would fail verify), under zigzag at a length it can split, and
     ``Layout.from_attention_mask`` of the batch's mask gives parallel_state's layout."""
     from cpslice import Layout
+    from cpslice._types import CpMode
     from cpslice._verify.batches import batches_for
     from cpslice._verify.check import attention_mask
 
-    mode = "zigzag" if cp > 1 else "none"
+    mode: CpMode = "zigzag" if cp > 1 else "none"
     case = Case(mode, "bshd", left_padded=True)
     for batch in batches_for(case, Config(cp, 1, (case,))):
         assert batch.offsets is not None
