@@ -11,7 +11,7 @@ import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows
 
-from .refusals import refusal
+from .refusals import Table, refusal_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ def test_a_padded_layout_reads_its_offsets_from_the_widths() -> None:
 # Every refusal: (code building the layout, the message). Run in this (checked) session,
 # and again unchecked by tests/test_errors.py::test_error_tests_pass_unchecked: the same
 # exception type and message with and without run-time checking.
-REFUSALS: list[tuple[str, str]] = [
+REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 4], align=2)",
      "padded_lengths and align=2 are both given; pass one"),
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 3])",
@@ -152,7 +152,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("Layout.from_cu_seqlens([0, 4, 8], [3, 4], [1, 2, 1])",
      "total_lengths has 2 samples but response_lengths has 3"),
 ]
-TYPE_REFUSALS: list[tuple[str, str]] = [
+TYPE_REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 4.0])",
      "sample 1: padded_length 4.0 is a float, not an int"),
     ("Layout([3, 4], [1, 1], align=2.0)", "align 2.0 is a float, not an int"),
@@ -165,13 +165,4 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "message"), REFUSALS)
-def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert isinstance(error, LayoutError) and message in str(error), error
-
-
-@pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
-def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert type(error) is TypeError and message in str(error), error
+test_refusals = refusal_test(REFUSALS, TYPE_REFUSALS)

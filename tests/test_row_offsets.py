@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from cpslice import Layout, LayoutError, extract_responses, pack, shifted_targets
+from cpslice import Layout, extract_responses, pack, shifted_targets
 
-from .refusals import refusal
+from .refusals import Table, refusal_test
 
 # docs/layouts.md: S = 12, prompts of 6 and 2 tokens left-padded to 6 (o = 0, 4),
 # responses of 4 and 5, zigzag over c = 2 ranks (chunks of 3 columns)
@@ -83,7 +83,7 @@ def test_from_attention_mask_reads_a_device_tensor_once() -> None:
 
 
 # Every refusal: (code, message).
-REFUSALS: list[tuple[str, str]] = [
+REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=[3, 3])",
      "sample 1: row_offset 3 + total_length 4 = 7 > max_seq_len 6 (sample i's tokens are "
      "columns [o_i, o_i + L_i) of its row, which ends at max_seq_len)"),
@@ -121,7 +121,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("Layout.from_attention_mask(torch.tensor([[1, 1, 0]]), [1, 0])",
      "total_lengths has 1 samples but response_lengths has 2"),
 ]
-TYPE_REFUSALS: list[tuple[str, str]] = [
+TYPE_REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=[0, 1.0])",
      "sample 1: row_offset 1.0 is a float, not an int"),
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=torch.tensor([0, 1]))",
@@ -135,13 +135,4 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "message"), REFUSALS)
-def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert isinstance(error, LayoutError) and message in str(error), error
-
-
-@pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
-def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert type(error) is TypeError and message in str(error), error
+test_refusals = refusal_test(REFUSALS, TYPE_REFUSALS)
