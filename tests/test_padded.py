@@ -11,6 +11,7 @@ import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows
 
+from .host_reads import DEVICES, read_once
 from .refusals import Table, refusal_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,12 +76,14 @@ def test_from_cu_seqlens(bounds: Any) -> None:
     assert layout.padded_lengths == (16, 8) and layout.qkv_format == "thd"
 
 
-def test_from_cu_seqlens_reads_a_device_tensor_once() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    bounds = torch.tensor([0, 4, 4 + 16], device="cuda")
-    layout = Layout.from_cu_seqlens(bounds, [3, 9], [1, 2], cp_mode="allgather", cp_size=2)
-    assert layout.padded_lengths == (4, 16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_cu_seqlens_reads_a_device_tensor_once(device: str) -> None:
+    """One host read of the boundaries (tests/host_reads.py counts them on any device;
+    on CUDA, the synchronizations it reports too)."""
+    layout = read_once(lambda bounds: Layout.from_cu_seqlens(bounds, [3, 9], [1, 2], cp_mode="allgather",
+                                                             cp_size=2),
+                       torch.tensor([0, 4, 4 + 16], device=device))
+    assert layout == Layout([3, 9], [1, 2], cp_mode="allgather", cp_size=2, padded_lengths=[4, 16])
 
 
 def test_the_docs_verl_example() -> None:

@@ -9,6 +9,7 @@ import torch
 
 from cpslice import Layout, extract_responses, pack, shifted_targets
 
+from .host_reads import DEVICES, read_once
 from .refusals import Table, refusal_test
 
 # docs/layouts.md: S = 12, prompts of 6 and 2 tokens left-padded to 6 (o = 0, 4),
@@ -75,11 +76,12 @@ def test_from_attention_mask(dtype: torch.dtype) -> None:
     assert full == Layout([2, 4], [1, 3], qkv_format="bshd", max_seq_len=4, row_offsets=[2, 0])
 
 
-def test_from_attention_mask_reads_a_device_tensor_once() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    layout = Layout.from_attention_mask(torch.tensor(MASK, device="cuda"), RESPONSE)
-    assert layout.row_offsets == (0, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_attention_mask_reads_a_device_tensor_once(device: str) -> None:
+    """One host read of the statistics computed from the mask on its device (counted on
+    any device by tests/host_reads.py; on CUDA, the synchronizations it reports too)."""
+    layout = read_once(lambda mask: Layout.from_attention_mask(mask, RESPONSE), torch.tensor(MASK, device=device))
+    assert layout == Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=S, row_offsets=OFFSETS)
 
 
 # Every refusal: (code, message).
