@@ -31,7 +31,8 @@ def check(
     value_rel: float | None = None,
     grad_rel: float | None = None,
 ) -> None:
-    """``driver`` on logits ``x`` (``weight`` None) or the head ``x @ weight.T`` against
+    """``driver`` on logits ``x`` (``weight`` None) or the head ``x @ weight.T`` (the
+    hidden path) against
     ``head_reference``: values, the gradients of x and of the weight the driver
     multiplies by (the identity's too), their dtypes, and x and weight untouched.
     Tolerances by the input's form and dtype (``LOGITS_GRAD_REL``, ``HEAD_REL``) unless

@@ -5,12 +5,12 @@ property once for both: the logits path (``log_probs_and_entropy``, given logits
 
 A test gives a driver ``x`` and an optional head ``weight``:
 
-- ``weight`` None: ``x`` is logits. The hidden path takes them through the identity head
-  (``hidden = x``, ``weight = I_V``): ``x @ I.T`` is ``x`` exactly (every product but one
-  is a zero), so on both paths x's gradient is the logits' gradient, and on the hidden
-  path the identity's gradient is ``dlogits.T @ x``.
-- ``weight`` ``[V, H]``: ``x`` is the hidden states ``[T, H]``. The logits path takes the
-  materialized ``x @ weight.T``; autograd carries its gradient to x and weight.
+- ``weight`` None: ``x`` is logits, to either path. The hidden path takes them through
+  the identity head (``hidden = x``, ``weight = I_V``): ``x @ I.T`` is ``x`` exactly
+  (every product but one is a zero), so on both paths x's gradient is the logits'
+  gradient, and on the hidden path the identity's gradient is ``dlogits.T @ x``.
+- ``weight`` ``[V, H]``: ``x`` is the hidden states ``[T, H]``, to the hidden path only
+  (the logits path on ``x @ weight.T`` would test torch's matmul, not cpslice).
 
 ``reference.head_reference`` is the float64 reference of both forms."""
 
@@ -46,7 +46,8 @@ class Driver:
     ) -> tuple[Tensor, Tensor | None]:
         w = self.head(x, weight)
         if self.name == "logits":
-            logp, entropy = log_probs_and_entropy(x if w is None else x @ w.T, targets, **kwargs)
+            assert w is None, "the logits path takes logits"
+            logp, entropy = log_probs_and_entropy(x, targets, **kwargs)
         else:
             assert w is not None
             logp, entropy = linear_log_probs_and_entropy(x, w, targets, **kwargs)

@@ -1,10 +1,10 @@
 """log_probs_and_entropy and linear_log_probs_and_entropy without TP, each test on both
 drivers of tests/drivers.py (the logits path, and the hidden-state path on
-``hidden @ weight.T``) where it says the same of both, given logits (to the hidden path
-through the identity head) or a random LM head (to the logits path materialized):
-against the float64 reference, values and gradients (a random upstream gradient on both
-outputs; the head's weight gradient too), chunking, dtypes, peaked rows, temperatures,
-entropy_grad and every refusal. Only on the logits path: masked (-inf) logits and the
+``hidden @ weight.T``) where it says the same of both, each driver given its own input
+(logits; a random LM head) and the hidden path also logits, through the identity head,
+where that costs little: against the float64 reference, values and gradients (a random
+upstream gradient on both outputs; the head's weight gradient too), chunking, dtypes,
+peaked rows, temperatures, entropy_grad and every refusal. Only on the logits path: masked (-inf) logits and the
 kernel past the CPU checks. Only on the hidden path: no tensor of ``[T, V]`` size
 anywhere in forward or backward, response_log_probs_from_hidden, and a row sure of its
 target getting exactly zero gradient."""
