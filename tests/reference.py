@@ -1,8 +1,9 @@
 """float64 single-process references for the tests, and the tolerances of float32 and
 lower precisions against them: log-probs, entropy and gradients of one logits tensor
 (``reference``), of an LM head ``hidden @ weight.T`` (``linear_reference``), of both
-restricted to token sets (``support_reference``, ``linear_support_reference``); and a
-random packed batch with its reference (``make_batch``)."""
+restricted to token sets (``support_reference``, ``linear_support_reference``), each
+for either input of tests/drivers.py (``head_reference``, ``head_support_reference``);
+and a random packed batch with its reference (``make_batch``)."""
 
 import math
 from dataclasses import dataclass
@@ -95,6 +96,25 @@ def grad_close(got: Tensor | None, want: Tensor, rel: float) -> None:
     torch.testing.assert_close(got.double(), want, rtol=rel, atol=atol)
 
 
+def head_reference(
+    x: Tensor, weight: Tensor | None, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log p, H, d/dx, d/d weight) in float64 for a driver's input (tests/drivers.py):
+    ``linear_reference`` of a head; of logits (``weight`` None) ``reference``, whose
+    logits gradient is x's, and the identity head's weight gradient ``dlogits.T @ x``."""
+    if weight is not None:
+        return linear_reference(x, weight, targets, temperature, g_lp, g_h)
+    logp, entropy, grad = reference(x, targets, temperature, g_lp, g_h)
+    return logp, entropy, grad, grad.T @ x.detach().double()
+
+
+def identity_grad_atol(x: Tensor, grad_atol: float, rel: float, ref_dw: Tensor) -> float:
+    """The identity head's weight gradient ``dlogits.T @ x`` to: each logits gradient
+    entry's ``grad_atol`` carried through a column of ``x``, plus ``rel`` of its scale."""
+    carried = float(x.detach().double().abs().sum(0).max()) if x.numel() else 0.0
+    return grad_atol * carried + rel * (float(ref_dw.abs().max()) if ref_dw.numel() else 0.0)
+
+
 # --- token sets (supports)
 
 
@@ -138,6 +158,18 @@ def linear_support_reference(
         logits = logits.to(hidden.dtype).double()
     logp, ent, grad = support_reference(logits, targets, sets, temperature, over, g_lp, g_h)
     return logp, ent, grad @ w, grad.T @ h
+
+
+def head_support_reference(
+    x: Tensor, weight: Tensor | None, targets: Tensor, sets: Sets, temperature: float, over: str,
+    g_lp: Tensor, g_h: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``head_reference`` restricted to the sets: ``linear_support_reference`` of a head;
+    of logits ``support_reference`` and the identity head's ``dlogits.T @ x``."""
+    if weight is not None:
+        return linear_support_reference(x, weight, targets, sets, temperature, over, g_lp, g_h)
+    logp, entropy, grad = support_reference(x, targets, sets, temperature, over, g_lp, g_h)
+    return logp, entropy, grad, grad.T @ x.detach().double()
 
 
 # --- a packed batch

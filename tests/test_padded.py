@@ -11,7 +11,8 @@ import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows
 
-from .refusals import refusal
+from .host_reads import DEVICES, read_once
+from .refusals import Table, refusal_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,12 +76,14 @@ def test_from_cu_seqlens(bounds: Any) -> None:
     assert layout.padded_lengths == (16, 8) and layout.qkv_format == "thd"
 
 
-def test_from_cu_seqlens_reads_a_device_tensor_once() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    bounds = torch.tensor([0, 4, 4 + 16], device="cuda")
-    layout = Layout.from_cu_seqlens(bounds, [3, 9], [1, 2], cp_mode="allgather", cp_size=2)
-    assert layout.padded_lengths == (4, 16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_cu_seqlens_reads_a_device_tensor_once(device: str) -> None:
+    """One host read of the boundaries (tests/host_reads.py counts them on any device;
+    on CUDA, the synchronizations it reports too)."""
+    layout = read_once(lambda bounds: Layout.from_cu_seqlens(bounds, [3, 9], [1, 2], cp_mode="allgather",
+                                                             cp_size=2),
+                       torch.tensor([0, 4, 4 + 16], device=device))
+    assert layout == Layout([3, 9], [1, 2], cp_mode="allgather", cp_size=2, padded_lengths=[4, 16])
 
 
 def test_the_docs_verl_example() -> None:
@@ -117,7 +120,7 @@ def test_a_padded_layout_reads_its_offsets_from_the_widths() -> None:
 # Every refusal: (code building the layout, the message). Run in this (checked) session,
 # and again unchecked by tests/test_errors.py::test_error_tests_pass_unchecked: the same
 # exception type and message with and without run-time checking.
-REFUSALS: list[tuple[str, str]] = [
+REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 4], align=2)",
      "padded_lengths and align=2 are both given; pass one"),
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 3])",
@@ -152,7 +155,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("Layout.from_cu_seqlens([0, 4, 8], [3, 4], [1, 2, 1])",
      "total_lengths has 2 samples but response_lengths has 3"),
 ]
-TYPE_REFUSALS: list[tuple[str, str]] = [
+TYPE_REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], padded_lengths=[4, 4.0])",
      "sample 1: padded_length 4.0 is a float, not an int"),
     ("Layout([3, 4], [1, 1], align=2.0)", "align 2.0 is a float, not an int"),
@@ -165,13 +168,4 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "message"), REFUSALS)
-def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert isinstance(error, LayoutError) and message in str(error), error
-
-
-@pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
-def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert type(error) is TypeError and message in str(error), error
+test_refusals = refusal_test(REFUSALS, TYPE_REFUSALS)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from cpslice import Layout, LayoutError, extract_responses, pack, shifted_targets
+from cpslice import Layout, extract_responses, pack, shifted_targets
 
-from .refusals import refusal
+from .host_reads import DEVICES, read_once
+from .refusals import Table, refusal_test
 
 # docs/layouts.md: S = 12, prompts of 6 and 2 tokens left-padded to 6 (o = 0, 4),
 # responses of 4 and 5, zigzag over c = 2 ranks (chunks of 3 columns)
@@ -75,15 +76,16 @@ def test_from_attention_mask(dtype: torch.dtype) -> None:
     assert full == Layout([2, 4], [1, 3], qkv_format="bshd", max_seq_len=4, row_offsets=[2, 0])
 
 
-def test_from_attention_mask_reads_a_device_tensor_once() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    layout = Layout.from_attention_mask(torch.tensor(MASK, device="cuda"), RESPONSE)
-    assert layout.row_offsets == (0, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_attention_mask_reads_a_device_tensor_once(device: str) -> None:
+    """One host read of the statistics computed from the mask on its device (counted on
+    any device by tests/host_reads.py; on CUDA, the synchronizations it reports too)."""
+    layout = read_once(lambda mask: Layout.from_attention_mask(mask, RESPONSE), torch.tensor(MASK, device=device))
+    assert layout == Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=S, row_offsets=OFFSETS)
 
 
 # Every refusal: (code, message).
-REFUSALS: list[tuple[str, str]] = [
+REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=[3, 3])",
      "sample 1: row_offset 3 + total_length 4 = 7 > max_seq_len 6 (sample i's tokens are "
      "columns [o_i, o_i + L_i) of its row, which ends at max_seq_len)"),
@@ -121,7 +123,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("Layout.from_attention_mask(torch.tensor([[1, 1, 0]]), [1, 0])",
      "total_lengths has 1 samples but response_lengths has 2"),
 ]
-TYPE_REFUSALS: list[tuple[str, str]] = [
+TYPE_REFUSALS: Table = [
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=[0, 1.0])",
      "sample 1: row_offset 1.0 is a float, not an int"),
     ("Layout([3, 4], [1, 1], qkv_format='bshd', max_seq_len=6, row_offsets=torch.tensor([0, 1]))",
@@ -135,13 +137,4 @@ TYPE_REFUSALS: list[tuple[str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("code", "message"), REFUSALS)
-def test_refusals_are_layout_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert isinstance(error, LayoutError) and message in str(error), error
-
-
-@pytest.mark.parametrize(("code", "message"), TYPE_REFUSALS)
-def test_wrong_kinds_are_type_errors(code: str, message: str) -> None:
-    error = refusal(code)
-    assert type(error) is TypeError and message in str(error), error
+test_refusals = refusal_test(REFUSALS, TYPE_REFUSALS)

@@ -1,8 +1,17 @@
 """Support (top-p / top-k replay): log-probs and entropy restricted to per-row token sets,
-against a float64 reference that masks the logits to the set plus the target; values
-and gradients, Support.from_responses against the oracle, CP invariance, and every
-refusal (with TP on gloo: tests/tp_cases.py, run by test_logprob_tp.py)."""
+against a float64 reference that masks the logits to the set plus the target, on both
+drivers of tests/drivers.py where a test says the same of both: the logits path
+(``log_probs_and_entropy``) given logits, the hidden-state path
+(``log_probs_and_entropy_from_hidden``) given a random LM head ``hidden @ weight.T`` or
+logits through the identity head; values and gradients (of hidden and weight too), no
+dense pass where none is needed, and every refusal of a support. Only on the logits
+path: masked logits in a set, ``Support.from_responses`` against the oracle and CP
+invariance (``response_log_probs``). Only on the hidden path: its bfloat16 rounding
+against the materialized head, rows with a set computing no logits row,
+``response_log_probs_from_hidden`` subsetting a whole-tensor support to its rows.
+With TP on gloo: tests/tp_cases.py, run by test_logprob_tp.py."""
 
+import contextlib
 import math
 from typing import Any
 
@@ -11,71 +20,135 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpslice import Layout, LayoutError, Support, log_probs_and_entropy, pack, response_log_probs
+from cpslice import (
+    Layout,
+    LayoutError,
+    Support,
+    log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
+    pack,
+    response_log_probs,
+    response_log_probs_from_hidden,
+)
 from cpslice import shard_responses as cp_shard
+from tests.checked import refused
 
+from .drivers import BOTH, HIDDEN, LOGITS, Driver
 from .oracle import Config, local_length, local_map
-from .reference import EPS32, grad_atol, support_reference, tolerance
+from .reference import (
+    EPS32,
+    grad_atol,
+    grad_close,
+    head_support_reference,
+    identity_grad_atol,
+    support_reference,
+    tolerance,
+    value_atol,
+)
 from .strategies import configs
-from .supports import Sets, csr, response_sets, support_cases
+from .supports import H, Sets, csr, head, response_sets, support_cases
 
-PROPS = settings(max_examples=20, deadline=None)
+LOGITS_GRAD_REL = {torch.float32: 16 * EPS32, torch.float64: 1e-9, torch.bfloat16: 2e-2}
+HEAD_REL = {torch.float64: (1e-12, 1e-9), torch.float32: (2.0**-18, 1e-5), torch.bfloat16: (2.0**-7, 3e-2)}
 
 
-def check(case: dict[str, Any], dtype: torch.dtype = torch.float32, grad_rtol: float = 16 * EPS32) -> None:
-    logits: Tensor = case["logits"].to(dtype)
+def check(
+    driver: Driver, case: dict[str, Any], form: str = "logits", dtype: torch.dtype = torch.float32,
+    spy: TorchDispatchMode | None = None,
+) -> None:
+    """``driver`` with the case's sets against ``head_support_reference``: given the
+    case's logits (``form`` "logits"; to the hidden path through the identity head) or a
+    random head of its size (``form`` "head", ``supports.head``), in ``dtype``; values,
+    the gradients of x and weight, the gradient outside a row's set (given logits), and
+    the caller's tensors untouched; the call and backward under ``spy``."""
     targets: Tensor = case["targets"]
     sets: Sets = case["sets"]
-    t = logits.shape[0]
+    t, v = case["logits"].shape
+    x, weight = (case["logits"].to(dtype), None) if form == "logits" else head(t, v, seed=t * 31 + v, dtype=dtype)
     gen = torch.Generator().manual_seed(7)
     g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
     support = csr(sets)
-    before = (logits.clone(), support.ids.clone(), support.offsets.clone())
-    x = logits.detach().requires_grad_(True)
-    lp, h = log_probs_and_entropy(
-        x, targets, with_entropy=case["with_entropy"], entropy_grad=case["entropy_grad"],
-        temperature=case["temperature"], chunk_size=case["chunk"], support=support,
-        entropy_over=case["over"],
-    )
+    given_ = [a for a in (x, weight, support.ids, support.offsets) if a is not None]
+    before = [a.clone() for a in given_]
+    h = x.detach().clone().requires_grad_(True)
+    w0 = driver.head(x, weight)
+    w = None if w0 is None else w0.detach().clone().requires_grad_(True)
     use_h = case["with_entropy"] and case["entropy_grad"]
-    loss = (lp * g_lp).sum()
-    if h is not None and use_h:
-        loss = loss + (h * g_h).sum()
-    (grad,) = torch.autograd.grad(loss, x) if t else (torch.zeros_like(x),)
+    with spy or contextlib.nullcontext():
+        lp, ent = driver(
+            h, targets, w, with_entropy=case["with_entropy"], entropy_grad=case["entropy_grad"],
+            temperature=case["temperature"], chunk_size=case["chunk"], support=support,
+            entropy_over=case["over"],
+        )
+        loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None and use_h else 0.0)
+        if ran := bool(t) or driver is HIDDEN:  # zero rows of logits: no graph to run
+            torch.autograd.backward(loss)
     g_h = g_h if use_h else torch.zeros(t)
-    ref_lp, ref_h, ref_grad = support_reference(logits, targets, sets, case["temperature"], case["over"], g_lp, g_h)
-    atol = tolerance(logits, case["temperature"])
+    ref_lp, ref_h, ref_dx, ref_dw = head_support_reference(
+        x, weight, targets, sets, case["temperature"], case["over"], g_lp, g_h
+    )
     assert bool(lp.isfinite().all()), "a target outside its set still has a finite log-prob"
+    assert not ran or h.grad is not None and (w is None or w.grad is not None)
+    dx = torch.zeros_like(x) if h.grad is None else h.grad
+    dw = None if w is None else torch.zeros_like(w) if w.grad is None else w.grad
+    assert dx.dtype == dtype and (dw is None or dw.dtype == dtype)
+    if weight is None:
+        atol = tolerance(x, case["temperature"])
+        rel = LOGITS_GRAD_REL[dtype]
+        dx_atol = grad_atol(ref_dx, g_lp, g_h, case["temperature"], rel)
+        torch.testing.assert_close(dx.double(), ref_dx, rtol=rel, atol=dx_atol)
+        if dw is not None:  # the identity head's
+            torch.testing.assert_close(dw.double(), ref_dw, rtol=rel, atol=identity_grad_atol(x, dx_atol, rel, ref_dw))
+        outside = ref_dx == 0  # entries outside a row's set get nothing from its log-prob
+        assert bool((dx[outside] == 0).all()) or use_h and case["over"] == "full"
+    else:
+        value_rel, grad_rel = HEAD_REL[dtype]
+        atol = value_atol(x, weight, case["temperature"], value_rel)
+        grad_close(dx, ref_dx, grad_rel)
+        assert dw is not None
+        grad_close(dw, ref_dw, grad_rel)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=atol)
     if case["with_entropy"]:
-        assert h is not None
-        torch.testing.assert_close(h.double(), ref_h, rtol=0.0, atol=atol)
+        assert ent is not None
+        torch.testing.assert_close(ent.double(), ref_h, rtol=0.0, atol=atol)
     else:
-        assert h is None
-    assert grad.dtype == dtype
-    atol = grad_atol(ref_grad, g_lp, g_h, case["temperature"], grad_rtol)
-    torch.testing.assert_close(grad.double(), ref_grad, rtol=grad_rtol, atol=atol)
-    outside = ref_grad == 0  # entries outside a row's set get nothing from its log-prob
-    assert bool((grad[outside] == 0).all()) or use_h and case["over"] == "full"
-    assert all(torch.equal(a, b) for a, b in zip(before, (logits, support.ids, support.offsets)))
+        assert ent is None
+    assert all(torch.equal(a, b) for a, b in zip(before, given_))
 
 
-@PROPS
-@given(support_cases())
-def test_float32_matches_float64_masked_reference(case: dict[str, Any]) -> None:
-    check(case)
+# (driver, form, hypothesis examples, dtypes): each driver given its own input
+MASKED = [
+    (LOGITS, "logits", 20, (torch.float32,)),
+    (LOGITS, "logits", 6, (torch.float64, torch.bfloat16)),
+    (HIDDEN, "head", 20, (torch.float64, torch.float32)),
+    (HIDDEN, "head", 6, (torch.bfloat16,)),
+]
 
 
-@settings(max_examples=6, deadline=None)
-@given(support_cases())
-def test_float64_and_bfloat16(case: dict[str, Any]) -> None:
-    check(case, torch.float64, grad_rtol=1e-9)
-    check(case, torch.bfloat16, grad_rtol=2e-2)
+def _id(value: object) -> str:
+    if isinstance(value, tuple):
+        return "+".join(str(d).removeprefix("torch.") for d in value)
+    return str(value)
+
+
+@pytest.mark.parametrize(("driver", "form", "examples", "dtypes"), MASKED, ids=_id)
+def test_matches_the_masked_reference(
+    driver: Driver, form: str, examples: int, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(support_cases())
+    def run(case: dict[str, Any]) -> None:
+        for dtype in dtypes:
+            check(driver, case, form, dtype)
+
+    run()
 
 
 def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every row has a set: without entropy no chunk of the full vocabulary is read."""
+    """Every row has a set: without entropy no chunk of the full vocabulary is read. The
+    logits path's pieces; the hidden path's matmuls: test_rows_with_a_set_compute_no_logits_row..."""
     from cpslice._vocab import kernels
 
     gen = torch.Generator().manual_seed(3)
@@ -94,25 +167,26 @@ def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch:
     monkeypatch.setattr(kernels, "pieces", spy)
     for chunk in (1, 2, 4):
         pieces.clear()
-        check({"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
+        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
                "chunk": chunk, "with_entropy": False, "entropy_grad": True, "over": "full"})
         assert pieces == [[], []], "forward and backward make no dense pass"
         pieces.clear()
-        check({"logits": logits, "targets": targets, "sets": sets[:4] + [[]] + sets[5:],
+        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets[:4] + [[]] + sets[5:],
                "temperature": 0.8, "chunk": chunk, "with_entropy": True, "entropy_grad": True,
                "over": "support"})
         assert all(sum(e - s for s, e in p) <= chunk for p in pieces), "only the empty row, chunk-sized"
         pieces.clear()
-        check({"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
+        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
                "chunk": chunk, "with_entropy": True, "entropy_grad": True, "over": "full"})
         assert all(sum(e - s for s, e in p) == t for p in pieces), "full entropy: every row"
 
 
 def test_masked_logits_in_a_set() -> None:
+    # the logits path only: a head's logits are finite (and -inf * 0 is NaN)
     logits = torch.tensor([[0.0, -math.inf, 2.0, 1.0], [-math.inf, 1.0, -math.inf, 0.5]])
     targets = torch.tensor([2, 1])
     for over in ("full", "support"):
-        check({"logits": logits, "targets": targets, "sets": [[1, 3], [0, 2]],
+        check(LOGITS, {"logits": logits, "targets": targets, "sets": [[1, 3], [0, 2]],
                "temperature": 0.7, "chunk": 1, "with_entropy": True, "entropy_grad": True,
                "over": over})
 
@@ -230,16 +304,17 @@ def test_same_id_in_different_rows_is_fine_and_support_is_frozen() -> None:
         s.ids = torch.tensor([1])
 
 
-def test_log_prob_refusals() -> None:
-    logits, targets = torch.zeros(2, 4), torch.tensor([0, 1])
+@BOTH
+def test_log_prob_refusals(driver: Driver) -> None:
+    logits, targets = torch.zeros(2, 4), torch.tensor([0, 1])  # to the hidden path: the identity head
     with pytest.raises(TypeError, match="support must be a cpslice.Support"):
-        log_probs_and_entropy(logits, targets, support=[[1], [2]])  # type: ignore[call-overload]
-    with pytest.raises(LayoutError, match="support has 3 rows but logits has 2"):
-        log_probs_and_entropy(logits, targets, support=csr([[1], [2], []]))
+        driver(logits, targets, support=[[1], [2]])
+    with pytest.raises(LayoutError, match=f"support has 3 rows but {driver.name} has 2"):
+        driver(logits, targets, support=csr([[1], [2], []]))
     with pytest.raises(LayoutError, match=r"support row 1: id 4 is outside the vocabulary \[0, 4\)"):
-        log_probs_and_entropy(logits, targets, support=csr([[1], [4]]))
+        driver(logits, targets, support=csr([[1], [4]]))
     with pytest.raises(LayoutError, match="entropy_over='sets' is not one of 'full'"):
-        log_probs_and_entropy(logits, targets, support=csr([[1], []]), entropy_over="sets")  # type: ignore[call-overload]
+        driver(logits, targets, support=csr([[1], []]), entropy_over="sets")
 
 
 def test_from_responses_refusals() -> None:
@@ -275,3 +350,143 @@ def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() ->
     logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])
     lp, _ = apply(logits, targets, Options(False, True, 1.0, None, 2, csr([[1], [9], []]), False))
     assert not bool(lp[1].isfinite()) and bool(lp[[0, 2]].isfinite().all())
+
+
+# ---------------------------------------------------------------------------
+# The hidden-state path only.
+
+class _Spy(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The output shapes of every matmul run under it, and the sizes of the float32
+    tensors any operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.shapes: list[tuple[int, ...]] = []
+        self.float32: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append(tuple(out.shape))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, Tensor) and x.dtype == torch.float32:
+                self.float32.append(x.untyped_storage().nbytes() // 4)
+        return out
+
+
+@pytest.mark.parametrize("over", ["full", "support"])
+def test_bfloat16_equals_the_materialized_path_to_float32_rounding(over: str) -> None:
+    """A set element's logit is rounded to bfloat16 as the head's matmul rounds its
+    logits, so the hidden path equals ``log_probs_and_entropy(hidden @ weight.T, ...)``
+    on the materialized bfloat16 logits to float32 rounding. The inputs are multiples of
+    1/8 and H = 4: every product sum is exact in float32 whatever the order, so both
+    paths round the same exact logit to bfloat16 (which keeps 8 of its ~14 bits); an
+    element logit left unrounded differs by up to half a bfloat16 ulp (~0.1 here)."""
+    t, v = 64, 40
+    gen = torch.Generator().manual_seed(21)
+    hidden = (torch.randint(-64, 65, (t, 4), generator=gen) / 8).bfloat16()
+    weight = (torch.randint(-64, 65, (v, 4), generator=gen) / 8).bfloat16()
+    targets = torch.randint(0, v, (t,), generator=gen)
+    sets = [torch.randperm(v, generator=gen)[: 1 + row % 6].tolist() if row % 3 else [] for row in range(t)]
+    kw: dict[str, Any] = {"with_entropy": True, "temperature": 1.3, "support": csr(sets), "entropy_over": over}
+    lp, ent = log_probs_and_entropy_from_hidden(hidden, weight, targets, chunk_size=16, **kw)
+    want_lp, want_ent = log_probs_and_entropy(hidden @ weight.T, targets, **kw)
+    scale = float((hidden.float() @ weight.float().T).abs().max()) / 1.3
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=16 * 2.0**-24 * scale)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=16 * 2.0**-24 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_with_a_set_compute_no_logits_row_and_the_weight_gradient_is_rounded_once(
+    dtype: torch.dtype,
+) -> None:
+    """Every row has a set: without entropy (or with entropy over the sets) no matmul
+    produces vocabulary-wide logits, forward or backward; with the full entropy every
+    row's logits are computed. A popular id in many rows still gets a float32-summed
+    weight gradient (compared with the reference at bfloat16 tolerance)."""
+    t, v = 40, 400
+    gen = torch.Generator().manual_seed(5)
+    targets = torch.randint(0, v, (t,), generator=gen)
+    sets = [sorted({3, *torch.randperm(v, generator=gen)[: 1 + r % 4].tolist()}) for r in range(t)]
+    base = {"logits": torch.zeros(t, v), "targets": targets, "sets": sets, "temperature": 0.8,
+            "chunk": 4, "entropy_grad": True}
+    for with_entropy, over, dense in ((False, "full", False), (True, "support", False), (True, "full", True)):
+        spy = _Spy()
+        check(HIDDEN, {**base, "with_entropy": with_entropy, "over": over}, "head", dtype, spy=spy)
+        logits = [s for s in spy.shapes if s[-1] != H]  # the rest are gradients, [n, H]
+        assert bool(logits) == dense, (with_entropy, over, spy.shapes)
+        if dtype == torch.bfloat16:
+            # the weight gradient adds up in float32 one [V_block, H] block at a time:
+            # no float32 [V, H] copy (the largest: the [T, H] hidden accumulator, the
+            # [E, H] products of the E = K + T support elements, [chunk, V] blocks)
+            elements = sum(len(x) for x in sets) + t
+            most = max(t * H, elements * H, 4 * v)
+            assert max(spy.float32) <= most < v * H, sorted(spy.float32)[-3:]
+
+
+@settings(max_examples=10, deadline=None)
+@given(configs(max_cp=4), st.integers(0, 2**31 - 1), st.sampled_from(["full", "support"]))
+def test_response_path_takes_the_sets_of_its_rows(cfg: Config, seed: int, over: str) -> None:
+    """Over random layouts (padding, empty responses, ranks holding nothing):
+    ``response_log_probs_from_hidden(..., support=)`` on each rank equals
+    ``response_log_probs`` on its materialized logits with the same whole-tensor
+    support, values and the gradients of hidden and weight."""
+    vocab = 30
+    _, ids, offsets = response_sets(cfg, seed, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab, (n,), generator=gen) for n in cfg.total]
+    weight = torch.randn(vocab, H, generator=gen, dtype=torch.float64)
+    length = local_length(cfg)
+    for rank in range(cfg.cp):
+        layout = cfg.layout(rank).with_local_length(length)
+        support = Support.from_responses(ids, offsets, layout)
+        base = torch.randn(length, H, generator=gen, dtype=torch.float64)
+        got = []
+        for path in ("hidden", "logits"):
+            hidden, w = base.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            if path == "hidden":
+                lp, ent = response_log_probs_from_hidden(  # type: ignore[call-overload]
+                    hidden, w, tokens, layout, with_entropy=True, temperature=0.7, chunk_size=3,
+                    support=support, entropy_over=over,
+                )
+            else:
+                lp, ent = response_log_probs(  # type: ignore[call-overload]
+                    hidden @ w.T, tokens, layout, with_entropy=True, temperature=0.7,
+                    support=support, entropy_over=over,
+                )
+            # (no samples: the zero term keeps the loss in the graph)
+            loss = sum((x.sum() * (1 + i) + 0.5 * y.sum() for i, (x, y) in enumerate(zip(lp, ent))),
+                       0 * (hidden.sum() + w.sum()))
+            torch.autograd.backward(loss)
+            got.append((lp + ent, hidden.grad, w.grad))
+        (shares, dh, dw), (want, want_dh, want_dw) = got
+        assert [x.shape for x in shares] == [x.shape for x in want]
+        for x, y in zip(shares, want):
+            assert x.grad_fn is not None  # empty shares too: in the graph
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        torch.testing.assert_close(dh, want_dh, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dw, want_dw, rtol=1e-10, atol=1e-12)
+
+
+def test_support_refusals_on_the_hidden_path() -> None:
+    """A whole-tensor support of the wrong length, an id outside the vocabulary (named
+    by the caller's row: sample 0's first response row is row 4) and a bad
+    ``entropy_over`` are refused before any work."""
+    total, response, vocab = [9, 6, 12], [4, 0, 7], 17
+    tokens = [torch.zeros(n, dtype=torch.int64) for n in total]
+    weight = torch.randn(vocab, H)
+    layout = Layout(total, response)
+    hidden = torch.randn(sum(total), H)
+    short = Support(torch.zeros(0, dtype=torch.int64), torch.zeros(sum(total), dtype=torch.int64))
+    with refused(LayoutError, f"support has {sum(total) - 1} rows but hidden has {sum(total)}"):
+        response_log_probs_from_hidden(hidden, weight, tokens, layout, support=short)
+    far = Support.from_responses([torch.full((r,), vocab + 2) for r in response],
+                                 [torch.arange(r + 1) for r in response], layout)
+    with refused(LayoutError, rf"support row 4: id {vocab + 2} is outside the vocabulary"):
+        response_log_probs_from_hidden(hidden, weight, tokens, layout, support=far)
+    with refused(LayoutError, "entropy_over='all' is not one of"):
+        log_probs_and_entropy_from_hidden(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+                                     support=far, entropy_over="all")  # type: ignore[call-overload]
+    with refused(TypeError, "support must be a cpslice.Support or None, got list"):
+        log_probs_and_entropy_from_hidden(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
+                                     support=[[1]])  # type: ignore[call-overload]
