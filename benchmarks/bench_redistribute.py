@@ -46,7 +46,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     def ours(dst: Layout) -> Callable[[], None]:
         def step() -> None:
             lp, ent = extract_responses(values, src, entropy)
-            a, b = redistribute((lp, ent), src, dst)
+            a, b = redistribute((lp, ent), src, dst, cp_group=dist.group.WORLD)
             loss = sum((x.sum() + y.sum() for x, y in zip(a, b)), values.sum() * 0)
             torch.autograd.backward(loss)
         return step

@@ -97,6 +97,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     masks = [torch.rand(r, generator=gen) > 0.1 for r in response]
     layouts = [Layout(total, response, cp_mode="zigzag", cp_rank=q, cp_size=CP) for q in range(CP)]
     layout = layouts[rank]
+    world = dist.group.WORLD  # the CP group: every process
     whole = Layout(total, response)
     values = torch.randn(needed_length(layout), requires_grad=True)
     old, adv = shard(old_whole, layout), shard(adv_whole, layout)
@@ -124,7 +125,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     def ours() -> Tensor:
         lp, _ = extract_responses(values, layout)
-        ratio = sample_means([a - b for a, b in zip(lp, old)], masks, layout).exp()
+        ratio = sample_means([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world).exp()
         torch.autograd.backward(loss_of(ratio))
         return ratio.detach()
 
@@ -143,7 +144,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     def gathered() -> Tensor:
         lp, _ = extract_responses(values, layout)
-        full = gather_responses([a - b for a, b in zip(lp, old)], layout)
+        full = gather_responses([a - b for a, b in zip(lp, old)], layout, cp_group=world)
         ratio = torch.stack([(f * m).sum() for f, m in zip(full, mask_f)]).div(mask_sums).exp()
         torch.autograd.backward(loss_of(ratio))
         return ratio.detach()
@@ -165,14 +166,14 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     def ours_stats() -> Tensor:
         lp, _ = extract_responses(values, layout)
         stats = [statistics(a, b) for a, b in zip(lp, old)]
-        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout)
-        return corrections(sample_means(stats, masks, layout), largest)
+        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world)
+        return corrections(sample_means(stats, masks, layout, cp_group=world), largest)
 
     def one_per_statistic() -> Tensor:
         lp, _ = extract_responses(values, layout)
         stats = [statistics(a, b) for a, b in zip(lp, old)]
-        means = [sample_means([s[:, j] for s in stats], masks, layout) for j in range(M)]
-        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout)
+        means = [sample_means([s[:, j] for s in stats], masks, layout, cp_group=world) for j in range(M)]
+        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world)
         return corrections(torch.stack(means, 1), largest)
 
     def per_sample_stats() -> Tensor:

@@ -38,9 +38,9 @@ def _step(batch: Batch, layout: Layout, zig: Layout, group: Any) -> tuple[Result
     lp, ent = response_log_probs(logits, batch.tokens, layout, with_entropy=True,
                                  temperature=batch.temperature)
     if layout.cp_mode == "allgather":
-        lp, ent = redistribute((lp, ent), layout, zig, group=group)
-    whole_lp = gather_responses(lp, zig, group=group) if zig.cp_size > 1 else lp
-    whole_ent = gather_responses(ent, zig, group=group) if zig.cp_size > 1 else ent
+        lp, ent = redistribute((lp, ent), layout, zig, cp_group=group)
+    whole_lp = gather_responses(lp, zig, cp_group=group) if zig.cp_size > 1 else lp
+    whole_ent = gather_responses(ent, zig, cp_group=group) if zig.cp_size > 1 else ent
     loss = sum_of_sample_means(lp, batch.masks, zig) + 0.5 * sum_of_tokens(ent, batch.masks, zig)
     (grad,) = torch.autograd.grad(loss, logits)
     out = {"lp": torch.cat(whole_lp).detach(), "ent": torch.cat(whole_ent).detach(),
@@ -145,8 +145,8 @@ def _symmetry(rank: int, world: int) -> list[list[str]]:
         code = [torch.arange(t, dtype=torch.float32) + 1000 * i for i, t in enumerate(total)]
         values = pack(code, layout, fill=-1).requires_grad_()
         shares, ent = extract_responses(values, layout, values * 2)
-        lp2, ent2 = redistribute((shares, ent), layout, zig)
-        whole = gather_responses(lp2, zig)
+        lp2, ent2 = redistribute((shares, ent), layout, zig, cp_group=dist.group.WORLD)
+        whole = gather_responses(lp2, zig, cp_group=dist.group.WORLD)
         spans = [c[t - r - 1 : t - 1] for c, t, r in zip(code, total, response)]
         assert [w.tolist() for w in whole] == [x.tolist() for x in spans], (mode, align)
         assert [x.tolist() for x in lp2] == [x.tolist() for x in shard_responses(spans, zig)]
@@ -169,15 +169,22 @@ def _redistribute_errors(rank: int, world: int) -> list[str]:
     zig = Layout([10, 6], [4, 2], cp_mode="zigzag", cp_rank=rank, cp_size=world)
     shares, _ = extract_responses(torch.zeros(pack([torch.zeros(10), torch.zeros(6)], zig)
                                               .shape[0]), zig)
+    world_group = dist.group.WORLD
     bad: list[Callable[[], object]] = [
-        lambda: redistribute(shares, zig.for_rank((rank + 1) % world), zig),
+        lambda: redistribute(shares, zig.for_rank((rank + 1) % world), zig, cp_group=world_group),
         lambda: redistribute(shares, Layout([10, 6], [4, 2], cp_mode="zigzag", cp_size=2,
-                                            cp_rank=rank % 2), zig),
-        lambda: redistribute(shares, zig, Layout([10, 7], [4, 2])),
-        lambda: redistribute([torch.zeros(s.shape[0] + 1) for s in shares], zig, zig),
-        lambda: redistribute((shares, [s.double() for s in shares]), zig, zig),
+                                            cp_rank=rank % 2), zig, cp_group=world_group),
+        lambda: redistribute(shares, zig, Layout([10, 7], [4, 2]), cp_group=world_group),
+        lambda: redistribute([torch.zeros(s.shape[0] + 1) for s in shares], zig, zig,
+                             cp_group=world_group),
+        lambda: redistribute((shares, [s.double() for s in shares]), zig, zig,
+                             cp_group=world_group),
         lambda: redistribute(shares, Layout([10, 6], [4, 2], cp_mode="allgather",
-                                            cp_rank=rank, cp_size=world), zig),
+                                            cp_rank=rank, cp_size=world), zig,
+                             cp_group=world_group),
+        # cp_group=None is no group, as tp_group=None is no TP: refused under CP
+        lambda: redistribute(shares, zig, zig),
+        lambda: gather_responses(shares, zig, cp_group=None),
     ]
     messages = []
     for call in bad:
@@ -186,6 +193,11 @@ def _redistribute_errors(rank: int, world: int) -> list[str]:
             messages.append("no error")
         except LayoutError as e:
             messages.append(str(e))
+    # without CP, cp_group=None is fine: nothing moves
+    one = Layout([10, 6], [4, 2])
+    whole = [torch.ones(4), torch.ones(2)]
+    moved = redistribute(whole, one, one, cp_group=None) + gather_responses(whole, one)
+    messages.append(str([m.tolist() for m in moved]))
     return messages
 
 
@@ -199,13 +211,21 @@ def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
         assert sequence == ["all_to_all_single"] * 2 + ["forward done"] + (
             ["all_to_all_single"] * 2
         ) + ["backward done"], sequence
-    wrong_rank, wrong_size, other_samples, wrong_length, mixed, no_local = messages[1]
+    wrong_rank, wrong_size, other_samples, wrong_length, mixed, no_local, *rest = messages[1]
+    no_group, no_group_gather, no_cp = rest
     assert "src is rank 2 of cp_size 4 but this process is rank 1 of a group of 4" in wrong_rank
     assert "pass the CP group" in wrong_size
     assert "same samples" in other_samples
     assert "sample 0: values[0] has 1 positions but rank 1's share in src is 0" in wrong_length
     assert "one dtype and trailing shape" in mixed
     assert "local_length=T" in no_local
+    for fn, message in (("redistribute", no_group), ("gather_responses", no_group_gather)):
+        assert message.startswith(
+            f"{fn} at cp_size 4 needs cp_group=, the CP process group (megatron-core: "
+            "parallel_state.get_context_parallel_group(); dist.group.WORLD when every process "
+            "is one CP group); None means no group, as tp_group=None means no TP"
+        ), message
+    assert no_cp == str([[1.0] * 4, [1.0] * 2] * 2)
 
 
 def _left_padded(rank: int, world: int) -> list[str]:
@@ -225,10 +245,10 @@ def _left_padded(rank: int, world: int) -> list[str]:
         name = f"{src.qkv_format} {src.cp_mode} -> {dst.qkv_format} {dst.cp_mode}"
         values = pack(code, src, fill=-1).requires_grad_()
         shares, _ = extract_responses(values, src)
-        moved = redistribute(shares, src, dst)
+        moved = redistribute(shares, src, dst, cp_group=dist.group.WORLD)
         if [m.tolist() for m in moved] != [x.tolist() for x in shard_responses(spans, dst)]:
             failures.append(f"{name}: shares")
-        if [w.tolist() for w in gather_responses(moved, dst)] != [x.tolist() for x in spans]:
+        if [w.tolist() for w in gather_responses(moved, dst, cp_group=dist.group.WORLD)] != [x.tolist() for x in spans]:
             failures.append(f"{name}: whole responses")
         loss = sum(((m * w).sum() for m, w in zip(moved, shard_responses(weights, dst))),
                    values.sum() * 0)

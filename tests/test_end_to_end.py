@@ -69,12 +69,12 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
                                  temperature=batch.temperature,
                                  tp_group=tp_group if tp > 1 else None)
     whole_lp, whole_ent = redistribute((lp, ent), layout, Layout(batch.total, batch.response),
-                                       group=cp_group)
+                                       cp_group=cp_group)
     err["gathered"] = max(_err(whole_lp, batch.ref_lp), _err(whole_ent, batch.ref_ent))
     if layout.cp_mode == "allgather":
         zig = Layout(batch.total, batch.response, cp_mode="zigzag", cp_rank=layout.cp_rank,
                      cp_size=layout.cp_size)
-        zlp = redistribute(lp, layout, zig, group=cp_group)
+        zlp = redistribute(lp, layout, zig, cp_group=cp_group)
         zcfg = oracle.config_of(zig)
         err["to_zigzag"] = _err(zlp, oracle.shares(batch.ref_lp, zcfg, rank))
         target, weights = zig, oracle.shares(batch.w_lp, zcfg, rank)

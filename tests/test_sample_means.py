@@ -215,7 +215,7 @@ def _rl_loss(fn: Any, batch: dict[str, Any], layout: Layout, group: Any) -> tupl
     leaves = [lg.clone().requires_grad_() for lg in batch["logits"]]
     logits = pack(leaves, layout)
     loss = fn(logits, batch["tokens"], layout, batch["old"], batch["adv"], batch["masks"],
-              group=group)
+              cp_group=group)
     loss.backward()
     grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
     return float(loss.detach()), [g.tolist() for g in grads]
@@ -234,7 +234,7 @@ def _means(case: Case, mode: str, cp: int, me: int, group: Any, calls: Calls, *,
     shares, _ = extract_responses(local, layout)
     adv, _ = extract_responses(_local(cfg, me, case.advantages, torch.float64), layout)
     calls.clear()
-    means = sample_means(shares, case.masks, layout, group=group, denominators=case.denominators)
+    means = sample_means(shares, case.masks, layout, cp_group=group, denominators=case.denominators)
     forward = list(calls)
     part = sum((_weighted(means[i].double().exp(), columns) * a.sum() for i, a in enumerate(adv)),
                means[:0].double().sum())
@@ -260,7 +260,7 @@ def _extremes(case: Case, cp: int, me: int, group: Any, calls: Calls, *,
     out: dict[str, Any] = dict(held=sum(s.shape[0] for s in shares))
     for fn in (sample_max, sample_min):
         calls.clear()
-        got = fn(shares, case.masks, layout, group=group)
+        got = fn(shares, case.masks, layout, cp_group=group)
         out[fn.__name__] = dict(values=got.tolist(), dtype=str(got.dtype),
                                 grad=got.requires_grad, calls=list(calls))
     return out
@@ -283,7 +283,7 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
     docs = _doc_functions()
     out: dict[Any, Any] = {}
     for cp in GROUPS:
-        group = None if cp == WORLD else pair
+        group = dist.group.WORLD if cp == WORLD else pair
         me, replica = rank % cp, rank // cp
         for mode in MODES + ALIGNED:
             for name in CASES if mode in MODES else ("mixed", "sparse"):
@@ -305,9 +305,26 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
         try:
             sample_means(shard_responses([torch.zeros(2)], wrong), [torch.ones(2)], wrong,
-                         group=group)
+                         cp_group=group)
         except LayoutError as e:
             out[cp, "wrong group", rank] = str(e)
+        # cp_group=None is no group (as tp_group=None is no TP): refused under CP, on
+        # every rank and before any collective; fine without CP
+        mine = Layout([5], [2], cp_mode="zigzag", cp_rank=me, cp_size=cp)
+        for reducer in (sample_means, sample_max):
+            calls.clear()
+            try:
+                reducer(shard_responses([torch.zeros(2)], mine), [torch.ones(2)], mine,
+                        cp_group=None)
+            except LayoutError as e:
+                out[cp, "no group", reducer.__name__, rank] = (str(e), len(calls))
+        whole = Layout([5], [2])
+        calls.clear()
+        out[cp, "no cp", rank] = (
+            sample_means([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
+            sample_max([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
+            len(calls),
+        )
         # docs/api-guide.md's examples, zigzag
         batch = _rl_batch(cp)
         layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
@@ -483,3 +500,17 @@ def test_a_layout_for_another_group_is_refused_on_every_rank(ranks: dict[Any, An
         message = ranks.get((cp, "wrong group", r), "no error")
         assert re.search(rf"the layout is rank {r % cp % (6 - cp)} of cp_size {6 - cp} but this process "
                          rf"is rank {r % cp} of a group of {cp}; pass the CP group", message), message
+
+
+@pytest.mark.parametrize("cp", GROUPS)
+def test_no_cp_group_under_cp_is_refused_on_every_rank(ranks: dict[Any, Any], cp: int) -> None:
+    for r in range(WORLD):
+        for fn in ("sample_means", "sample_max"):
+            message, calls = ranks.get((cp, "no group", fn, r), ("no error", -1))
+            assert message.startswith(
+                f"{fn} at cp_size {cp} needs cp_group=, the CP process group (megatron-core: "
+                "parallel_state.get_context_parallel_group(); dist.group.WORLD when every "
+                "process is one CP group); None means no group, as tp_group=None means no TP"
+            ), message
+            assert calls == 0, (fn, r)  # refused before any collective
+        assert ranks[cp, "no cp", r] == ([1.0], [1.0], 0)  # without CP, None is fine

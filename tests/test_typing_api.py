@@ -35,7 +35,7 @@ def test_redistribute_and_reducer_types() -> None:
     assert_type(cpslice.sum_of_tokens(shares, masks, layout), Tensor)
     assert_type(cpslice.sample_means(shares, masks, layout, denominators=[2.0, 1.0]), Tensor)
     assert_type(cpslice.sample_max(shares, masks, layout), Tensor)
-    assert_type(cpslice.sample_min([s[:, None] for s in shares], masks, layout, group=None), Tensor)
+    assert_type(cpslice.sample_min([s[:, None] for s in shares], masks, layout, cp_group=None), Tensor)
     assert_type(
         cpslice.sum_of_sample_means(shares, masks, layout, denominators=torch.ones(2)), Tensor
     )

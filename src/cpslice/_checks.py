@@ -324,24 +324,33 @@ def fill_value(fill: object, dtype: torch.dtype) -> float | int | bool:
 def cp_group(
     what: str, name: str, cp_rank: int, cp_size: int, group: dist.ProcessGroup | None
 ) -> int:
-    """The size of ``group`` (``None``: the default group), which must be the CP group
-    of a layout ``name`` that is rank ``cp_rank`` of ``cp_size``; ``what`` is the
-    function that needs it.
+    """The size of ``group``, which must be the CP group of a layout ``name`` that is
+    rank ``cp_rank`` of ``cp_size`` (above 1); ``what`` is the function that needs it.
+    ``None`` means no group, as ``tp_group=None`` means no TP: refused here, where
+    the call needs CP communication.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        LayoutError: this process is another rank, or the group another size.
+        LayoutError: no group (``None``); this process is another rank, or the group
+            another size.
     """
     if not dist.is_initialized():
         raise RuntimeError(
             f"{what} at cp_size {cp_size} needs torch.distributed: call init_process_group "
             "first"
         )
+    if group is None:
+        raise LayoutError(
+            f"{what} at cp_size {cp_size} needs cp_group=, the CP process group "
+            "(megatron-core: parallel_state.get_context_parallel_group(); dist.group.WORLD "
+            "when every process is one CP group); None means no group, as tp_group=None "
+            "means no TP"
+        )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if cp_size != size or cp_rank != rank:
         raise LayoutError(
             f"{name} is rank {cp_rank} of cp_size {cp_size} but this process is rank "
             f"{rank} of a group of {size}; pass the CP group (megatron-core: "
-            "parallel_state.get_context_parallel_group()) as group="
+            "parallel_state.get_context_parallel_group()) as cp_group="
         )
     return size

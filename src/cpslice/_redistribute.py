@@ -176,8 +176,8 @@ def _check(
     return at.length, out
 
 
-def _check_group(src: Layout, dst: Layout, group: Any) -> int:
-    size = checks.cp_group("redistribute", "src", src.cp_rank, src.cp_size, group)
+def _check_group(what: str, src: Layout, dst: Layout, cp_group: Any) -> int:
+    size = checks.cp_group(what, "src", src.cp_rank, src.cp_size, cp_group)
     rank = src.cp_rank
     if dst.cp_mode != "none" and (dst.cp_size != size or dst.cp_rank != rank):
         raise LayoutError(
@@ -189,11 +189,11 @@ def _check_group(src: Layout, dst: Layout, group: Any) -> int:
 
 
 def _redistribute(
-    lists: Sequence[object], src: Layout, dst: Layout, group: Any, name: str
+    lists: Sequence[object], src: Layout, dst: Layout, cp_group: Any, name: str, what: str
 ) -> list[list[Tensor]]:
     # One rank holds every share whole, in every layout: nothing to move, no group.
     local = src.cp_size == 1 and dst.cp_size == 1
-    size = 1 if local else _check_group(src, dst, group)
+    size = 1 if local else _check_group(what, src, dst, cp_group)
     src_length, shares = _check(lists, src, dst, name)
     if local:
         return [list(s) for s in shares]
@@ -202,7 +202,7 @@ def _redistribute(
     dst_length = resolve(dst, what="the layout").length
     route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device)
     send = stacked.index_select(0, route.send_index)
-    received = _all_to_all(send, route.send_splits, route.recv_splits, group)
+    received = _all_to_all(send, route.send_splits, route.recv_splits, cp_group)
     return [
         list(torch.split(received.index_select(0, route.block + k * route.run), route.dst_counts))
         for k in range(nlists)
@@ -211,18 +211,18 @@ def _redistribute(
 
 @overload
 def redistribute(
-    values: Sequence[Share], src: Layout, dst: Layout, *, group: Any = None
+    values: Sequence[Share], src: Layout, dst: Layout, *, cp_group: Any = None
 ) -> list[Share]: ...
 @overload
 def redistribute(
-    values: tuple[Sequence[Share], ...], src: Layout, dst: Layout, *, group: Any = None
+    values: tuple[Sequence[Share], ...], src: Layout, dst: Layout, *, cp_group: Any = None
 ) -> tuple[list[Share], ...]: ...
 def redistribute(
     values: Sequence[Share] | tuple[Sequence[Share], ...],
     src: Layout,
     dst: Layout,
     *,
-    group: Any = None,
+    cp_group: Any = None,
 ) -> list[Share] | tuple[list[Share], ...]:
     """Move per-sample shares from ``src``'s layout to ``dst``'s, over the CP group.
 
@@ -235,7 +235,10 @@ def redistribute(
             e.g. allgather -> zigzag (what loss code written for ring attention
             expects), or any layout -> ``cp_mode="none"`` (whole responses on every
             rank). An allgather src or dst needs ``local_length``.
-        group: the CP process group (``None``: the default group).
+        cp_group: the CP process group (megatron-core:
+            ``parallel_state.get_context_parallel_group()``; ``dist.group.WORLD`` when
+            every process is one CP group). ``None`` (the default) means no group, as
+            ``tp_group=None`` means no TP: only cp_size 1 (src and dst) may omit it.
 
     Returns:
         The shares in ``dst``'s layout: a list, or a tuple of lists aligned with
@@ -249,27 +252,32 @@ def redistribute(
     ``cp_size x`` as much data (and a ring all_reduce twice that).
 
     At cp_size 1 (src and dst both on one rank) every share already is the whole
-    response: nothing moves, no collective is entered and no process group is needed.
+    response: nothing moves, no collective is entered and no process group is needed
+    (``cp_group`` is then unused).
 
     Raises:
         TypeError: ``values`` is not a list (or tuple of lists) of per-sample tensors.
         RuntimeError: cp_size > 1 and torch.distributed is not initialized.
-        LayoutError: layouts for other samples (total or response lengths), ranks or
-            group size; a share of the wrong length, dtype or trailing shape. Raised
-            before any collective.
+        LayoutError: CP with no ``cp_group``; layouts for other samples (total or
+            response lengths), ranks or group size; a share of the wrong length,
+            dtype or trailing shape. Raised before any collective.
     """
     if isinstance(values, tuple) and values and all(not isinstance(v, Tensor) for v in values):
-        return tuple(_redistribute(values, src, dst, group, "values"))
-    return _redistribute([values], src, dst, group, "values")[0]
+        return tuple(_redistribute(values, src, dst, cp_group, "values", "redistribute"))
+    return _redistribute([values], src, dst, cp_group, "values", "redistribute")[0]
 
 
-def gather_responses(values: Sequence[Share], layout: Layout, *, group: Any = None) -> list[Share]:
+def gather_responses(
+    values: Sequence[Share], layout: Layout, *, cp_group: Any = None
+) -> list[Share]:
     """The whole response of every sample, on every rank of the CP group.
 
     ``redistribute(values, layout, Layout(total, response))``: one all-to-all that moves
-    each rank's shares to every rank (1x the responses). Differentiable.
+    each rank's shares to every rank (1x the responses). Differentiable. ``cp_group``,
+    collectives and errors as ``redistribute``.
     """
-    return redistribute(values, layout, _whole(layout), group=group)
+    whole = _whole(layout)
+    return _redistribute([values], layout, whole, cp_group, "values", "gather_responses")[0]
 
 
 @cached(maxsize=8)

@@ -258,8 +258,8 @@ class _AllReduceSum(torch.autograd.Function):
 _all_reduce_sum = cast(Callable[[Tensor, Any], Tensor], _AllReduceSum.apply)
 
 
-def _check_group(what: str, layout: Layout, group: dist.ProcessGroup | None) -> None:
-    checks.cp_group(what, "the layout", layout.cp_rank, layout.cp_size, group)
+def _check_group(what: str, layout: Layout, cp_group: dist.ProcessGroup | None) -> None:
+    checks.cp_group(what, "the layout", layout.cp_rank, layout.cp_size, cp_group)
 
 
 def sample_means(
@@ -267,7 +267,7 @@ def sample_means(
     loss_masks: Masks,
     layout: Layout,
     *,
-    group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
     denominators: Denominators = None,
 ) -> PerSample:
     """Each sample's masked mean over its *whole* response, on every rank of the CP group.
@@ -284,7 +284,10 @@ def sample_means(
             rank), one per token for all its statistics; a fractional mask weights its
             token.
         layout: this rank's layout.
-        group: the CP process group (``None``: the default group); unused without CP.
+        cp_group: the CP process group (megatron-core:
+            ``parallel_state.get_context_parallel_group()``; ``dist.group.WORLD`` when
+            every process is one CP group). ``None`` (the default) means no group, as
+            ``tp_group=None`` means no TP: only a layout without CP may omit it.
         denominators: ``[n]`` tensor or list of floats, the same on every rank, in
             place of the whole masks' sums (e.g. a token count per rollout group), one
             per sample for all its statistics. A CPU tensor is checked for negative or
@@ -305,13 +308,15 @@ def sample_means(
     ``[n, m]``) floats forward and, when the result is in a graph, one backward,
     whatever each rank holds (none for a layout of no samples, on every rank alike);
     every rank must call it (under ``torch.no_grad()``: only the forward one). Without
-    CP (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed.
+    CP (``cp_mode="none"`` or ``cp_size`` 1), none, and no process group is needed
+    (``cp_group`` is then unused).
 
     Raises:
         RuntimeError: CP without torch.distributed initialized.
         TypeError, LayoutError: as ``sum_of_sample_means`` (but shares may have
-            trailing dimensions); shares of different trailing shapes; a group whose
-            size or rank disagrees with the layout.
+            trailing dimensions); shares of different trailing shapes; CP with no
+            ``cp_group``, or a group whose size or rank disagrees with the layout.
+            Raised before any collective.
     """
     sums = _sums(values, loss_masks, layout, columns=True)
     if denominators is None:
@@ -320,9 +325,9 @@ def sample_means(
         d = _denominators(denominators, layout, sums.local.device, sums.local.dtype)
     local = sums.local
     if layout.cp_size > 1:
-        _check_group("sample_means", layout, group)
+        _check_group("sample_means", layout, cp_group)
         if layout.num_samples:  # n is the same on every rank: all skip, or none
-            local = _all_reduce_sum(local, group)
+            local = _all_reduce_sum(local, cp_group)
     return _divide(local, d).to(sums.dtype)
 
 
@@ -366,24 +371,28 @@ def _local_extreme(
 
 def _extreme(
     what: str, values: object, loss_masks: object, layout: Layout,
-    group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None,
 ) -> Tensor:
     """``sample_max`` or ``sample_min`` (``what``): see there."""
     how = _EXTREMES[what]
     local, nan = _local_extreme(how, values, loss_masks, layout)
     if layout.cp_size > 1:
-        _check_group(what, layout, group)
+        _check_group(what, layout, cp_group)
         if layout.num_samples:  # n is the same on every rank: all enter it, or none
             # the NaN flags ride in the same all_reduce, marked in its direction (1 for
             # MAX, -1 for MIN), so that NaN never meets the backend's comparison
             both = torch.stack([local, nan.to(local.dtype) * how.flag])
-            dist.all_reduce(both, op=how.op, group=group)
+            dist.all_reduce(both, op=how.op, group=cp_group)
             local, nan = both[0], both[1] != 0
     return torch.where(nan, math.nan, local)
 
 
 def sample_max(
-    values: Shares, loss_masks: Masks, layout: Layout, *, group: dist.ProcessGroup | None = None
+    values: Shares,
+    loss_masks: Masks,
+    layout: Layout,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> PerSample:
     """Each sample's masked maximum over its *whole* response, on every rank of the CP
     group: e.g. rejection of a sequence by its largest per-token log-ratio (verl's
@@ -411,15 +420,19 @@ def sample_max(
     Raises:
         RuntimeError, TypeError, LayoutError: as ``sample_means``.
     """
-    return _extreme("sample_max", values, loss_masks, layout, group)
+    return _extreme("sample_max", values, loss_masks, layout, cp_group)
 
 
 def sample_min(
-    values: Shares, loss_masks: Masks, layout: Layout, *, group: dist.ProcessGroup | None = None
+    values: Shares,
+    loss_masks: Masks,
+    layout: Layout,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> PerSample:
     """Each sample's masked minimum over its *whole* response, on every rank of the CP
     group: ``sample_max``'s twin, with an all_reduce (MIN) and ``+inf`` (the identity
     of the minimum) for a sample with no unmasked token. Arguments, result, collectives
     and errors as ``sample_max``.
     """
-    return _extreme("sample_min", values, loss_masks, layout, group)
+    return _extreme("sample_min", values, loss_masks, layout, cp_group)

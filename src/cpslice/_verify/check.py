@@ -220,7 +220,7 @@ def check_batch(
             batch.total, batch.response, mode, "thd", None, s.layout.cp_rank, s.layout.cp_size,
             oracle.least_length(batch.total, mode, "thd", None, s.layout.cp_size),
         )
-        lp, ent = redistribute((lp, ent), s.layout, zigzag, group=cp_group)
+        lp, ent = redistribute((lp, ent), s.layout, zigzag, cp_group=cp_group)
         err_lp = max(err_lp, max_error(lp, oracle.shares(batch.ref_lp, where)))
         err_ent = max(err_ent, max_error(ent, oracle.shares(batch.ref_ent, where)))
     err_grad = _grad_error(s, batch, lp, ent, where, batch.ref_grad)
