@@ -22,6 +22,7 @@ import torch
 
 from cpslice import _cli
 from cpslice._cli import bench, main
+from cpslice._types import CpMode
 from cpslice._verify.batches import make_batch
 from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
 from cpslice._verify.check import Errors, max_error, row_length
@@ -118,7 +119,7 @@ def test_the_left_padded_rows_come_from_an_attention_mask_filled_to_the_last_col
     from cpslice._verify.batches import batches_for
     from cpslice._verify.check import attention_mask
 
-    mode = "zigzag" if cp > 1 else "none"
+    mode: CpMode = "zigzag" if cp > 1 else "none"
     case = Case(mode, "bshd", left_padded=True)
     for batch in batches_for(case, Config(cp, 1, (case,))):
         assert batch.offsets is not None
