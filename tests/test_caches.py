@@ -1,5 +1,12 @@
 """The module-level caches: bounded, clearable, and a step's own entries survive the
-planning of a redistribute route (which reads every rank's layout)."""
+planning of a redistribute route (which reads every rank's layout); and the compiler
+boundary in front of them, which calls the function itself until ``torch._dynamo`` is
+imported and its ``torch.compiler.disable`` version from then on (tests/test_compile.py
+compiles through it)."""
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -44,3 +51,37 @@ def test_a_route_miss_does_not_evict_the_steps_own_entries() -> None:
     assert after.currsize == step_entries
     # the step's resolved reads are hits of their own cache, which the route never fills
     assert cache_info(_read).misses == reads.misses and cache_info(_read).hits > reads.hits
+
+
+BOUNDARY = """
+import sys
+import torch
+from cpslice._cache import boundary, cache_info, cached
+
+@cached(maxsize=4)
+def plan(n: int) -> str:
+    \"\"\"A plan.\"\"\"
+    return sys._getframe(1).f_code.co_filename  # who called the cached function
+
+assert (plan.__name__, plan.__doc__, plan.__wrapped__.__wrapped__.__name__) == (
+    "plan", "A plan.", "plan")
+assert plan.__annotations__ == {"n": int, "return": str}
+before = plan(1)
+assert "torch._dynamo" not in sys.modules, "a boundary's call imported torch._dynamo"
+import torch._dynamo
+plan.__wrapped__.cache_clear()  # the next call runs the function again
+after = plan(1), plan(1)
+print(before, after[0], cache_info(plan).hits)
+"""
+
+
+def test_a_boundary_calls_the_function_until_the_compiler_is_imported() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
+    proc = subprocess.run([sys.executable, "-c", BOUNDARY], env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    before, after, hits = proc.stdout.split()
+    # lru_cache is C: the cached function's caller is the wrapper, then dynamo's
+    assert before.endswith(os.path.join("cpslice", "_cache.py")), before
+    assert after.endswith(os.path.join("_dynamo", "eval_frame.py")), after
+    assert hits == "1", "the cache is honoured through the disabled version"

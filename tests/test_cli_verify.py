@@ -22,6 +22,7 @@ import torch
 
 from cpslice import _cli
 from cpslice._cli import bench, main
+from cpslice._types import CpMode
 from cpslice._verify.batches import make_batch
 from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
 from cpslice._verify.check import Errors, max_error, row_length
@@ -115,7 +116,6 @@ def test_the_left_padded_rows_come_from_an_attention_mask_filled_to_the_last_col
     layout refusing one would fail verify), under zigzag at a length it can split, and
     ``Layout.from_attention_mask`` of the batch's mask gives parallel_state's layout."""
     from cpslice import Layout
-    from cpslice._types import CpMode
     from cpslice._verify.batches import batches_for
     from cpslice._verify.check import attention_mask
 

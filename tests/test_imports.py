@@ -1,4 +1,11 @@
-"""No import cycle among cpslice's modules.
+"""What ``import cpslice`` does: it imports no module that it does not need, and there
+is no import cycle among cpslice's modules.
+
+``import cpslice`` loads neither ``torch._dynamo`` (``torch.compile`` imports it, and
+the planning boundaries decide at each call: ``_cache.boundary``), nor megatron-core
+(``Layout.from_parallel_state`` imports it), nor beartype outside debug mode: each in a
+fresh interpreter, where nothing else imported them. How long the import takes is
+``benchmarks/bench_import.py``'s, not a test's.
 
 Every module under ``src/cpslice`` is parsed (not imported) and every import
 statement in it counts, wherever it sits: at module level, inside a function or
@@ -13,11 +20,23 @@ edge: an ``__init__`` that imports its submodules is no cycle.
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 Graph = dict[str, set[str]]
+
+HEAVY = ("torch._dynamo", "megatron", "beartype")
+LOADED = f"""
+import sys
+import cpslice
+print(" ".join(m for m in {HEAVY!r} if m in sys.modules))
+"""
 
 
 def module_names(src: Path) -> dict[str, Path]:
@@ -220,3 +239,25 @@ def test_a_path_across_the_halves_is_found(tmp_path: Path) -> None:
         "cpslice._types -> cpslice._vocab.args",
         "cpslice._types -> cpslice._vocab.args -> cpslice._vocab.sparse",
     ]
+
+
+def loaded_by_import(debug: str | None) -> set[str]:
+    """The ``HEAVY`` modules in ``sys.modules`` after ``import cpslice`` in a fresh
+    interpreter with ``CPSLICE_DEBUG`` unset or ``debug``."""
+    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
+    if debug is not None:
+        env["CPSLICE_DEBUG"] = debug
+    proc = subprocess.run([sys.executable, "-c", LOADED], env=env, capture_output=True,
+                          text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return set(proc.stdout.split())
+
+
+@pytest.mark.parametrize("debug", [None, "0"])
+def test_the_import_loads_no_compiler_megatron_or_checker(debug: str | None) -> None:
+    assert loaded_by_import(debug) == set()
+
+
+def test_debug_mode_loads_the_checker() -> None:
+    # and torch._dynamo, on purpose: cpslice/__init__.py loads it before the hook
+    assert loaded_by_import("1") == {"beartype", "torch._dynamo"}
