@@ -50,8 +50,10 @@ def targets_of(items: list[Tensor], local: Local, fill: object = 0) -> Tensor:
 
 
 def temperatures_of(tau: float | Tensor, local: Local) -> float | Tensor:
-    """``row_temperatures`` of checked per-sample temperatures (a real, or ``[n]``) in a
-    layout resolved with the ``"sample"`` span (for ``[n]``), on its device."""
+    """A per-sample function's temperature for every local row, from checked per-sample
+    temperatures (``_checks.temperatures``: a real as it is, or ``[n]``), in a layout
+    resolved with the ``"sample"`` span (for ``[n]``), on its device: each sample's at
+    every row holding one of its tokens and 1 at padding rows, ``[T]``."""
     if isinstance(tau, float):
         return tau
     if not local.layout.num_samples:
@@ -106,20 +108,6 @@ def shifted_targets(
     """
     items = checked_tokens(tokens, layout)
     return targets_of(items, resolve(layout, spans=("targets",), device=_device(items), least=True), fill)
-
-
-def row_temperatures(temperature: object, layout: Layout) -> float | Tensor:
-    """A per-sample function's ``temperature`` for every local row: a real as it is, or
-    (``n`` reals, an ``[n]`` tensor) each sample's at every row holding one of its tokens
-    and 1 at padding rows, ``[T]`` (the layout's ``local_length``, else the least).
-
-    Raises:
-        TypeError, LayoutError: as ``_checks.temperatures`` (named by sample).
-    """
-    tau = checks.temperatures(temperature, layout.num_samples, "sample")
-    if isinstance(tau, float):
-        return tau
-    return temperatures_of(tau, resolve(layout, spans=("sample",), device=tau.device, least=True))
 
 
 class ResponseRows(NamedTuple):
