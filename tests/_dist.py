@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported untyped
 
@@ -45,19 +46,31 @@ _CTX = mp.get_context("spawn")
 _MISSING = object()
 
 
+_RANK_ENV = {
+    "CPSLICE_DEBUG": "1",
+    # every new_group ends in a barrier: without it a rank leaves new_group while its
+    # peer is still connecting, and a group destroyed at once (a task that leaves
+    # megatron-core initialized) breaks the peer's connection, so that the two ranks
+    # no longer agree on the next group's name
+    "TORCH_DIST_INIT_BARRIER": "1",
+}
+
+
 @contextmanager
-def _debug_mode() -> Iterator[None]:
-    """``CPSLICE_DEBUG=1`` in the environment the ranks start with, so cpslice's
-    run-time checks are on there from their first import of it."""
-    old = os.environ.get("CPSLICE_DEBUG")
-    os.environ["CPSLICE_DEBUG"] = "1"
+def _rank_environment() -> Iterator[None]:
+    """``_RANK_ENV`` in the environment the ranks start with: cpslice's run-time
+    checks on there from their first import of it, and a barrier after each new
+    process group."""
+    old = {name: os.environ.get(name) for name in _RANK_ENV}
+    os.environ.update(_RANK_ENV)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["CPSLICE_DEBUG"]
-        else:
-            os.environ["CPSLICE_DEBUG"] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class _Baseline:
@@ -134,7 +147,9 @@ def _serve(rank: int, size: int, port: int, inbox: Any, outbox: Any) -> None:
         left = baseline.restore()
         if left is not None and report[0]:
             report = (False, left)
-        outbox.put((task, rank, *report))
+        # the ranks' count of process groups made, which names the next one: ranks
+        # that disagree would meet in different groups' keys of the store
+        outbox.put((task, rank, *report, _c10d._world.group_count))
     dist.destroy_process_group()
 
 
@@ -148,7 +163,7 @@ class _World:
         self.inboxes = [_CTX.Queue() for _ in range(size)]
         self.outbox = _CTX.Queue()
         self.tasks = 0
-        with _debug_mode():
+        with _rank_environment():
             self.procs = [
                 _CTX.Process(target=_serve, args=(r, size, self.store.port, self.inboxes[r], self.outbox),
                              daemon=True, name=f"rank {r} of the test world of {size}")
@@ -168,13 +183,14 @@ class _World:
         for inbox in self.inboxes:  # pickled per rank: a tensor's shared handle is taken once
             inbox.put((self.tasks, bytes(ForkingPickler.dumps((fn, args)))))
         reports: dict[int, tuple[bool, Any]] = {}
+        groups: dict[int, int] = {}
         deadline = time.monotonic() + timeout
         while len(reports) < self.size:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _unfinished(self.size - len(reports), self.size, timeout, reports)
             try:
-                task, rank, ok, value = self.outbox.get(timeout=min(left, 1.0))
+                task, rank, ok, value, groups[rank] = self.outbox.get(timeout=min(left, 1.0))
             except queue.Empty:
                 dead = [p for p in self.procs if p.exitcode is not None]
                 if dead:
@@ -184,6 +200,9 @@ class _World:
             reports[rank] = (ok, ForkingPickler.loads(value) if ok else value)
             if not ok:
                 deadline = min(deadline, time.monotonic() + GRACE)
+        if len(set(groups.values())) > 1:
+            raise RuntimeError(f"the ranks made different numbers of process groups ({dict(sorted(groups.items()))}): "
+                               "the world's next group would not meet; it is discarded")
         return reports
 
     def leave(self) -> None:

@@ -125,3 +125,16 @@ def test_a_dead_rank_or_a_hang_fails_and_the_next_task_gets_a_new_world() -> Non
         run_distributed(_hangs, 1, timeout=2)  # on the new world the death made
     assert time.monotonic() - start < 10
     assert run_distributed(_pid, 1) != first  # and the hang's killed world is replaced too
+
+
+def _miscounts_groups(rank: int, world: int) -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._world.group_count += rank  # as a rank whose new_group failed halfway would
+
+
+def test_ranks_that_disagree_on_their_groups_fail_the_task_and_leave_the_world() -> None:
+    first = run_distributed(_pid, 2)
+    with pytest.raises(RuntimeError, match=r"different numbers of process groups \(\{0: \d+, 1: \d+\}\)"):
+        run_distributed(_miscounts_groups, 2)
+    assert run_distributed(_pid, 2) != first
