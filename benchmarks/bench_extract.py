@@ -93,10 +93,9 @@ def _case(
     rs = runs(layout, t)
     firsts: list[int] = (rs.local + (sel.run_first - rs.start)).tolist()
     counts: list[int] = sel.run_count.tolist()
-    k = sel.k
-    bounds = [
-        [(firsts[j], firsts[j] + counts[j]) for j in range(i * k, i * k + k)] for i in range(n)
-    ]
+    bounds: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for j, i in enumerate(sel.run_sample.tolist()):
+        bounds[i].append((firsts[j], firsts[j] + counts[j]))
     index = sel.rows.to(device)
     per_sample = list(sel.counts)
 

@@ -61,11 +61,16 @@ def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor
 
 
 @cached(maxsize=8)
-def _shard_plan(layout: Layout, length: int) -> tuple[list[int], list[int], int]:
-    """Per run (``k`` per sample): where this rank's piece starts in the whole response,
-    and its length."""
+def _shard_plan(layout: Layout, length: int) -> list[list[tuple[int, int]]]:
+    """Per sample, its non-empty runs: where each of this rank's pieces starts in the
+    whole response, and its length."""
     sel = selection(layout, length, "response")
-    return sel.run_sources(response_base(layout)).tolist(), sel.run_count.tolist(), sel.k
+    plan: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_samples)]
+    live = sel.run_count > 0
+    starts = sel.run_sources(response_base(layout))[live].tolist()
+    for i, start, size in zip(sel.run_sample[live].tolist(), starts, sel.run_count[live].tolist()):
+        plan[i].append((start, size))
+    return plan
 
 
 def split(local: Local, values: Tensor, entropy: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -144,12 +149,10 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
 
 def shard(full: Sequence[Tensor], local: Local) -> list[Tensor]:
     """``shard_responses`` of checked whole responses in a resolved layout."""
-    offsets, sizes, k = _shard_plan(local.layout, local.length)
+    plan = _shard_plan(local.layout, local.length)
     out: list[Tensor] = []
-    for i, f in enumerate(full):
-        pieces = [
-            f.narrow(0, offsets[j], sizes[j]) for j in range(i * k, i * k + k) if sizes[j]
-        ]
+    for f, runs in zip(full, plan, strict=True):
+        pieces = [f.narrow(0, start, size) for start, size in runs]
         if not pieces:
             out.append(f[:0])
         elif len(pieces) == 1:

@@ -8,6 +8,7 @@ Every message names the sample, the values and the rule of docs/layouts.md.
 """
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -52,6 +53,8 @@ def check_format(
             raise TypeError(f"{name} must be a str, got {kind(given_str)} {given_str!r}")
     if qkv_format not in _FORMATS:
         raise LayoutError(f"qkv_format {qkv_format!r} is not one of {_FORMATS}")
+    if cast(str, cp_mode) == "order":
+        raise LayoutError("cp_mode 'order' needs the order itself: build the layout with Layout.from_order")
     if cp_mode not in _MODES:
         raise LayoutError(f"cp_mode {cp_mode!r} is not one of {_MODES}")
     fmt: QkvFormat = qkv_format

@@ -3,10 +3,10 @@
 Every operation of cpslice (extraction, sharding, packing, shifted targets,
 response rows, redistribution) is a reading of the *runs* a layout puts on one
 rank: a run says that local rows ``[local, local + length)`` hold within-sample
-positions ``[start, start + length)`` of one sample. Each sample has the same
-number ``k`` of runs (1, or 2 for zigzag's two chunks), in ascending position
-order, and runs are grouped sample after sample. Padding positions belong to no
-run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
+positions ``[start, start + length)`` of one sample. A sample has any number of runs
+(1, 2 for zigzag's two chunks, as many as an order's pieces: ``_pieces``), in
+ascending position order, and runs are grouped sample after sample. Padding
+positions belong to no run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
 padding included: ``Layout.padded_lengths``) and the padding ``o_i`` before its tokens
 in it (``Layout.row_offsets``: a left-padded bshd row), so the padded samples of verl
 or Megatron-Bridge and the left-padded rows of Hugging Face trainers are more inputs
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from ._cache import boundary, cached
 from ._errors import LayoutError
-from ._layout import Layout
+from ._layout import Layout, closed_mode
+from ._pieces import Pieces, closed, least_length
 from ._types import Strategy
 
 _I64 = torch.int64
@@ -32,10 +33,8 @@ _I64 = torch.int64
 
 def strategy(layout: Layout) -> Strategy:
     """Which reading of docs/layouts.md a layout selects; see ``extraction_strategy``."""
-    if layout.cp_mode == "allgather":
-        return "allgather"
-    if layout.cp_mode == "zigzag":
-        return "zigzag"
+    if layout.cp_mode != "none":
+        return layout.cp_mode
     return "none-thd" if layout.qkv_format == "thd" else "none-bshd"
 
 
@@ -64,18 +63,12 @@ def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
     return base + exclusive_cumsum(response) if concatenated else base
 
 
-def _extent(layout: Layout) -> Tensor:
-    """``W_i`` as an int64 tensor."""
-    return torch.tensor(layout.padded_lengths, dtype=_I64)
-
-
 @cached(maxsize=64)
 def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
-    stream = sum(layout.padded_lengths)
-    if layout.cp_mode == "zigzag":
-        return stream // layout.cp_size  # 2 of the 2c chunks of every sample
-    return -(-stream // layout.cp_size)
+    if layout._order is not None:  # N / c rows of the rearranged stream
+        return layout._order.length
+    return least_length(closed_mode(layout), layout.padded_lengths, layout.cp_size)
 
 
 def check_local_length(layout: Layout, length: int, what: str = "local_length") -> None:
@@ -144,18 +137,19 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 
 
 class Runs(NamedTuple):
-    """``k`` runs per sample: rows ``[local, local+length)`` hold positions ``[start, start+length)``.
+    """Rows ``[local, local+length)`` hold positions ``[start, start+length)`` of ``sample``.
 
-    A run is a piece of the sample's extent on this rank (all of it, a zigzag chunk, the
-    part on an allgather piece): it occupies rows ``[local - lead, local - lead + width)``,
-    ``width >= lead + length``, and holds the sample's tokens at ``[local, local +
-    length)``, padding before them (``lead`` rows: a left-padded bshd row's columns
-    before ``o_i``) and after them (a zigzag chunk, a bshd row, a padded sample). A run of
-    ``length`` 0 holds padding only; then ``start`` is the position its first padding
-    row would hold had it held a token past the sample's end (0 for padding before it).
+    A run is a piece of the sample's extent on this rank (``_pieces``: all of it, a zigzag
+    chunk, the part on an allgather piece, a run of an order): it occupies rows
+    ``[local - lead, local - lead + width)``, ``width >= lead + length``, and holds the
+    sample's tokens at ``[local, local + length)``, padding before them (``lead`` rows: a
+    left-padded bshd row's columns before ``o_i``) and after them (a zigzag chunk, a bshd
+    row, a padded sample). A run of ``length`` 0 holds padding only; then ``start`` is the
+    position its first padding row would hold had it held a token past the sample's end
+    (0 for padding before it). Runs are sorted by sample, then position.
     """
 
-    k: int
+    sample: Tensor
     local: Tensor
     start: Tensor
     length: Tensor
@@ -163,51 +157,40 @@ class Runs(NamedTuple):
     lead: Tensor
 
 
-def _tokens(k: int, slot: Tensor, first: Tensor, width: Tensor, layout: Layout) -> Runs:
-    """The runs of ``k`` extent pieces per sample: rows ``[slot, slot + width)`` holding
-    extent positions ``[first, first + width)``, of which the sample's tokens are
-    ``[o_i, o_i + L_i)`` (its tokens ``[0, L_i)``, ``o_i`` padding positions before them)."""
+def _tokens(p: Pieces, layout: Layout) -> Runs:
+    """The runs of extent pieces ``p`` (rows ``[slot, slot + width)`` holding extent
+    positions ``[first, first + width)``), of which the sample's tokens are ``[o_i, o_i +
+    L_i)`` (its tokens ``[0, L_i)``, ``o_i`` padding positions before them)."""
     total, _ = _lengths(layout)
-    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets, dtype=_I64), k)
-    end = offset + torch.repeat_interleave(total, k)
+    offset = torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]
+    end = offset + total[p.sample]
+    first, width = p.first, p.width
     lead = (offset - first).clamp(0).minimum(width)
     size = (torch.minimum(first + width, end) - torch.maximum(first, offset)).clamp_min(0)
-    return Runs(k, slot + lead, (first - offset).clamp_min(0), size, width, lead)
+    return Runs(p.sample, p.slot + lead, (first - offset).clamp_min(0), size, width, lead)
 
 
 def runs(layout: Layout, length: int, rank: int | None = None) -> Runs:
     """The runs of the layout on its rank (or on CP rank ``rank`` of its group), whose
     local tensor has ``length`` rows."""
-    extent = _extent(layout)  # W_i: every rule reads it where a sample's extent goes
-    if layout.cp_mode == "none":  # thd and bshd alike: rows of W_i, back to back
-        return _tokens(1, exclusive_cumsum(extent), torch.zeros_like(extent), extent, layout)
-    c, r = layout.cp_size, layout.cp_rank if rank is None else rank
-    if layout.cp_mode == "zigzag":  # chunks r and 2c - 1 - r of every extent
-        chunk = torch.div(extent, 2 * c, rounding_mode="floor")
-        block = exclusive_cumsum(2 * chunk)
-        slot = torch.stack([block, block + chunk], 1).reshape(-1)
-        first = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1).reshape(-1)
-        return _tokens(2, slot, first, torch.repeat_interleave(chunk, 2), layout)
-    # allgather: the stream of padded samples, cut into pieces of `length`.
-    offset = exclusive_cumsum(extent)
-    lo = offset.clamp_min(r * length)
-    end = (offset + extent).clamp_max((r + 1) * length)
-    slot = (lo - r * length).clamp(0, length)
-    return _tokens(1, slot, lo - offset, (end - lo).clamp_min(0), layout)
+    r, placed = layout.cp_rank if rank is None else rank, layout._order
+    if placed is not None:
+        return _tokens(placed.of_rank(r), layout)
+    return _tokens(closed(closed_mode(layout), layout.padded_lengths, r, layout.cp_size, length), layout)
 
 
 class Selection(NamedTuple):
     """The rows of one rank that hold a per-sample position range, in position order.
 
     ``rows[j]`` is a local row, ``positions[j]`` the within-sample position it holds;
-    ``counts[i]`` elements belong to sample ``i`` (samples in order). ``run_first`` and
-    ``run_count`` describe the same elements run by run (``k`` runs per sample).
+    ``counts[i]`` elements belong to sample ``i`` (samples in order). ``run_sample``,
+    ``run_first`` and ``run_count`` describe the same elements run by run.
     """
 
     rows: Tensor
     positions: Tensor
     counts: list[int]
-    k: int
+    run_sample: Tensor
     run_first: Tensor
     run_count: Tensor
 
@@ -217,8 +200,8 @@ class Selection(NamedTuple):
         return self.expand(self.run_sources(base))
 
     def run_sources(self, base: Tensor) -> Tensor:
-        """``sources`` of each run's first element (``k`` runs per sample)."""
-        return torch.repeat_interleave(base, self.k) + self.run_first
+        """``sources`` of each run's first element."""
+        return base[self.run_sample] + self.run_first
 
     def expand(self, first: Tensor) -> Tensor:
         """``first[run] + 0, 1, ..., run_count[run] - 1`` for every run, concatenated."""
@@ -229,8 +212,8 @@ class Selection(NamedTuple):
 
 def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor, rank: int | None) -> Selection:
     rs = runs(layout, length, rank)
-    lo_r = torch.repeat_interleave(lo, rs.k)
-    hi_r = torch.repeat_interleave(hi, rs.k)
+    lo_r = lo[rs.sample]
+    hi_r = hi[rs.sample]
     first = torch.maximum(rs.start, lo_r)
     count = (torch.minimum(rs.start + rs.length, hi_r) - first).clamp_min(0)
     first_row = rs.local + (first - rs.start)
@@ -239,8 +222,9 @@ def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor, rank: int | Non
     arange = torch.arange(total, dtype=_I64)
     rows = torch.repeat_interleave(first_row - shift, count, output_size=total) + arange
     positions = torch.repeat_interleave(first - shift, count, output_size=total) + arange
-    counts: list[int] = count.view(-1, rs.k).sum(1).tolist()
-    return Selection(rows, positions, counts, rs.k, first, count)
+    per_sample = torch.zeros(layout.num_samples, dtype=_I64).index_add_(0, rs.sample, count)
+    counts: list[int] = per_sample.tolist()
+    return Selection(rows, positions, counts, rs.sample, first, count)
 
 
 Span = Literal["response", "sample", "targets"]

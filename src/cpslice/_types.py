@@ -35,7 +35,10 @@ HeadWeight = Float[Tensor, "v h"]
 
 QkvFormat = Literal["thd", "bshd"]
 CpMode = Literal["none", "zigzag", "allgather"]
-Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather"]
+"""The modes a ``Layout`` is built with: its closed forms."""
+LayoutMode = Literal["none", "zigzag", "allgather", "order"]
+"""A layout's ``cp_mode``: a closed form's, or ``"order"`` (``Layout.from_order``)."""
+Strategy = Literal["none-thd", "none-bshd", "zigzag", "allgather", "order"]
 EntropyOver = Literal["full", "support"]
 Divergence = Literal["forward", "reverse", "jsd"]
 Tail = Literal["bin", "renormalize"]

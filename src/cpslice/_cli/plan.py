@@ -187,16 +187,16 @@ class _Slot(NamedTuple):
 def _slots(layout: Layout, length: int) -> list[_Slot]:
     rs = runs(layout, length)
     columns: list[list[int]] = torch.stack(
-        [rs.local, rs.start, rs.length, rs.width, rs.lead], 1
+        [rs.sample, rs.local, rs.start, rs.length, rs.width, rs.lead], 1
     ).tolist()
-    return [_Slot(j // rs.k, *run) for j, run in enumerate(columns)]
+    return [_Slot(*run) for run in columns]
 
 
 def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> str:
     rows = _picture_rows(layout, length)
     pieces: list[tuple[int | None, int, int]] = []
     cursor = 0
-    for s in slots:
+    for s in sorted(slots, key=lambda s: s.lo):  # an order's runs: sample by sample, not row by row
         if s.width == 0:
             continue
         if s.lo > cursor:
@@ -243,8 +243,12 @@ def _shares(layout: Layout, length: int) -> list[str]:
     rows = torch.split(sel.rows, counts)
     positions = torch.split(sel.positions, counts)
     out = []
+    of_sample: list[list[int]] = [[] for _ in layout.response_lengths]
+    for j, (i, count) in enumerate(zip(sel.run_sample.tolist(), counts)):
+        if count:
+            of_sample[i].append(j)
     for i, r in enumerate(layout.response_lengths):
-        runs_of = [j for j in range(i * sel.k, (i + 1) * sel.k) if counts[j]]
+        runs_of = of_sample[i]
         if not runs_of:
             out.append("response share none")
             continue
