@@ -180,8 +180,8 @@ def _from_order(
     base = cls(total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
                padded_lengths=padded_lengths, align=align, row_offsets=row_offsets)
     rank, size = check_cp(cp_rank, cp_size, base.qkv_format, "zigzag")
-    full, placement = read(order, base.qkv_format, base.padded_lengths, size)
-    mode = twin(full, base.qkv_format, base.padded_lengths, size)
+    full, placement = read(order, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
+    mode = twin(full, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
     if mode is None:
         return base._placed(rank, size, None, placement)
     thd = base.qkv_format == "thd"
@@ -305,11 +305,12 @@ class Layout:
         """
         size, widths, placed = self.cp_size, self.padded_lengths, self._order
         if placed is not None:
-            return order_of(self.qkv_format, widths, [placed.of_rank(r) for r in range(size)], placed.length)
+            return order_of(self.qkv_format, widths, self.max_seq_len, [placed.of_rank(r) for r in range(size)],
+                            placed.length)
         mode = closed_mode(self)
         length = self.local_length or least_length(mode, widths, size)
         pieces = [closed(mode, widths, r, size, length) for r in range(size)]
-        return order_of(self.qkv_format, widths, pieces, length)
+        return order_of(self.qkv_format, widths, self.max_seq_len, pieces, length)
 
     @property
     def num_samples(self) -> int:

@@ -142,7 +142,8 @@ def _check_permutation(values: Tensor, n: int, what: str, entry: str) -> None:
                           f"({what} must be a permutation of range({n}): each position once)")
 
 
-def _stream(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> tuple[Tensor, Tensor, Tensor]:
+def _stream(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], seq: int | None,
+            size: int) -> tuple[Tensor, Tensor, Tensor]:
     """The checked order in its full shape (thd ``[N]``, bshd ``[B, S]``), the stream
     position each row of each rank holds (``[c, T]``), where each extent starts."""
     n_stream = sum(widths)
@@ -157,7 +158,8 @@ def _stream(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], size: int) -
             raise LayoutError(f"cp_size {size} does not divide the order's {n_stream} positions "
                               "(each rank holds N / cp_size of them)")
         return order, order.view(size, -1), starts
-    rows, seq = len(widths), widths[0] if widths else 0
+    assert seq is not None
+    rows = len(widths)
     if order.dim() == 1:
         order = order.expand(rows, -1)
     if order.dim() != 2 or order.shape[0] != rows:
@@ -175,10 +177,11 @@ def _stream(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], size: int) -
     return order, per_rank.reshape(size, -1), starts
 
 
-def read(order: object, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> tuple[Tensor, Order]:
+def read(order: object, fmt: QkvFormat, widths: tuple[int, ...], seq: int | None,
+         size: int) -> tuple[Tensor, Order]:
     """The checked ``order`` in its full shape, and its pieces: each rank's local rows
-    run-length encoded."""
-    full, stream, starts = _stream(_host(order), fmt, widths, size)
+    run-length encoded (``seq``: a bshd row's ``S``)."""
+    full, stream, starts = _stream(_host(order), fmt, widths, seq, size)
     length = int(stream.shape[1])
     if not stream.numel():
         return full, Order(length, [0] * (size + 1), torch.zeros((4, 0), dtype=_I64))
@@ -199,7 +202,8 @@ def read(order: object, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> t
     return full, Order(length, bounds, table.contiguous())
 
 
-def order_of(fmt: QkvFormat, widths: tuple[int, ...], pieces: list[Pieces], length: int) -> Tensor:
+def order_of(fmt: QkvFormat, widths: tuple[int, ...], seq: int | None, pieces: list[Pieces],
+             length: int) -> Tensor:
     """The rearrange index of a layout whose ranks' pieces are ``pieces``, each local
     tensor ``length`` rows: thd ``[N]``, bshd ``[B, S]`` (see ``Layout.order``)."""
     extent = torch.tensor(widths, dtype=_I64)
@@ -220,12 +224,12 @@ def order_of(fmt: QkvFormat, widths: tuple[int, ...], pieces: list[Pieces], leng
         out[r * length + rows] = pos
     if fmt == "thd":
         return out
-    rows_, seq = len(widths), widths[0] if widths else 0
-    per_row = out.view(size, rows_, seq // size).transpose(0, 1).reshape(rows_, seq)
+    rows_, width = len(widths), widths[0] if widths else seq or 0  # zigzag: S padded to W
+    per_row = out.view(size, rows_, width // size).transpose(0, 1).reshape(rows_, width)
     return per_row - starts[:, None]
 
 
-def twin(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> CpMode | None:
+def twin(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], seq: int | None, size: int) -> CpMode | None:
     """The closed form (at local length ``N / size``) that places every position where
     the checked, shape-normalized ``order`` does, if one does."""
     length = sum(widths) // size
@@ -233,7 +237,7 @@ def twin(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> C
     if size > 1 and all(w % (2 * size) == 0 for w in widths):
         modes.append("zigzag")
     for mode in modes:
-        placed = order_of(fmt, widths, [closed(mode, widths, r, size, length) for r in range(size)], length)
+        placed = order_of(fmt, widths, seq, [closed(mode, widths, r, size, length) for r in range(size)], length)
         if torch.equal(placed, order):
             return mode
     return None

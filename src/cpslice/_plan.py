@@ -206,7 +206,7 @@ class Selection(NamedTuple):
     def expand(self, first: Tensor) -> Tensor:
         """``first[run] + 0, 1, ..., run_count[run] - 1`` for every run, concatenated."""
         total = int(self.rows.numel())
-        step = torch.repeat_interleave(first - exclusive_cumsum(self.run_count), self.run_count)
+        step = torch.repeat_interleave(first - exclusive_cumsum(self.run_count), self.run_count, output_size=total)
         return step + torch.arange(total, dtype=_I64)
 
 

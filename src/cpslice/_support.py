@@ -89,7 +89,7 @@ class Support(engine.Support):
         _check_offsets(flat_off, starts, ends, id_len, resp)
         flat_ids = torch.cat(id_list) if id_list else torch.zeros(0, dtype=_I64)
         # global[j]: where flat_off[j]'s set starts in flat_ids
-        glob = flat_off + torch.repeat_interleave(exclusive_cumsum(id_len), resp + 1)
+        glob = flat_off + torch.repeat_interleave(exclusive_cumsum(id_len), resp + 1, output_size=flat_off.numel())
         _check_ids(flat_ids.to("cpu"), glob, starts, ends, resp)
         length = resolve_length(layout)
         sel = selection(layout, length, "response")
