@@ -167,23 +167,34 @@ def test_every_reading_of_an_order_layout_follows_the_order(case: Case) -> None:
 
 
 @settings(SETTINGS, max_examples=25)
-@given(cases(), st.booleans())
-def test_log_probs_of_an_order_layout_are_the_whole_streams_shares(case: Case, hidden: bool) -> None:
+@given(cases(), st.sampled_from(("logits", "hidden", "support", "distillation")))
+def test_log_probs_of_an_order_layout_are_the_whole_streams_shares(case: Case, driver: str) -> None:
     """Every rank's per-sample log-probs, entropy and local gradient are the unsharded
     stream's, at the positions the order gives that rank (per-sample temperatures, a
-    soft cap, a padded vocabulary)."""
+    soft cap, a padded vocabulary; the hidden-state path, a rollout's token sets, a
+    teacher's top-k)."""
     vocab, n_rows = 11, sum(case.widths)
     tokens = [torch.randint(0, 9, (t,)) for t in case.total]
-    stream = torch.randn(n_rows, vocab if not hidden else 6, dtype=torch.float64)
+    stream = torch.randn(n_rows, 6 if driver == "hidden" else vocab, dtype=torch.float64)
     weight = torch.randn(vocab, 6, dtype=torch.float64)
     tau = [0.7 + 0.1 * i for i in range(len(case.total))]
+    # per response token: its own token and two more (a top-p set); a teacher's top-3
+    sets = [torch.stack([t[len(t) - r:], (t[len(t) - r:] + 1) % 9, (t[len(t) - r:] + 4) % 9], 1)
+            for t, r in zip(tokens, case.response)]
+    ids = [x.reshape(-1) for x in sets]
+    offsets = [torch.arange(0, 3 * r + 1, 3) for r in case.response]
+    teacher = [torch.log_softmax(torch.randn(r, 3, dtype=torch.float64), -1) for r in case.response]
 
     def run(x: Tensor, layout: Layout) -> tuple[list[Tensor], list[Tensor]]:
-        if hidden:
+        if driver == "hidden":
             return cpslice.response_log_probs_from_hidden(x, weight, tokens, layout, with_entropy=True,
                                                           temperature=tau, softcap=5.0, vocab_size=9)
+        if driver == "distillation":
+            kl = cpslice.response_distillation(x, teacher, sets, layout, temperature=tau, softcap=5.0, vocab_size=9)
+            return kl, [k * 0 for k in kl]
+        support = cpslice.Support.from_responses(ids, offsets, layout) if driver == "support" else None
         return cpslice.response_log_probs(x, tokens, layout, with_entropy=True, temperature=tau,
-                                          softcap=5.0, vocab_size=9)
+                                          softcap=5.0, vocab_size=9, support=support)
 
     whole_x = stream.clone().requires_grad_(True)
     lp, ent = run(whole_x, case.whole())
