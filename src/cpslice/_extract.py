@@ -34,6 +34,8 @@ def extraction_strategy(layout: Layout) -> Strategy:
     ``allgather`` thd         ``allgather``  the packed stream cut into ``cp_size``
                                              pieces of ``T``: at most one run, which
                                              may be empty or straddle ranks
+    ``order``     thd / bshd  ``order``      ``Layout.from_order``: as many runs as the
+                                             order's pieces of the sample on this rank
     ============  ==========  =============  ==========================================
 
     Every strategy then runs the same engine: intersect its runs with the response
