@@ -30,7 +30,7 @@ PLANTS = {
     # shard_responses all read the same wrong plan, so only expected values computed
     # independently of _plan (the verifier's oracle) can catch it.
     "zigzag chunk": Plant(
-        (("_plan.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
+        (("_pieces.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
         ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
     ),
     # redistribute cuts the allgather pieces at the least local length, not the tensor's
@@ -53,8 +53,8 @@ PLANTS = {
     "bshd rows: no-CP rounded to even, row offsets ignored": Plant(
         (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
           '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
-         ("_plan.py", "    offset = torch.repeat_interleave(torch.tensor(layout.row_offsets",
-          "    offset = 0 * torch.repeat_interleave(torch.tensor(layout.row_offsets")),
+         ("_plan.py", "    offset = torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]",
+          "    offset = 0 * torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]")),
         ("--cp-size", "2", "--format", "bshd"),
     ),
 }
