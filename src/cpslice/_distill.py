@@ -49,7 +49,7 @@ from ._types import (
     TopK,
     compute_dtype,
 )
-from ._vocab import args, topk
+from ._vocab import args, dtensor, topk
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
 from ._vocab.engine import Options
@@ -177,9 +177,10 @@ def _teacher(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """The teacher's per-sample ``[R_i, k]`` log-probs and int64 ids, one ``k`` for all,
     ids (on the CPU, where it costs no sync) inside the vocabulary."""
-    lps = checks.per_sample("teacher_log_probs", teacher_log_probs, response, "response_length",
-                            floating=True)
-    ids = checks.per_sample("teacher_ids", teacher_ids, response, "response_length")
+    lps = checks.per_sample("teacher_log_probs", dtensor.replicated_each("teacher_log_probs", teacher_log_probs),
+                            response, "response_length", floating=True)
+    ids = checks.per_sample("teacher_ids", dtensor.replicated_each("teacher_ids", teacher_ids), response,
+                            "response_length")
     k = None
     for i, (lp, tid) in enumerate(zip(lps, ids)):
         if tid.dtype != torch.int64:
@@ -228,7 +229,7 @@ class _Step(NamedTuple):
 def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tuple[Local, float | Tensor]:
     """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
     its per-row temperature."""
-    per_sample = checks.temperatures(temperature, layout.num_samples, "sample")
+    per_sample = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
     return local, temperatures_of(per_sample, local)
@@ -274,7 +275,8 @@ def response_distillation(
     """This rank's share of each sample's per-token divergence from its teacher's top-k.
 
     ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP
-    shard); ``teacher_log_probs[i]`` and ``teacher_ids[i]`` are sample ``i``'s whole
+    shard), or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as
+    ``log_probs_at`` takes it); ``teacher_log_probs[i]`` and ``teacher_ids[i]`` are sample ``i``'s whole
     ``[R_i, k]`` tensors, aligned with its response tokens and the same on every rank (as
     tokens are): the logit that predicts response token ``j`` is compared with the
     teacher's row ``j``. The student's log-probs at the teacher's ids
@@ -301,8 +303,8 @@ def response_distillation(
             CPU teacher id outside the vocabulary; logits of a length the layout cannot
             hold. Raised before any collective.
     """
-    x = args.logits(logits)
-    step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
+    x, tp = args.logits(logits, tp_group)
+    step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
     read = step.local.reads["response"]
     picked = torch.zeros((x.shape[0], step.k), dtype=torch.int64, device=x.device)
@@ -331,14 +333,15 @@ def response_distillation_from_hidden(
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
-    logits never built.
+    logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP mesh
+    dimension, as there.
 
     Returns, collectives and raises as ``response_distillation`` (with
     ``log_probs_at_from_hidden``'s: one all-gather forward, one all-reduce of the hidden
     gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    h, w = args.head(hidden, weight)
-    step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp_group,
+    h, w, tp = args.head(hidden, weight, tp_group)
+    step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
     read = step.local.reads["response"]
     picked = _rows(step.ids, step.k, torch.int64, h.device)
@@ -379,8 +382,9 @@ def response_topk_log_probs(
     token's ``k`` most likely ids over the whole (tensor-parallel) vocabulary and their
     log-probs, this rank's share of every sample.
 
-    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard);
-    only the response rows are computed (``topk_log_probs`` of those rows, no copy of
+    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard),
+    or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as ``topk_log_probs``
+    takes it); only the response rows are computed (``topk_log_probs`` of those rows, no copy of
     the logits selects them). ``temperature`` (one real, or one per sample), ``softcap``
     and ``vocab_size`` as ``response_log_probs``'s: no padded id is ever chosen.
 
@@ -400,9 +404,9 @@ def response_topk_log_probs(
         TypeError, LayoutError: as ``topk_log_probs``; logits of a length the layout
             cannot hold. Raised before any collective.
     """
-    x = args.logits(logits)
+    x, tp = args.logits(logits, tp_group)
     local, k_, options = _teacher_step(x, x.shape[1], "logits", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp_group)
+                                       vocab_size, tp)
     values, ids = logits_driver.apply_topk(x, k_, options._replace(rows=local.reads["response"].mask))
     return split(local, values)[0], split(local, ids)[0]
 
@@ -421,14 +425,15 @@ def response_topk_log_probs_from_hidden(
 ) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
-    the logits never built.
+    the logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP
+    mesh dimension, as there.
 
     Returns, collectives and raises as ``response_topk_log_probs`` (with
     ``topk_log_probs_from_hidden``'s); differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    h, w = args.head(hidden, weight)
+    h, w, tp = args.head(hidden, weight, tp_group)
     local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp_group)
+                                       vocab_size, tp)
     read = local.reads["response"]
     values, ids = hidden_driver.apply_topk(h[read.rows], w, k_, _response_rows(options, read))
     counts = read.selection.counts

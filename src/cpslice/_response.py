@@ -17,7 +17,7 @@ from ._pack import checked_tokens, targets_of, temperatures_of
 from ._plan import Local, Span, resolve
 from ._support import SupportArg, take_rows
 from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
-from ._vocab import args
+from ._vocab import args, dtensor
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
 from ._vocab.hidden import default_hidden_chunk_rows
@@ -67,8 +67,11 @@ def response_log_probs(
 
     ``shifted_targets`` -> ``log_probs_and_entropy`` -> ``extract_responses``, all in
     this rank's layout: ``logits`` is the rank's local ``[T, V_local]`` tensor (its TP
-    vocabulary shard), ``tokens`` the whole per-sample token tensors ``[L_i]`` (prompt +
-    response, the same on every rank). Returns one ``[r_i]`` float32 share per sample,
+    vocabulary shard) or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as
+    ``log_probs_and_entropy`` takes it: its local shard, its mesh's TP group), ``tokens``
+    the whole per-sample token tensors ``[L_i]`` (prompt + response, the same on every
+    rank; a replicated DTensor reads as its local tensor, as does a temperature's).
+    Returns one ``[r_i]`` float32 share per sample,
     and the entropy shares aligned with them (None unless ``with_entropy``).
     ``support`` (e.g. ``Support.from_responses(ids, offsets, layout)``, over the ``T``
     local rows) and ``entropy_over`` restrict the log-probs (and entropy) to the
@@ -86,11 +89,11 @@ def response_log_probs(
         LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
             three functions above.
     """
-    x = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"))
+    x, tp = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"), tp_group)
     local, targets, tau = _inputs(x, "logits", tokens, layout, temperature)
     options = args.options(
         x, x.shape[1], targets, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
-        tp_group=tp_group, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
+        tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
         vocab_size=vocab_size,
     )
     # only the response rows get the softmax's statistics; the others' gradient is zero
@@ -112,9 +115,10 @@ def _inputs(
     x: Tensor, what: str, tokens: object, layout: Layout, temperature: object
 ) -> tuple[Local, Tensor, float | Tensor]:
     """The call's one resolution of ``layout`` (``T`` from ``x``), the targets of
-    ``tokens`` and the per-row temperature, on ``x``'s device."""
-    items = checked_tokens(tokens, layout)
-    tau = checks.temperatures(temperature, layout.num_samples, "sample")
+    ``tokens`` and the per-row temperature, on ``x``'s device (replicated DTensors read
+    as their local tensors: ``dtensor.replicated``)."""
+    items = checked_tokens(dtensor.replicated_each("tokens", tokens), layout)
+    tau = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
     spans: tuple[Span, ...] = ("targets", "response", "sample") if isinstance(tau, Tensor) else ("targets", "response")
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
     return local, targets_of(items, local), temperatures_of(tau, local)
@@ -155,7 +159,9 @@ def response_log_probs_from_hidden(
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
 
     ``hidden`` is this rank's ``[T, H]`` final hidden states in its layout (the same on
-    every TP rank), ``weight`` its ``[V_local, H]`` LM-head shard, ``tokens`` the whole
+    every TP rank), ``weight`` its ``[V_local, H]`` LM-head shard (or a DTensor sharded
+    ``Shard(0)`` on the TP mesh dimension, as ``log_probs_and_entropy_from_hidden``
+    takes it, with ``hidden`` plain or replicated), ``tokens`` the whole
     per-sample token tensors ``[L_i]``. The rows ``response_rows`` names are taken from
     ``hidden`` (an ``[R, H]`` copy), their targets from ``shifted_targets``, and
     ``log_probs_and_entropy_from_hidden`` runs on them; the result is split per sample.
@@ -174,14 +180,14 @@ def response_log_probs_from_hidden(
             ``log_probs_and_entropy_from_hidden``; ``hidden`` of a length the layout cannot
             hold; a support over another number of rows than ``hidden``'s.
     """
-    h, w = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight)
+    h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
     local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature)
     read = local.reads["response"]
     # every argument against the whole hidden (a support's errors name the caller's
     # rows), then the response rows' temperatures and sets
     whole = args.options(
         h, w.shape[0], targets, what="hidden", default_chunk=default_hidden_chunk_rows(w.shape[0]),
-        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau, tp_group=tp_group,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
     )
     options = whole._replace(

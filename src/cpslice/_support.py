@@ -17,6 +17,7 @@ from ._layout import Layout
 from ._plan import exclusive_cumsum, resolve_length, response_base, selection
 from ._types import IdsArg
 from ._vocab import support as engine
+from ._vocab.dtensor import replicated_each
 from ._vocab.support import first_duplicate
 
 _I64 = torch.int64
@@ -35,14 +36,18 @@ class Support(engine.Support):
         ids: ``[K]`` int64 token ids, rows back to back; no id repeated within a row.
         offsets: ``[T + 1]`` int64, ``offsets[0] == 0``, non-decreasing,
             ``offsets[T] == K``. On the same device as ``ids``; CPU tensors are best
-            (the offsets are read on the host, once, here).
+            (the offsets are read on the host, once, here). Either may be a DTensor
+            ``Replicate`` on every mesh dimension (its local tensor is used; DTensor
+            logits take a plain support: the sets are over the rows, which no TP
+            mesh dimension splits).
 
     Raises:
         TypeError: ``ids`` or ``offsets`` not a tensor, or not int64.
         LayoutError: not 1-D, ``offsets`` empty, not starting at 0, decreasing or not
             ending at ``len(ids)``, tensors on different devices; on the CPU (where it
-            costs no device sync) a negative id or an id repeated within a row. Ids
-            beyond the vocabulary are refused by the log-prob functions (on the CPU).
+            costs no device sync) a negative id or an id repeated within a row; a
+            DTensor not ``Replicate`` on every mesh dimension. Ids beyond the
+            vocabulary are refused by the log-prob functions (on the CPU).
     """
 
     __slots__ = ()
@@ -69,8 +74,8 @@ class Support(engine.Support):
                 an allgather layout without ``local_length``.
         """
         n = layout.num_samples
-        id_list = _per_sample("ids", ids, n)
-        off_list = [x.to("cpu") for x in _per_sample("offsets", offsets, n)]
+        id_list = _per_sample("ids", replicated_each("ids", ids), n)
+        off_list = [x.to("cpu") for x in _per_sample("offsets", replicated_each("offsets", offsets), n)]
         device = id_list[0].device if id_list else torch.device("cpu")
         resp = torch.tensor(layout.response_lengths, dtype=_I64)
         for i, (x, o) in enumerate(zip(id_list, off_list)):

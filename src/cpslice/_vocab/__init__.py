@@ -17,6 +17,8 @@ computes its tiles of logits its own way and hands them to it:
   arithmetic (the public ``cpslice.Support`` subclasses it, adding what needs a layout);
 - ``args``: the vocabulary functions' argument checks, and their one entry
   (``options``: every argument but the tensors, checked once into the ``Options``);
+  the tensors' checks read a DTensor first (``dtensor``: the local shard of a
+  vocabulary-sharded one and its mesh's TP group, the local value of a replicated one);
 - drivers: ``logits`` (row chunks of the logits: ``log_probs_and_entropy``; its
   gradient's buffer from ``memory``), ``hidden`` (``[rows, V_block]`` matmul tiles of
   ``hidden @ weight.T``, cut and walked forward by ``tiles``:

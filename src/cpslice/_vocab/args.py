@@ -4,7 +4,9 @@ argument, the values and the rule. All run before any collective.
 
 Every public function checks its tensors (``logits_and_targets``, ``head_and_targets``,
 ``logits``, ``head``), then hands every other argument to ``options``, the one entry:
-each checked once, in one order, into the call's ``Options``."""
+each checked once, in one order, into the call's ``Options``. The tensor checks read a
+DTensor first (``dtensor``): the vocabulary-sharded input's local shard and its mesh's
+TP group (the group they return, for ``options``), every other tensor's local value."""
 
 from typing import TYPE_CHECKING, Unpack
 
@@ -16,6 +18,7 @@ from .. import _checks as checks
 from .._cache import boundary
 from .._errors import LayoutError
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
+from . import dtensor
 from .engine import Options
 from .stats import Tau
 from .support import Support, check_support
@@ -131,40 +134,56 @@ def _logits_shape(logits: Tensor) -> None:
         )
 
 
-def logits(value: object) -> Tensor:
-    """``[T, V_local]`` floating-point logits with at least one column."""
-    logits_ = _logits_kind(value)
+Group = dist.ProcessGroup | None
+
+
+def logits(value: object, tp_group: Group = None) -> tuple[Tensor, Group]:
+    """``[T, V_local]`` floating-point logits with at least one column, and the TP group
+    (``tp_group``, or a DTensor's: ``dtensor.vocab_shard``)."""
+    local, group = dtensor.vocab_shard("logits", value, -1, tp_group)
+    logits_ = _logits_kind(local)
     _logits_shape(logits_)
-    return logits_
+    return logits_, group
 
 
-def logits_and_targets(logits: object, targets: object, name: str = "targets") -> tuple[Tensor, Tensor]:
+def logits_and_targets(
+    logits: object, targets: object, name: str = "targets", *, tp_group: Group = None
+) -> tuple[Tensor, Tensor, Group]:
     """``logits`` and int64 token ids on their device: ``[T]`` targets, or ``[T, k]`` ids with
-    ``name="ids"``."""
-    logits_ = _logits_kind(logits)
-    targets_ = _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]")
+    ``name="ids"``; and the TP group, as ``logits``."""
+    local, group = dtensor.vocab_shard("logits", logits, -1, tp_group)
+    logits_ = _logits_kind(local)
+    targets_ = _ids_kind(name, dtensor.replicated(name, targets), "[T]" if name == "targets" else "[T, k]")
     _logits_shape(logits_)
     _ids_fit(name, tuple(targets_.shape), targets_.device, logits_.shape[0], logits_.device, "logits")
-    return logits_, targets_
+    return logits_, targets_, group
 
 
 def head_and_targets(
-    hidden: object, weight: object, targets: object, name: str = "targets"
-) -> tuple[Tensor, Tensor, Tensor]:
+    hidden: object, weight: object, targets: object, name: str = "targets", *, tp_group: Group = None
+) -> tuple[Tensor, Tensor, Tensor, Group]:
     """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype on
-    one device, and int64 token ids on it (``[T]`` targets, or ``[T, k]`` with ``name="ids"``)."""
-    hidden_, weight_ = head(hidden, weight)
+    one device, and int64 token ids on it (``[T]`` targets, or ``[T, k]`` with ``name="ids"``);
+    and the TP group, as ``head``."""
+    hidden_, weight_, group = head(hidden, weight, tp_group)
     rows = hidden_.shape[0]
+    targets = dtensor.replicated(name, targets)
     if isinstance(targets, Tensor):
         # the shape of int64 ids before the kind of other ones, the device of any
         shape = tuple(targets.shape) if targets.dtype == torch.int64 else (rows,) if name == "targets" else (rows, 1)
         _ids_fit(name, shape, targets.device, rows, hidden_.device, "hidden")
-    return hidden_, weight_, _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]")
+    return hidden_, weight_, _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]"), group
 
 
-def head(hidden: object, weight: object) -> tuple[Tensor, Tensor]:
+def head(hidden: object, weight: object, tp_group: Group = None) -> tuple[Tensor, Tensor, Group]:
     """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype,
-    on one device."""
+    on one device, and the TP group (``tp_group``, or a DTensor weight's:
+    ``dtensor.vocab_shard``; a DTensor ``hidden`` must be replicated)."""
+    hidden = dtensor.replicated(
+        "hidden", hidden, "hidden.full_tensor() gathers sequence-parallel hidden states; the hidden "
+        "states are the same on every TP rank"
+    )
+    weight, group = dtensor.vocab_shard("weight", weight, 0, tp_group)
     checked = []
     for name, given, shape in (("hidden", hidden, "[T, H]"), ("weight", weight, "[V_local, H]")):
         x = checks.tensor(name, given, f"a torch.Tensor {shape}")
@@ -202,7 +221,7 @@ def head(hidden: object, weight: object) -> tuple[Tensor, Tensor]:
             f"weight is on {weight_.device} but hidden on {hidden_.device}; put them on the "
             "same device"
         )
-    return hidden_, weight_
+    return hidden_, weight_, group
 
 
 def tp_world(tp_group: dist.ProcessGroup | None) -> int:
@@ -256,7 +275,7 @@ def sets(
 def temperature(value: object, rows: int, like: Tensor) -> Tau:
     """A real temperature, or ``[T]`` per row moved to ``like``'s device in its compute
     dtype (see ``_checks.temperatures``)."""
-    tau = checks.temperatures(value, rows, "row")
+    tau = checks.temperatures(dtensor.replicated("temperature", value), rows, "row")
     if isinstance(tau, float):
         return tau
     return tau.to(device=like.device, dtype=compute_dtype(like.dtype), non_blocking=True)

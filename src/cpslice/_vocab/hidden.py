@@ -323,10 +323,15 @@ def log_probs_and_entropy_from_hidden(
         hidden: ``[T, H]`` final hidden states (after the final norm), the same on every
             TP rank (megatron's output layer input without sequence parallelism).
             float32 or bfloat16 (float16, float64 accepted); saved for backward by
-            reference.
+            reference. A DTensor must be ``Replicate`` on every mesh dimension (its local
+            tensor is used; its gradient is the full one).
         weight: ``[V_local, H]`` this TP rank's shard of the LM-head weight (rank ``r``
             holds token ids ``[r * V_local, (r + 1) * V_local)``; a tied embedding's
-            shard too), the dtype of ``hidden``; saved for backward by reference.
+            shard too), the dtype of ``hidden``; saved for backward by reference. Or a
+            ``DTensor`` of ``[V, H]`` sharded ``Shard(0)`` on one mesh dimension (the TP
+            one, every other ``Replicate``), in equal shards: its local shard is computed
+            on, its mesh dimension's group is the TP group (``tp_group`` None or that
+            group; docs/recipes.md, "DTensor logits").
         targets, with_entropy, entropy_grad, temperature, tp_group, support,
             entropy_over, softcap, vocab_size: as ``log_probs_and_entropy`` (a support's
             rows are the ``T`` rows of ``hidden``; each set element's logit is
@@ -362,13 +367,15 @@ def log_probs_and_entropy_from_hidden(
         TypeError: hidden or weight not a floating-point tensor, or of different dtypes;
             as ``log_probs_and_entropy`` for targets, temperature and chunk_size.
         LayoutError: hidden or weight not 2-D, weight with 0 rows, hidden sizes that
-            disagree, tensors on different devices, targets not ``[T]``; as
-            ``log_probs_and_entropy`` otherwise. Raised before any collective.
+            disagree, tensors on different devices, targets not ``[T]``; a DTensor weight
+            placed otherwise than ``Shard(0)`` on the TP mesh dimension, a DTensor hidden
+            not replicated; as ``log_probs_and_entropy`` otherwise. Raised before any
+            collective.
     """
-    hidden_, weight_, targets_ = args.head_and_targets(hidden, weight, targets)
+    hidden_, weight_, targets_, tp = args.head_and_targets(hidden, weight, targets, tp_group=tp_group)
     options = args.options(
         hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp_group,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
     )
     return apply(hidden_, weight_, targets_, options)
@@ -390,7 +397,8 @@ def log_probs_at_from_hidden(
 
     Args:
         hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size: as
-            ``log_probs_and_entropy_from_hidden``.
+            ``log_probs_and_entropy_from_hidden`` (a DTensor weight sharded ``Shard(0)``
+            on the TP mesh dimension included).
         ids: ``[T, k]`` int64 global token ids, as ``log_probs_at``'s.
 
     Returns:
@@ -405,10 +413,10 @@ def log_probs_at_from_hidden(
         TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
             as ``log_probs_at`` for ids. Raised before any collective.
     """
-    hidden_, weight_, ids_ = args.head_and_targets(hidden, weight, ids, "ids")
+    hidden_, weight_, ids_, tp = args.head_and_targets(hidden, weight, ids, "ids", tp_group=tp_group)
     options = args.options(
         hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
     )
     log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
@@ -427,7 +435,10 @@ def topk_log_probs_from_hidden(
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
     V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
-    blocks; the teacher's top-k straight from its hidden states.
+    blocks; the teacher's top-k straight from its hidden states. ``hidden``, ``weight``
+    (or a DTensor weight sharded ``Shard(0)`` on the TP mesh dimension), ``tp_group`` and
+    the other keywords as ``log_probs_and_entropy_from_hidden``'s, ``k`` as
+    ``topk_log_probs``'.
 
     Returns:
         ``(log_probs, ids)``, each ``[T, k]``, as ``topk_log_probs`` on the materialized
@@ -441,11 +452,11 @@ def topk_log_probs_from_hidden(
         TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
             as ``topk_log_probs`` for ``k``. Raised before any collective.
     """
-    hidden_, weight_ = args.head(hidden, weight)
+    hidden_, weight_, tp = args.head(hidden, weight, tp_group)
     k_ = args.k_best(k)
     options = args.options(
         hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
     )
     assert options.vocab_size is not None
     topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))

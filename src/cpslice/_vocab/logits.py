@@ -194,7 +194,8 @@ def log_probs_and_entropy(
         logits: ``[T, V_local]`` float32 or bfloat16 (float16, float64 accepted), this
             rank's vocabulary shard: TP rank ``r`` holds token ids ``[r * V_local, (r + 1)
             * V_local)``, all shards of equal size. Never modified; saved for backward by
-            reference (do not modify it in place before backward).
+            reference (do not modify it in place before backward). Or a ``DTensor``
+            ``Shard(-1)`` over the TP mesh dimension: docs/recipes.md, "DTensor logits".
         targets: ``[T]`` int64 *global* token ids; a target in another rank's shard takes
             its logit from that rank. Padding rows need some id in range.
         with_entropy: also return the entropy of each row's distribution.
@@ -233,7 +234,8 @@ def log_probs_and_entropy(
         are computed in float64), entropy None unless ``with_entropy``. Differentiable
         w.r.t. ``logits``. Memory: beyond the logits, ``[T]`` statistics and the chunk
         work buffers in forward, the one ``[T, V_local]`` gradient (dtype of logits) in
-        backward; with a support, ``O(K + T)`` more.
+        backward; with a support, ``O(K + T)`` more. A row whose logits are all -inf, or
+        hold NaN or +inf, gives NaN; single -inf logits (masked tokens) are fine.
 
     Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor in
     forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
@@ -251,14 +253,11 @@ def log_probs_and_entropy(
             the full vocabulary, ``entropy_over`` not ``"full"`` or ``"support"``, a
             support over another number of rows; on the CPU (where it costs no device
             sync; on a device such a row's log-prob is NaN) a target or a support id
-            outside ``[0, vocab_size)``. Raised before any collective.
-
-    A row whose logits are all -inf, or hold NaN or +inf, gives NaN; single -inf logits
-    (masked tokens) are fine.
+            outside ``[0, vocab_size)``; a DTensor placed otherwise. Before any collective.
     """
-    logits_, targets_ = args.logits_and_targets(logits, targets)
+    logits_, targets_, tp = args.logits_and_targets(logits, targets, tp_group=tp_group)
     options = args.options(logits_, logits_.shape[1], targets_, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                           temperature=temperature, tp_group=tp_group, chunk_size=chunk_size, support=support,
+                           temperature=temperature, tp_group=tp, chunk_size=chunk_size, support=support,
                            entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size)
     return apply(logits_, targets_, options)
 
@@ -278,9 +277,11 @@ def log_probs_at(
 
     Args:
         logits: ``[T, V_local]`` as ``log_probs_and_entropy``'s (never modified; saved for
-            backward by reference).
+            backward by reference), or a DTensor sharded ``Shard(-1)`` over the TP mesh
+            dimension, as there.
         ids: ``[T, k]`` int64 *global* token ids, any ``k >= 1``, repeats allowed; an id in
-            another rank's shard takes its logit from that rank.
+            another rank's shard takes its logit from that rank (a replicated DTensor: its
+            local tensor).
         temperature, tp_group, chunk_size, softcap, vocab_size: as
             ``log_probs_and_entropy`` (an id ``>= vocab_size`` is refused).
 
@@ -303,9 +304,9 @@ def log_probs_at(
             (on a device, where checking would cost a sync, that entry is NaN); as
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
-    logits_, ids_ = args.logits_and_targets(logits, ids, "ids")
+    logits_, ids_, tp = args.logits_and_targets(logits, ids, "ids", tp_group=tp_group)
     options = args.options(
-        logits_, logits_.shape[1], ids_, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size,
+        logits_, logits_.shape[1], ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
         softcap=softcap, vocab_size=vocab_size,
     )
     log_p, _ = apply(logits_, ids_, options)
@@ -330,7 +331,8 @@ def topk_log_probs(
     entries through the log-softmax (``log_probs_at`` at the chosen ids).
 
     Args:
-        logits, temperature, tp_group, chunk_size, softcap: as ``log_probs_and_entropy``.
+        logits, temperature, tp_group, chunk_size, softcap: as ``log_probs_and_entropy``
+            (DTensor logits sharded ``Shard(-1)`` over the TP mesh dimension included).
         k: ids per row, ``1 <= k <=`` the vocabulary (``vocab_size``).
         vocab_size: as ``log_probs_and_entropy``: no padded id is ever chosen.
 
@@ -348,10 +350,10 @@ def topk_log_probs(
             vocabulary (LayoutError), a vocabulary of more than 2^24 ids with logits
             other than float64. Raised before any collective.
     """
-    logits_ = args.logits(logits)
+    logits_, tp = args.logits(logits, tp_group)
     k_ = args.k_best(k)
     options = args.options(
-        logits_, logits_.shape[1], None, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size,
+        logits_, logits_.shape[1], None, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
         softcap=softcap, vocab_size=vocab_size,
     )
     assert options.vocab_size is not None

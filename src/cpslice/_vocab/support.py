@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .._errors import LayoutError
 from .._types import TensorArg
+from .dtensor import replicated
 
 _I64 = torch.int64
 
@@ -41,6 +42,8 @@ class Support:
     _host_offsets: Tensor
 
     def __init__(self, ids: TensorArg, offsets: TensorArg) -> None:
+        # the same sets on every rank: a replicated DTensor's local tensor is the whole
+        ids, offsets = replicated("Support ids", ids), replicated("Support offsets", offsets)
         for name, x in (("ids", ids), ("offsets", offsets)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"Support {name} must be an int64 torch.Tensor, got {type(x).__name__}")
