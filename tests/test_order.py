@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -222,6 +222,7 @@ def test_log_probs_of_an_order_layout_are_the_whole_streams_shares(case: Case, d
 @settings(max_examples=80, deadline=None)
 @given(configs(max_cp=4), st.data())
 def test_a_closed_forms_order_gives_back_the_closed_form(cfg: Config, data: st.DataObject) -> None:
+    assume(cfg.total)  # no samples: every closed form places nothing alike (the order tests hold empty batches)
     rank = data.draw(st.integers(0, cfg.cp - 1))
     closed = cfg.layout(rank)
     try:
@@ -232,12 +233,12 @@ def test_a_closed_forms_order_gives_back_the_closed_form(cfg: Config, data: st.D
     bshd = closed.qkv_format == "bshd"
     again = Layout.from_order(order, closed.total_lengths, closed.response_lengths, cp_rank=rank,
                               cp_size=closed.cp_size, qkv_format=closed.qkv_format,
-                              max_seq_len=closed.padded_lengths[0] if bshd and closed.num_samples else cfg.seq,
+                              max_seq_len=closed.padded_lengths[0] if bshd else None,
                               padded_lengths=None if bshd else closed.padded_lengths,
                               row_offsets=closed.row_offsets if bshd else None)
     assert torch.equal(again.order(), order)
-    if closed.cp_size == 1 or not closed.num_samples:  # the closed forms place alike: one of them
-        assert again.cp_mode == ("none" if closed.cp_size == 1 else "allgather")
+    if closed.cp_size == 1:  # zigzag and allgather of one rank place as none does: none it is
+        assert again.cp_mode == "none"
         return
     assert again.cp_mode == closed.cp_mode and cpslice.extraction_strategy(again) == cpslice.extraction_strategy(closed)
     if bshd and again.max_seq_len != closed.max_seq_len:  # zigzag rows of S padded to W: the order is W's
