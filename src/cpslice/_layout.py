@@ -164,8 +164,9 @@ def _from_order(
     rank ``r`` holds rows ``order[r*T:(r+1)*T]`` of the packed stream of padded samples,
     ``T = N / cp_size`` (thd: ``order`` ``[N]`` or ``[1, N]``, a permutation of
     ``range(N)``, ``N = sum(W_i)``), or, row after row, the columns
-    ``order[b, r*S/c:(r+1)*S/c]`` (bshd: ``[S]`` for every row or ``[B, S]``, each row a
-    permutation of ``range(S)``). An integer tensor (one host copy) or nested ints.
+    ``order[b, r*S/c:(r+1)*S/c]`` (bshd: ``[S]`` or ``[1, S]`` for every row, as torch
+    applies its head-tail balancer's, or ``[B, S]``; each row a permutation of
+    ``range(S)``). An integer tensor (one host copy) or nested ints.
     Padding positions stay padding; the index is taken as given, whatever its balance.
     The other arguments are ``Layout``'s. Where a closed form places every position
     alike (``Layout.order`` gives its index), that layout is returned; else one of

@@ -160,10 +160,12 @@ def _stream(order: Tensor, fmt: QkvFormat, widths: tuple[int, ...], seq: int | N
         return order, order.view(size, -1), starts
     assert seq is not None
     rows = len(widths)
+    if order.dim() == 2 and order.shape[0] == 1:  # torch's [1, S]: one index for every row
+        order = order[0]
     if order.dim() == 1:
         order = order.expand(rows, -1)
     if order.dim() != 2 or order.shape[0] != rows:
-        raise LayoutError(f"a bshd order has shape [S] or [B, S] = [{rows}, {seq}], got {list(order.shape)}")
+        raise LayoutError(f"a bshd order has shape [S], [1, S] or [B, S] = [{rows}, {seq}], got {list(order.shape)}")
     if order.shape[1] != seq:
         raise LayoutError(f"a bshd order's rows have {order.shape[1]} columns but max_seq_len is {seq}")
     bad = (order.sort(1).values != torch.arange(seq)).any(1).nonzero()
