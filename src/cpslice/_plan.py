@@ -264,17 +264,35 @@ def rows_on(layout: Layout, length: int, span: Span, device: torch.device) -> Te
     return selection(layout, length, span).rows.to(device)
 
 
-class Read(NamedTuple):
-    """One span of a resolved layout, as a call reads it: the ``selection`` (CPU), its
-    ``rows`` on the call's device, and ``sources`` there: for every row the element of
-    the concatenated per-sample tensors it holds (``"sample"``: the token, ``"targets"``:
-    the next token, ``"response"``: the element of the concatenated whole responses)."""
+class Read:
+    """One span of a resolved layout, as a call reads it: the ``selection`` (CPU) and its
+    ``rows`` on the call's device; ``sources`` and ``mask`` are computed at their first
+    reading (an extraction reads neither) and kept with the cached read."""
 
-    selection: Selection
-    rows: Tensor
-    sources: Tensor
-    mask: Tensor
-    """CPU bool ``[T]``: the rows of the span."""
+    __slots__ = ("selection", "rows", "_layout", "_length", "_span", "_device", "_sources", "_mask")
+
+    def __init__(self, selection: Selection, rows: Tensor, layout: Layout, length: int, span: Span,
+                 device: torch.device) -> None:
+        self.selection, self.rows = selection, rows
+        self._layout, self._length, self._span, self._device = layout, length, span, device
+        self._sources: Tensor | None = None
+        self._mask: Tensor | None = None
+
+    @property
+    def sources(self) -> Tensor:
+        """On the call's device: for every row the element of the concatenated per-sample
+        tensors it holds (``"sample"``: the token, ``"targets"``: the next token,
+        ``"response"``: the element of the concatenated whole responses)."""
+        if self._sources is None:
+            self._sources = self.selection.sources(_base(self._layout, self._span)).to(self._device)
+        return self._sources
+
+    @property
+    def mask(self) -> Tensor:
+        """CPU bool ``[T]``: the rows of the span."""
+        if self._mask is None:
+            self._mask = torch.zeros(self._length, dtype=torch.bool).index_fill_(0, self.selection.rows, True)
+        return self._mask
 
 
 class Local(NamedTuple):
@@ -300,10 +318,7 @@ def _base(layout: Layout, span: Span) -> Tensor:
 
 @cached(maxsize=16)
 def _read(layout: Layout, length: int, span: Span, device: torch.device) -> Read:
-    sel = selection(layout, length, span)
-    mask = torch.zeros(length, dtype=torch.bool)
-    mask[sel.rows] = True
-    return Read(sel, rows_on(layout, length, span, device), sel.sources(_base(layout, span)).to(device), mask)
+    return Read(selection(layout, length, span), rows_on(layout, length, span, device), layout, length, span, device)
 
 
 @boundary
