@@ -139,8 +139,8 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 # (the glue, the command line, the package) may import anything.
 LAYOUT = {
     f"cpslice.{m}"
-    for m in ("_layout", "_layout_checks", "_plan", "_pieces", "_widths", "_masks", "_pack", "_extract", "_redistribute",
-              "_reduce", "_megatron")
+    for m in ("_layout", "_layout_checks", "_plan", "_pieces", "_widths", "_masks", "_pack", "_extract",
+              "_redistribute", "_reduce", "_megatron")
 }
 VOCAB = "cpslice._vocab"
 SHARED = {f"cpslice.{m}" for m in ("_checks", "_errors", "_types", "_cache")}
