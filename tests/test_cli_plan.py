@@ -455,3 +455,273 @@ def test_command_line_without_megatron(tmp_path: Path) -> None:
         "cpslice plan: error: sample 0: response_length 3 > total_length - 1 = 2 "
         "(a response needs at least one prompt token before it)\n"
     )
+
+
+# torch's _PerDocumentHeadTailLoadBalancer for two documents of 8 at cp 2: document after
+# document, each rank's head and tail chunks; as a rearrange index, rank 0 holds document 0
+# (its chunks 0, 3, 1, 2) and rank 1 document 1.
+PER_DOCUMENT = ["plan", "--total", "8,8", "--response", "4,3", "--cp-size", "2",
+                "--balancer", "per-document-head-tail"]
+PER_DOCUMENT_INDEX = "0,1,6,7,2,3,4,5,8,9,14,15,10,11,12,13"
+PER_DOCUMENT_OUT = """\
+cpslice plan: 2 samples, cp_mode order (--balancer per-document-head-tail: torch's _PerDocumentHeadTailLoadBalancer), cp_size 2, qkv_format thd, strategy order, local length T = 8 (the least that fits)
+sample 0: L 8 = prompt 4 + response 4; prompt tokens [0, 4), response tokens [4, 8), response span [3, 7)
+sample 1: L 8 = prompt 5 + response 3; prompt tokens [0, 5), response tokens [5, 8), response span [4, 7)
+order 0,1,6,7,2,3,4,5,8,9,14,15,10,11,12,13 (rank r holds stream positions order[r*T:(r+1)*T])
+legend: p prompt token, r response token, . padding; P, R: that token's logit is in the response span, so that rank extracts it
+        (response span of sample i: the logits [P_i - 1, L_i - 1) that predict its response); '|' separates samples, ' ' a sample's runs
+        an order's runs: in row order in the picture, in position order in the lines below
+
+rank 0 of 2: T = 8, strategy order
+  pp Rr pPRR
+  sample 0: holds positions [0, 2) at local [0, 2) + positions [2, 6) at local [4, 8) + positions [6, 8) at local [2, 4)
+  sample 0: response share local [5, 8) + [2, 3), positions [3, 6) + [6, 7) (4 of 4)
+  sample 1: holds nothing
+  sample 1: response share none
+
+rank 1 of 2: T = 8, strategy order
+  pp Rr ppPR
+  sample 0: holds nothing
+  sample 0: response share none
+  sample 1: holds positions [0, 2) at local [0, 2) + positions [2, 6) at local [4, 8) + positions [6, 8) at local [2, 4)
+  sample 1: response share local [6, 8) + [2, 3), positions [4, 6) + [6, 7) (3 of 3)
+"""
+
+
+def _header_source(out: str, source: str) -> str:
+    """``out`` with its header's order source replaced by ``source``."""
+    head, _, rest = out.partition("\n")
+    return re.sub(r"cp_mode (\w+) \((.*?)(, which places|\), cp_size)",
+                  lambda m: f"cp_mode {m.group(1)} ({source}{m.group(3)}", head, count=1) + "\n" + rest
+
+
+def test_torch_per_document_head_tail(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(PER_DOCUMENT, capsys)
+    assert (code, err) == (0, "")
+    assert out == PER_DOCUMENT_OUT
+    # the same index given: the same plan, the header naming --order
+    code, given, _ = run([*PER_DOCUMENT[:-2], "--order", PER_DOCUMENT_INDEX], capsys)
+    assert code == 0
+    assert given == _header_source(PER_DOCUMENT_OUT, "--order")
+    assert "cp_mode order (--order), cp_size 2" in given
+
+
+def test_an_order_a_closed_form_places_alike_is_that_closed_form(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # torch's head-tail of a bshd row is zigzag; so is the zigzag index given as --order
+    flags = ["--total", "10,7", "--response", "4,3", "--format", "bshd", "--max-seq-len", "12",
+             "--cp-size", "2"]
+    _, closed, _ = run(["plan", *flags, "--mode", "zigzag"], capsys)
+    code, out, err = run(["plan", *flags, "--balancer", "head-tail"], capsys)
+    assert (code, err) == (0, "")
+    lines = out.split("\n")
+    assert out.startswith(
+        "cpslice plan: 2 samples, cp_mode zigzag (--balancer head-tail: torch's _HeadTailLoadBalancer, "
+        "which places every position as zigzag does), cp_size 2, qkv_format bshd, max_seq_len 12, "
+        "strategy zigzag, local length T = 12 (the least that fits)\n")
+    assert lines[3] == "order 0,1,2,9,10,11,3,4,5,6,7,8 (rank r holds stream positions order[r*T:(r+1)*T])"
+    assert lines[1:3] + lines[4:] == closed.split("\n")[1:]  # but the order line
+    index = Layout([10, 7], [4, 3], qkv_format="bshd", max_seq_len=12, cp_mode="zigzag",
+                   cp_size=2).order()
+    rows = ";".join(",".join(str(v) for v in row) for row in index.tolist())
+    code, given, _ = run(["plan", *flags, "--order", rows], capsys)
+    assert code == 0
+    assert "cp_mode zigzag (--order, which places every position as zigzag does)" in given
+    assert given.split("\n")[4:] == out.split("\n")[4:]
+
+
+@pytest.mark.parametrize("kind", ["pt", "pt-int32", "json", "json-rows", "text"])
+def test_an_order_from_a_file(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    index = [int(v) for v in PER_DOCUMENT_INDEX.split(",")]
+    path = tmp_path / ("order.pt" if kind.startswith("pt") else "order.txt")
+    if kind == "pt":
+        torch.save(torch.tensor(index), path)
+    elif kind == "pt-int32":  # what torch's balancers return: [1, N] torch.int
+        torch.save(torch.tensor([index], dtype=torch.int32), path)
+    elif kind == "json":
+        path.write_text(str(index) + "\n")
+    elif kind == "json-rows":
+        path.write_text(str([index]) + "\n")
+    else:
+        path.write_text(" ".join(map(str, index[:8])) + "\n" + ", ".join(map(str, index[8:])) + "\n")
+    code, out, err = run([*PER_DOCUMENT[:-2], "--order", str(path)], capsys)
+    assert (code, err) == (0, "")
+    assert out == _header_source(PER_DOCUMENT_OUT, "--order")
+
+
+ORDER_LAYOUTS = [
+    ["--total", "10,7", "--response", "4,3", "--cp-size", "2", "--balancer", "random",
+     "--padded-lengths", "10,8"],
+    ["--total", "10,7,4", "--response", "4,6,2", "--cp-size", "3", "--balancer", "random",
+     "--seed", "5", "--local-length", "9"],
+    ["--total", "10,7", "--response", "4,3", "--cp-size", "2", "--balancer", "block",
+     "--block-size", "3", "--seed", "1", "--padded-lengths", "10,8"],
+    ["--total", "10,7", "--response", "9,6", "--cp-size", "4", "--balancer", "per-document-head-tail",
+     "--align", "8"],
+    ["--total", "10,7", "--response", "4,3", "--cp-size", "2", "--balancer", "head-tail",
+     "--align", "4"],
+    ["--total", "10,7,3", "--response", "4,3,1", "--format", "bshd", "--max-seq-len", "12",
+     "--cp-size", "2", "--balancer", "random", "--seed", "3"],
+    ["--total", "10,7", "--response", "4,5", "--format", "bshd", "--max-seq-len", "12",
+     "--row-offsets", "0,4", "--cp-size", "3", "--balancer", "block", "--block-size", "5"],
+]
+
+
+@pytest.mark.parametrize("flags", ORDER_LAYOUTS)
+def test_an_order_plan_prints_what_extraction_returns(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(["plan", *flags], capsys)
+    assert (code, err) == (0, ""), err
+    found = re.search(r"^order (\S+) \(rank r holds", out, re.M)
+    assert found is not None
+    length_found = re.search(r"local length T = (\d+)", out)
+    assert length_found is not None
+    length = int(length_found.group(1))
+    # the printed order, given back, is the same plan
+    balancer = flags.index("--balancer")
+    given = [f for i, f in enumerate(flags) if i not in (balancer, balancer + 1)]
+    given = [f for i, f in enumerate(given) if f not in ("--seed", "--block-size")
+             and (i == 0 or given[i - 1] not in ("--seed", "--block-size"))]
+    code, again, _ = run(["plan", *given, "--order", found.group(1)], capsys)
+    assert code == 0
+    assert again.split("\n")[1:] == out.split("\n")[1:]
+    opts = dict(zip(flags[::2], flags[1::2]))
+    index = torch.tensor([[int(v) for v in row.split(",")] for row in found.group(1).split(";")])
+    max_seq, align = opts.get("--max-seq-len"), opts.get("--align")
+    padded, offsets = opts.get("--padded-lengths"), opts.get("--row-offsets")
+    cp_size = int(opts["--cp-size"])
+    blocks = out.split("\n\n")[1:]
+    assert len(blocks) == cp_size
+    for rank, block in enumerate(blocks):
+        layout = Layout.from_order(
+            index, [int(v) for v in opts["--total"].split(",")],
+            [int(v) for v in opts["--response"].split(",")], cp_rank=rank, cp_size=cp_size,
+            qkv_format=cast(QkvFormat, opts.get("--format", "thd")),
+            max_seq_len=int(max_seq) if max_seq else None,
+            padded_lengths=[int(v) for v in padded.split(",")] if padded else None,
+            align=int(align) if align else None,
+            row_offsets=[int(v) for v in offsets.split(",")] if offsets else None,
+        ).with_local_length(length)
+        shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
+        printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
+        assert len(printed) == layout.num_samples
+        for share, ranges in zip(shares, printed):
+            rows: list[int] = []
+            for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
+                rows += range(int(lo), int(hi))
+            assert share.tolist() == rows
+
+
+def test_a_long_order_is_not_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "--total", "300,200", "--response", "100,50", "--cp-size", "2",
+                        "--balancer", "block", "--block-size", "64"], capsys)
+    assert code == 0
+    assert "\norder " not in out
+    assert "pictures over 120 rows are run-length coded" in out
+    assert "cp_mode order (--balancer block, --block-size 64, --seed 0), cp_size 2" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--order", "0,1,1,2"],
+         "cpslice plan: error: order[2] = 1 repeats order[1] (a thd order must be a permutation "
+         "of range(4): each position once)\n"),
+        (["--order", "0,1,2"],
+         "cpslice plan: error: a thd order has 3 entries but must have 4 (a permutation of range(4))\n"),
+        (["--order", "0,1,4,2"],
+         "cpslice plan: error: order[2] = 4 is outside [0, 4) (a thd order must be a permutation "
+         "of range(4))\n"),
+        (["--order", "0,-1,3,2"],
+         "cpslice plan: error: order[1] = -1 is outside [0, 4) (a thd order must be a permutation "
+         "of range(4))\n"),
+        (["--order", "0,1,2,3", "--cp-size", "3"],
+         "cpslice plan: error: --cp-size 3 does not divide the order's 4 positions (each rank "
+         "holds N / --cp-size of them)\n"),
+        (["--order", "0,1;2,3"],
+         "cpslice plan: error: a thd order has shape [N] or [1, N], got [2, 2]\n"),
+        (["--order", "0,1,3", "--format", "bshd", "--max-seq-len", "4"],
+         "cpslice plan: error: a bshd order's rows have 3 columns but --max-seq-len is 4\n"),
+        (["--order", "0,1,x"],
+         "cpslice plan: error: argument --order: '0,1,x' is neither ints separated by commas "
+         "(e.g. 0,3,1,2; ';' between bshd rows) nor a file that can be read (No such file or "
+         "directory)\n"),
+        (["--order", "0,1;2"],
+         "cpslice plan: error: argument --order: '0,1;2' has rows of [1, 2] entries (one row of "
+         "ints for thd (or for every bshd row), rows of equal length for bshd)\n"),
+        (["--order", "0,1,3,2", "--mode", "zigzag"],
+         "cpslice plan: error: --order places every position itself, so --mode is not taken with "
+         "it; drop --mode (the plan says which closed form, if any, places alike)\n"),
+        (["--balancer", "random", "--mode", "none"],
+         "cpslice plan: error: --balancer places every position itself, so --mode is not taken "
+         "with it; drop --mode (the plan says which closed form, if any, places alike)\n"),
+        (["--order", "0,1,3,2", "--balancer", "random"],
+         "cpslice plan: error: argument --balancer: not allowed with argument --order\n"),
+        (["--balancer", "ptrr"], "cpslice plan: error: argument --balancer: invalid choice: 'ptrr'"),
+        (["--order", "0,1,3,2", "--seed", "2"],
+         "cpslice plan: error: --seed is for --balancer random or block\n"),
+        (["--balancer", "random", "--block-size", "2"],
+         "cpslice plan: error: --block-size is for --balancer block\n"),
+        (["--balancer", "block", "--block-size", "0"], "cpslice plan: error: --block-size 0 < 1\n"),
+        (["--balancer", "per-document-head-tail", "--total", "10", "--response", "4"],
+         "cpslice plan: error: torch's per-document head-tail balancer cuts every sample into "
+         "2 * --cp-size = 4 chunks, but sample 0 has 10 positions; pad the samples to a multiple "
+         "(--align 4)\n"),
+        (["--balancer", "head-tail", "--total", "10", "--response", "4", "--align", "5"],
+         "cpslice plan: error: torch's head-tail balancer cuts the 10 positions into 2 * --cp-size "
+         "= 4 chunks, and 4 does not divide 10; pad the samples\n"),
+        (["--balancer", "per-document-head-tail", "--format", "bshd", "--max-seq-len", "4"],
+         "cpslice plan: error: per-document head-tail balances the documents packed in a thd "
+         "stream; a bshd row is one document: use head-tail\n"),
+        (["--balancer", "random", "--total", "10,7", "--response", "4,3"],
+         "cpslice plan: error: --cp-size 2 does not divide the order's 17 positions (each rank "
+         "holds N / --cp-size of them)\n"),
+    ],
+)
+def test_bad_orders_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole line where ``message`` ends the line, else its start."""
+    base = {"--total": "4", "--response": "2", "--cp-size": "2"}
+    for flag in [a for a in argv if a in base]:
+        del base[flag]
+    code, out, err = run(["plan", *(x for kv in base.items() for x in kv), *argv], capsys)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    assert err == message if message.endswith("\n") else err.startswith(message), err
+
+
+def test_a_bad_order_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["plan", "--total", "4", "--response", "2", "--cp-size", "2", "--order"]
+    floats = tmp_path / "floats.pt"
+    torch.save(torch.tensor([0.0, 1.0, 3.0, 2.0]), floats)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("[0, 1, 3.5, 2]")
+    missing = tmp_path / "missing.pt"
+    for path, said in [(floats, f"the order in '{floats}' is not an integer tensor (got torch.float32)"),
+                       (bad_json, f"the order in '{bad_json}' is not a JSON list of ints, nor a list "
+                                  "of such lists"),
+                       (missing, f"'{missing}' is neither ints separated by commas")]:
+        code, out, err = run([*flags, str(path)], capsys)
+        assert (code, out) == (2, "")
+        assert err.startswith(f"cpslice plan: error: argument --order: {said}"), err
+        assert err.count("\n") == 1
+
+
+def test_a_moved_torch_balancer_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cpslice._cli import balancers
+
+    monkeypatch.setattr(balancers, "TORCH_BALANCERS", "torch.distributed._no_such_module")
+    code, out, err = run(PER_DOCUMENT, capsys)
+    assert (code, out) == (1, "")  # not a usage error: this torch lacks it
+    assert err.startswith(
+        f"cpslice plan: error: torch {torch.__version__} has no _PerDocumentHeadTailLoadBalancer in "
+        "torch.distributed._no_such_module (No module named 'torch.distributed._no_such_module'): "
+        "torch's load balancers live in a private module, which moved; pass the index itself")
+    assert err.count("\n") == 1
+    # random and block need no torch balancer
+    assert run([*PER_DOCUMENT[:-1], "random"], capsys)[0] == 0

@@ -24,7 +24,7 @@ from cpslice import _cli
 from cpslice._cli import bench, main
 from cpslice._types import CpMode
 from cpslice._verify.batches import make_batch
-from cpslice._verify.cases import TOLERANCE, Case, Config, select_cases
+from cpslice._verify.cases import ORDER_CASES, TOLERANCE, Case, Config, select_cases
 from cpslice._verify.check import Errors, max_error, row_length
 from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult
@@ -63,6 +63,9 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
         (["--align", "6"], "--align 6 is not a multiple of 2 * --cp-size = 4"),
         (["--align", "8", "--format", "bshd"], "--align 8 pads packed thd samples, but "
                                                "--format is bshd"),
+        (["--mode", "order", "--align", "8"], "--align 8 pads the closed forms' samples, and "
+                                              "--mode order has none"),
+        (["--mode", "ptrr"], "argument --mode: invalid choice: 'ptrr'"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(
@@ -88,26 +91,70 @@ def test_unknown_options_are_one_line_and_exit_2(
 def test_which_layouts_each_mode_checks() -> None:
     padded = (Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
     left = Case("zigzag", "bshd", left_padded=True)
+    orders = (Case("order", "thd", order="random"), Case("order", "thd", order="block"),
+              Case("order", "bshd", order="random"),
+              Case("order", "thd", order="per-document head-tail"))
+    thd_orders = tuple(c for c in orders if c.fmt == "thd")
+    assert ORDER_CASES == orders
     assert select_cases(2, "all", None) == (
         Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 8), *padded, left, Case("none", "bshd"))
+        Case("allgather", "thd", 8), *padded, left, Case("none", "bshd"), *orders)
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
         Case("allgather", "thd", 4), Case("none", "thd", padded=True),
-        Case("allgather", "thd", padded=True), Case("none", "bshd", left_padded=True))
+        Case("allgather", "thd", padded=True), Case("none", "bshd", left_padded=True), *orders)
     assert select_cases(2, "all", "thd", 12) == (
         Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
-        Case("allgather", "thd", 12), *padded)
+        Case("allgather", "thd", 12), *padded, *thd_orders)
     assert select_cases(2, "allgather", None, 3) == (
         Case("allgather", "thd"), Case("allgather", "thd", 3))
     assert Case("allgather", "thd", 8).name == "allgather thd align 8"
     assert padded[0].name == "zigzag thd padded"
     assert left.name == "zigzag bshd left-padded"
+    assert [c.name for c in orders] == ["order random thd", "order block thd", "order random bshd",
+                                        "order per-document head-tail thd"]
     assert select_cases(4, "all", "bshd") == (
-        Case("zigzag", "bshd"), Case("zigzag", "bshd", left_padded=True), Case("none", "bshd"))
+        Case("zigzag", "bshd"), Case("zigzag", "bshd", left_padded=True), Case("none", "bshd"),
+        Case("order", "bshd", order="random"))
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
     assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
+    assert select_cases(2, "order", None) == select_cases(1, "order", None) == orders
+    assert select_cases(4, "order", "thd") == thd_orders
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_the_order_cases_build_permutations_that_leave_ranks_empty(cp: int) -> None:
+    """Each order case's batches: a permutation of the stream (thd) or of every row
+    (bshd) whose length cp divides; per-document head-tail is torch's balancer's index;
+    the sparse batch holds one response token, so cp - 1 ranks hold none."""
+    from cpslice._verify.batches import batches_for
+
+    for case in ORDER_CASES:
+        batches = batches_for(case, Config(cp, 1, (case,), samples=16))
+        assert len(batches) == (2 if cp > 1 else 1)
+        for batch in batches:
+            assert batch.order is not None
+            rows = [list(r) for r in batch.order]
+            if case.fmt == "thd":
+                assert batch.padded is not None and len(rows) == 1
+                assert all(w >= t for w, t in zip(batch.padded, batch.total))
+                assert sorted(rows[0]) == list(range(sum(batch.padded)))
+            else:
+                assert len(rows) == len(batch.total) and len(rows[0]) > max(batch.total)
+                assert all(sorted(r) == list(range(len(rows[0]))) for r in rows)
+            assert len(rows[0]) % cp == 0
+        if cp > 1:
+            assert sum(batches[1].response) == 1
+        if case.order == "per-document head-tail":
+            from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+                _PerDocumentHeadTailLoadBalancer,
+            )
+
+            for batch in batches:
+                assert batch.padded is not None and all(w % (2 * cp) == 0 for w in batch.padded)
+                index = _PerDocumentHeadTailLoadBalancer([list(batch.padded)], cp, "cpu")._generate_indices()
+                assert batch.order == tuple(tuple(r) for r in index.tolist())
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -143,6 +190,9 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
     assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     assert "  left-padded: bshd rows as Hugging Face trainers hold them" in out
+    assert ("  order: Layout.from_order of a token order (a random permutation, shuffled blocks of "
+            "3 positions, torch's per-document head-tail (its private "
+            "_PerDocumentHeadTailLoadBalancer)), the shares redistributed to zigzag;") in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
@@ -150,7 +200,9 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     ]
     rows = planted.rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
-             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded", "none bshd"]
+             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded", "none bshd",
+             "order random thd", "order block thd", "order random bshd",
+             "order per-document head-tail thd"]
     assert list(rows) == names, out
     for name, r in rows.items():
         assert r[0] == "2 x 1" and r[-1] == "pass", (name, r)
@@ -160,7 +212,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
             assert int(r[2]) >= 1, (name, r)
         assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "8 layouts: all pass"
+    assert lines[-1] == "12 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
     assert [line.split(" pass ")[0].strip() for line in err.splitlines()
             if " pass " in line] == names

@@ -3,10 +3,9 @@ is no import cycle among cpslice's modules.
 
 ``import cpslice`` loads neither ``torch._dynamo`` (``torch.compile`` imports it, and
 the planning boundaries decide at each call: ``_cache.boundary``), nor megatron-core
-(``Layout.from_parallel_state`` imports it), nor ``torch.distributed.tensor`` (a DTensor
-argument means it is loaded: ``_vocab.dtensor`` looks it up, never imports it), nor
-beartype outside debug mode: each in a fresh interpreter, where nothing else imported
-them. How long the import takes is ``benchmarks/bench_import.py``'s, not a test's.
+(``Layout.from_parallel_state`` imports it), nor beartype outside debug mode: each in a
+fresh interpreter, where nothing else imported them. How long the import takes is
+``benchmarks/bench_import.py``'s, not a test's.
 
 Every module under ``src/cpslice`` is parsed (not imported) and every import
 statement in it counts, wherever it sits: at module level, inside a function or
@@ -32,7 +31,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 Graph = dict[str, set[str]]
 
-HEAVY = ("torch._dynamo", "megatron", "beartype", "torch.distributed.tensor")
+HEAVY = ("torch._dynamo", "megatron", "beartype")
 LOADED = f"""
 import sys
 import cpslice
@@ -141,8 +140,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 LAYOUT = {
     f"cpslice.{m}"
     for m in ("_layout", "_layout_checks", "_plan", "_pieces", "_widths", "_masks", "_pack", "_extract",
-              "_redistribute",
-              "_reduce", "_megatron")
+              "_redistribute", "_reduce", "_megatron")
 }
 VOCAB = "cpslice._vocab"
 SHARED = {f"cpslice.{m}" for m in ("_checks", "_errors", "_types", "_cache")}
@@ -261,6 +259,5 @@ def test_the_import_loads_no_compiler_megatron_or_checker(debug: str | None) -> 
 
 
 def test_debug_mode_loads_the_checker() -> None:
-    # and torch._dynamo, on purpose: cpslice/__init__.py loads it before the hook, and
-    # torch._dynamo imports torch.distributed.tensor itself
-    assert loaded_by_import("1") == {"beartype", "torch._dynamo", "torch.distributed.tensor"}
+    # and torch._dynamo, on purpose: cpslice/__init__.py loads it before the hook
+    assert loaded_by_import("1") == {"beartype", "torch._dynamo"}

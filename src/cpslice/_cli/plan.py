@@ -14,13 +14,16 @@ import sys
 from typing import Literal, NamedTuple, cast
 
 import torch
+from torch import Tensor
 
 from .._errors import LayoutError
 from .._extract import extraction_strategy
 from .._layout import Layout
 from .._plan import default_length, needed_length, runs, selection
 from .._types import CpMode, QkvFormat
-from .args import Subcommand
+from .args import EXIT_FAILURE, Subcommand, one_line
+from .balancers import TorchBalancerMissing
+from .order import add_order_arguments, check_order_arguments, order_layout, order_line, source
 
 MAX_PLAN_CP_SIZE = 1024
 """``cpslice plan`` draws every rank; a CP size beyond any real setup is refused."""
@@ -76,8 +79,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--cp-size", type=int, default=1, metavar="C", help="context-parallel size (default 1)"
     )
     parser.add_argument(
-        "--mode", choices=("none", "zigzag", "allgather"), default="none",
-        help="context-parallel layout (default none)",
+        "--mode", choices=("none", "zigzag", "allgather"), default=None,
+        help="context-parallel layout (default none; not with --order or --balancer)",
     )
     parser.add_argument(
         "--format", choices=("thd", "bshd"), default="thd",
@@ -105,6 +108,7 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="bshd: the column where each sample starts in its row, the columns before it "
         "padding (a left-padded prompt: Hugging Face trainers)",
     )
+    add_order_arguments(parser)
     parser.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto",
         help="colour the pictures: auto (a terminal, and NO_COLOR unset), always, never",
@@ -133,6 +137,7 @@ _ANSI = {".": "2", "p": "34", "r": "32", "P": "1;7;34", "R": "1;7;32"}
 # A longer picture is run-length coded: "p5" is five prompt rows.
 _FULL_PICTURE_MAX = 120
 
+_ORDER_NOTE = "        an order's runs: in row order in the picture, in position order in the lines below"
 _COMPACT_NOTE = "        pictures over {} rows are run-length coded: p5 is five p rows"
 
 
@@ -304,79 +309,103 @@ def _use_colour(choice: Colour) -> bool:
     return sys.stdout.isatty() and os.environ.get("TERM") != "dumb"
 
 
+def _first_layout(args: argparse.Namespace) -> tuple[Layout, Tensor | None]:
+    """Rank 0's layout, with ``--local-length`` when given, and its order (for
+    ``--order`` and ``--balancer``; else None).
+
+    Raises:
+        LayoutError: the arguments are no layout (named as the API names them).
+        TorchBalancerMissing: ``--balancer``'s torch balancer moved.
+    """
+    problem = check_order_arguments(args)
+    if problem is not None:
+        raise LayoutError(problem)
+    given = cast("int | None", args.local_length)
+    total, response = cast(tuple[int, ...], args.total), cast(tuple[int, ...], args.response)
+    fmt, seq = cast(QkvFormat, args.format), cast("int | None", args.max_seq_len)
+    padded = cast("tuple[int, ...] | None", args.padded_lengths)
+    align = cast("int | None", args.align)
+    offsets = cast("tuple[int, ...] | None", args.row_offsets)
+    if args.order is None and args.balancer is None:
+        return Layout(
+            total, response, qkv_format=fmt, max_seq_len=seq, cp_mode=cast(CpMode, args.mode or "none"),
+            cp_rank=0, cp_size=cast(int, args.cp_size), local_length=given, padded_lengths=padded,
+            align=align, row_offsets=offsets,
+        ), None
+    base = Layout(total, response, qkv_format=fmt, max_seq_len=seq, padded_lengths=padded,
+                  align=align, row_offsets=offsets)
+    return order_layout(args, base, given)
+
+
+def _header(args: argparse.Namespace, first: Layout, length: int) -> str:
+    how = "the least that fits" if args.local_length is None else "given"
+    mode: str = first.cp_mode
+    if args.order is not None or args.balancer is not None:
+        alike = "" if mode == "order" else f", which places every position as {mode} does"
+        mode = f"{mode} ({source(args)}{alike})"
+    seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""
+    if args.align is not None:
+        seq += f", align {args.align}"
+    elif args.padded_lengths is not None:
+        seq += ", padded lengths given"
+    if args.row_offsets is not None:
+        seq += ", row offsets given"
+    n = first.num_samples
+    return (
+        f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {mode}, "
+        f"cp_size {first.cp_size}, qkv_format {first.qkv_format}{seq}, strategy "
+        f"{extraction_strategy(first)}, local length T = {length} ({how})"
+    )
+
+
+def _sample_lines(args: argparse.Namespace, first: Layout) -> list[str]:
+    """Per sample, its lengths, its tokens and its response span."""
+    lines = []
+    total, response = first.total_lengths, first.response_lengths
+    for i, (t, r, p, span, w, o) in enumerate(
+        zip(total, response, first.prompt_lengths, _spans(total, response),
+            first.padded_lengths, first.row_offsets)
+    ):
+        tokens = _range(p, t) if r else "none"
+        width = f", padded to W {w}" if args.align is not None or args.padded_lengths is not None else ""
+        if args.row_offsets is not None:
+            width += f", at columns {_range(o, o + t)} of its row"
+        lines.append(
+            f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
+            f"{_range(0, p)}, response tokens {tokens}, response span {span}"
+        )
+    return lines
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Print, for every rank, what it holds of each sample and its response share."""
-    total = cast(tuple[int, ...], args.total)
-    response = cast(tuple[int, ...], args.response)
     cp_size = cast(int, args.cp_size)
-    qkv_format = cast(QkvFormat, args.format)
-    max_seq_len = cast("int | None", args.max_seq_len)
-    cp_mode = cast(CpMode, args.mode)
-    given = cast("int | None", args.local_length)
-    align = cast("int | None", args.align)
-    padded = cast("tuple[int, ...] | None", args.padded_lengths)
-    offsets = cast("tuple[int, ...] | None", args.row_offsets)
     colour = _use_colour(cast(Colour, args.color))
     if cp_size > MAX_PLAN_CP_SIZE:
         raise LayoutError(
             f"--cp-size {cp_size} > {MAX_PLAN_CP_SIZE}: plan draws every rank, and no real "
             f"setup has more than {MAX_PLAN_CP_SIZE} context-parallel ranks"
         )
-
-    def layout(rank: int, local_length: int | None) -> Layout:
-        return Layout(
-            total,
-            response,
-            qkv_format=qkv_format,
-            max_seq_len=max_seq_len,
-            cp_mode=cp_mode,
-            cp_rank=rank,
-            cp_size=cp_size,
-            local_length=local_length,
-            padded_lengths=padded,
-            align=align,
-            row_offsets=offsets,
-        )
-
     try:
-        first = layout(0, given)
+        first, order = _first_layout(args)
         # An allgather layout without a local length has no pieces yet: take the least.
         length = default_length(first)
     except LayoutError as err:  # name the flags the user typed, not the API's arguments
         raise LayoutError(_flag_names(str(err))) from None
-    how = "the least that fits" if given is None else "given"
-    strategy = extraction_strategy(first)
-    seq = f", max_seq_len {first.max_seq_len}" if first.max_seq_len is not None else ""
-    if align is not None:
-        seq += f", align {align}"
-    elif padded is not None:
-        seq += ", padded lengths given"
-    if offsets is not None:
-        seq += ", row offsets given"
-    n = first.num_samples
-    header = (
-        f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {first.cp_mode}, "
-        f"cp_size {cp_size}, qkv_format {first.qkv_format}{seq}, strategy {strategy}, "
-        f"local length T = {length} ({how})"
-    )
-    lines = [header]
-    for i, (t, r, p, span, w, o) in enumerate(
-        zip(total, response, first.prompt_lengths, _spans(total, response),
-            first.padded_lengths, first.row_offsets)
-    ):
-        tokens = _range(p, t) if r else "none"
-        width = f", padded to W {w}" if align is not None or padded is not None else ""
-        if offsets is not None:
-            width += f", at columns {_range(o, o + t)} of its row"
-        lines.append(
-            f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
-            f"{_range(0, p)}, response tokens {tokens}, response span {span}"
-        )
+    except TorchBalancerMissing as err:  # not a usage error: this torch lacks it
+        one_line("cpslice plan", str(err))
+        return EXIT_FAILURE
+    lines = [_header(args, first, length), *_sample_lines(args, first)]
+    shown = None if order is None else order_line(order, _FULL_PICTURE_MAX)
+    if shown is not None:
+        lines.append(f"{shown} (rank r holds stream positions order[r*T:(r+1)*T])")
     lines += _legend(colour)
+    if first.cp_mode == "order":
+        lines.append(_ORDER_NOTE)
     if length > _FULL_PICTURE_MAX:
         lines.append(_COMPACT_NOTE.format(_FULL_PICTURE_MAX))
     for rank in range(cp_size):
-        lines += ["", *_rank_block(layout(rank, length), length, colour)]
+        lines += ["", *_rank_block(first.for_rank(rank).with_local_length(length), length, colour)]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -63,13 +63,15 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
         "N x M processes are spawned",
     )
     parser.add_argument(
-        "--mode", choices=("zigzag", "allgather", "none", "all"), default="all",
+        "--mode", choices=("zigzag", "allgather", "none", "order", "all"), default="all",
         help="layouts to check (default all: zigzag and allgather with --cp-size > 1, "
         "none and allgather at --cp-size 1; all adds thd layouts of samples with their "
         "own padded widths, from Layout.from_cu_seqlens, bshd rows left-padded as Hugging "
-        "Face trainers hold them, and with --cp-size > 1 none bshd on every CP rank, rows "
-        "of odd length). none is the layout without context "
-        "parallelism, so it needs --cp-size 1; zigzag needs --cp-size 2 or more",
+        "Face trainers hold them, with --cp-size > 1 none bshd on every CP rank, rows "
+        "of odd length, and the order layouts). none is the layout without context "
+        "parallelism, so it needs --cp-size 1; zigzag needs --cp-size 2 or more; order is "
+        "Layout.from_order of a random permutation, of shuffled blocks and of torch's "
+        "per-document head-tail balancer",
     )
     parser.add_argument(
         "--format", choices=("thd", "bshd"), default=None,

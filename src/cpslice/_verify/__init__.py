@@ -6,7 +6,7 @@ each layout asked for, runs the path of a training step through the public API:
 
     Layout.from_parallel_state -> pack (its rows of its TP vocabulary shard)
       -> response_log_probs(with_entropy=True, tp_group=<megatron's TP group>)
-      -> [allgather only] redistribute to the zigzag layout
+      -> [allgather and order] redistribute to the zigzag layout
       -> backward of a weighted sum of log-probs and entropy
 
 and compares the log-probs, the entropy and the logits' gradient with a float64
@@ -35,13 +35,17 @@ it, the rows as long as the sample that ends last: ``Layout.from_attention_mask`
 batch's mask, checked against ``Layout.from_parallel_state`` with its ``row_offsets``)
 and, under context
 parallelism, the layout without CP on every CP rank (each holds the whole batch; bshd rows of odd
-length, which no rule rounds). A rank that raises fails the layout it was in, with
+length, which no rule rounds); it ends with the layouts of token orders
+(``Layout.from_order``: a random permutation of the stream and of every bshd row, the
+stream in shuffled blocks, and the index of torch's own per-document head-tail load
+balancer), which the oracle reads from the order itself. A rank that raises fails the layout it was in, with
 its error in the table, and stops the run.
 
 The modules, each importing only those above it:
 
 - ``cases``: which layouts (``Case``, ``select_cases``), sizes, ``Config``;
-- ``batches``: the batches (edge cases, sparse samples) and their float64 reference;
+- ``batches``: the batches (edge cases, sparse samples, an order case's order, built by
+  ``cpslice._cli.balancers``) and their float64 reference;
 - ``oracle``: the layout rules position by position (imports nothing from cpslice);
 - ``check``: one rank's check of a batch (``set_up`` shared by the plain and the
   support check), and the error measure ``max_error``;

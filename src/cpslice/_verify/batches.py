@@ -4,7 +4,8 @@ Every process builds the same batches from the seed: ``edge_lengths`` (random sa
 the edge cases first) and, under context parallelism, ``sparse_lengths`` (a few short
 samples that leave some CP ranks without any response); a padded case gives each
 sample its own width (``padded_widths``), a left-padded case each bshd row its offset
-(``left_padding``). A ``Batch`` holds each
+(``left_padding``), an order case its token order and the widths it needs
+(``order_of``). A ``Batch`` holds each
 sample's whole logits and loss weights and the float64 ``torch.log_softmax``
 reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
 and the same under per-token top-p / top-k sets (``response_sets``); a teacher's top-k
@@ -18,7 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .._types import CpMode
+from .._cli.balancers import block_order, per_document_head_tail_order, random_order
+from .._types import LayoutMode
 from .cases import Case, Config
 
 VOCAB_PER_RANK = 8
@@ -36,7 +38,8 @@ class Batch:
     ``ref_grad`` is ``[L_i, V]``, d(sum w_lp * lp + w_ent * ent) / d logits, in float64
     (``reference`` without sets). ``padded``: each sample's width ``W_i`` for a padded
     case (``padded_widths``), else None; ``offsets``: each bshd row's first token for a
-    left-padded case (``left_padding``), else None.
+    left-padded case (``left_padding``), else None; ``order``: an order case's token
+    order (thd one row over the stream, bshd a row per sample), else None.
     """
 
     total: tuple[int, ...]
@@ -50,6 +53,7 @@ class Batch:
     ref_grad: list[Tensor]
     padded: tuple[int, ...] | None = None
     offsets: tuple[int, ...] | None = None
+    order: tuple[tuple[int, ...], ...] | None = None
 
 
 def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -81,15 +85,18 @@ def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]
     return [total[i] for i in order], [response[i] for i in order]
 
 
-def sparse_lengths(mode: CpMode, cp_size: int) -> tuple[list[int], list[int]]:
+def sparse_lengths(mode: LayoutMode, cp_size: int) -> tuple[list[int], list[int]]:
     """Samples that leave context-parallel ranks without any response.
 
     zigzag: samples of at most 2 tokens sit in chunks of one position, so every
     response is position 0, on rank 0. allgather: one sample of ``4 * cp_size``
-    tokens with a one-token response at its end, on one late piece.
+    tokens with a one-token response at its end, on one late piece. order: one
+    response token in all, on one rank whatever the order.
     """
     if mode == "allgather":
         return [4 * cp_size], [1]
+    if mode == "order":
+        return [2, 1, 3], [1, 0, 0]
     return [2, 1, 2], [1, 0, 1]
 
 
@@ -106,7 +113,7 @@ def make_batch(total: Sequence[int], response: Sequence[int], vocab: int, seed: 
     return replace(batch, ref_lp=ref_lp, ref_ent=ref_ent, ref_grad=ref_grad)
 
 
-def padded_widths(total: Sequence[int], mode: CpMode, cp_size: int, seed: int) -> tuple[int, ...]:
+def padded_widths(total: Sequence[int], mode: LayoutMode, cp_size: int, seed: int) -> tuple[int, ...]:
     """Random widths ``W_i >= L_i``: the least a sample needs (zigzag: a multiple of
     ``2 * cp_size``; else ``L_i`` plus 0 to 2), then 0 to 3 chunks of ``2 * cp_size``
     more, the last sample stretched by 1 to 8 chunks (so that some ranks hold samples
@@ -134,6 +141,44 @@ def left_padding(total: Sequence[int], response: Sequence[int], multiple: int = 
     return tuple(max(prompt) - p + shift for p in prompt)
 
 
+BLOCK = 3
+"""Positions per block of the block order: odd, so that blocks cross the samples' and
+the ranks' boundaries at every offset."""
+
+
+def _stretched(widths: list[int], multiple: int) -> tuple[int, ...]:
+    """``widths``, the last one stretched so that their sum is a multiple of ``multiple``."""
+    widths[-1] += -sum(widths) % multiple
+    return tuple(widths)
+
+
+def order_of(case: Case, total: Sequence[int], cp_size: int, seed: int) -> tuple[tuple[int, ...] | None, Tensor]:
+    """An order case's thd widths (None for bshd) and its token order: thd ``[1, N]``
+    over the stream of padded samples, bshd ``[B, S]``, ``S`` the least multiple of
+    ``cp_size`` above the longest sample.
+
+    - random: each sample's random padded width (``padded_widths``), the last one
+      stretched to a multiple of ``cp_size``; a random permutation (bshd: of every row);
+    - block: the samples unpadded but the last, stretched to a multiple of
+      ``BLOCK * cp_size``; the stream in blocks of ``BLOCK``, shuffled;
+    - per-document head-tail: each sample padded to a multiple of ``2 * cp_size``;
+      torch's ``_PerDocumentHeadTailLoadBalancer`` index (``TorchBalancerMissing``
+      where that private module moved).
+    """
+    if case.fmt == "bshd":
+        seq = -(-(max(total) + 1) // cp_size) * cp_size
+        return None, random_order(seq, seed, len(total))
+    if case.order == "random":
+        widths = _stretched(list(padded_widths(total, "allgather", cp_size, seed)), cp_size)
+        return widths, random_order(sum(widths), seed)
+    if case.order == "block":
+        widths = _stretched(list(total), BLOCK * cp_size)
+        return widths, block_order(sum(widths), BLOCK, seed)
+    chunk = 2 * cp_size
+    widths = tuple(-(-t // chunk) * chunk for t in total)
+    return widths, per_document_head_tail_order(widths, cp_size)
+
+
 def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
     """The batches' (total, response) lengths: the random one, and under CP the sparse
     one (not for none, where every rank holds every response)."""
@@ -156,6 +201,10 @@ def batches_for(case: Case, config: Config) -> list[Batch]:
         if case.left_padded:
             multiple = 2 * config.cp_size if case.mode == "zigzag" else 1
             batch = replace(batch, offsets=left_padding(t, r, multiple))
+        if case.order is not None:
+            widths, order = order_of(case, t, config.cp_size, config.seed + 404 + k)
+            rows: list[list[int]] = order.tolist()
+            batch = replace(batch, padded=widths, order=tuple(tuple(row) for row in rows))
         out.append(batch)
     return out
 

@@ -7,9 +7,9 @@ seed, timeouts and tolerance.
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
-from .._types import CpMode, QkvFormat
+from .._types import CpMode, LayoutMode, QkvFormat
 
 TOLERANCE = 1e-5
 """Largest absolute error allowed for log-probs, entropy and gradient. The float32
@@ -27,27 +27,43 @@ class VerifyArgumentError(ValueError):
     """A combination of verify's options that names no runnable check."""
 
 
+OrderKind = Literal["random", "block", "per-document head-tail"]
+"""An order layout's token order: a random permutation, shuffled blocks of
+``batches.BLOCK`` positions, or torch's per-document head-tail balancer's."""
+
+
 class Case(NamedTuple):
     """One layout to check: its CP mode, its qkv format, and (thd) the ``align`` its
     samples are padded to, or None for the default packing; ``padded``: thd samples
     given their own random widths ``W_i >= L_i`` through ``Layout.from_cu_seqlens``;
     ``left_padded``: bshd rows as Hugging Face trainers hold them, every prompt
-    left-padded to the longest, the response after it (``row_offsets``).
+    left-padded to the longest, the response after it (``row_offsets``); ``order``
+    (mode ``"order"``): ``Layout.from_order`` of that kind of token order.
 
     Mode ``"none"`` in a run with ``cp_size > 1`` is the layout without context
     parallelism on every CP rank: each holds the whole batch (TP as in every case).
     """
 
-    mode: CpMode
+    mode: LayoutMode
     fmt: QkvFormat
     align: int | None = None
     padded: bool = False
     left_padded: bool = False
+    order: OrderKind | None = None
 
     @property
     def name(self) -> str:
+        if self.order is not None:
+            return f"order {self.order} {self.fmt}"
         extra = f" align {self.align}" if self.align else (" padded" if self.padded else "")
         return f"{self.mode} {self.fmt}{extra}{' left-padded' if self.left_padded else ''}"
+
+
+ORDER_CASES = (Case("order", "thd", order="random"), Case("order", "thd", order="block"),
+               Case("order", "bshd", order="random"),
+               Case("order", "thd", order="per-document head-tail"))
+"""The order layouts, torch's last: where its private balancer moved, that layout fails
+with the reason and the run stops there."""
 
 
 def select_cases(
@@ -56,7 +72,8 @@ def select_cases(
     """The layouts ``--mode``, ``--format`` and ``--align`` ask for at ``cp_size``.
 
     ``mode`` is ``"zigzag"``, ``"allgather"``, ``"none"`` or ``"all"``; ``fmt`` is
-    ``"thd"``, ``"bshd"`` or None for every format the mode has. ``"all"`` means
+    ``"thd"``, ``"bshd"`` or None for every format the mode has; ``"order"`` the order
+    layouts (``ORDER_CASES``), which ``"all"`` ends with. ``"all"`` means
     zigzag (thd, bshd) and allgather (thd) when ``cp_size > 1``, and none (thd, bshd)
     and allgather (thd) when ``cp_size == 1``: megatron-core's ``parallel_state``
     yields zigzag only with context parallelism, and none only without it. With
@@ -70,8 +87,9 @@ def select_cases(
 
     Raises:
         VerifyArgumentError: ``none`` with ``cp_size > 1``, ``zigzag`` with
-            ``cp_size == 1``, ``allgather`` with bshd, ``align`` with bshd only or, under
-            zigzag, not a multiple of ``2 * cp_size``; the message says what to pass.
+            ``cp_size == 1``, ``allgather`` with bshd, ``align`` with bshd only, with
+            ``order`` or, under zigzag, not a multiple of ``2 * cp_size``; the message
+            says what to pass.
     """
     if mode == "none" and cp_size > 1:
         raise VerifyArgumentError(
@@ -93,12 +111,17 @@ def select_cases(
         "zigzag": ("zigzag",),
         "allgather": ("allgather",),
         "none": ("none",),
+        "order": (),
     }
     if mode not in choices:
         raise VerifyArgumentError(f"--mode {mode!r} is not one of {', '.join(choices)}")
     modes = choices[mode]
     if fmt not in (None, "thd", "bshd"):
         raise VerifyArgumentError(f"--format {fmt!r} is not one of thd, bshd")
+    if mode == "order" and align is not None:
+        raise VerifyArgumentError(
+            f"--align {align} pads the closed forms' samples, and --mode order has none: its "
+            "layouts pad their samples as their orders need; drop --align, or pass --mode all")
     cases = []
     for m in modes:
         formats: tuple[QkvFormat, ...] = ("thd",) if m == "allgather" else ("thd", "bshd")
@@ -126,7 +149,10 @@ def select_cases(
 
 def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
     """What ``--mode all`` checks beyond each mode's formats: padded widths, left-padded
-    rows, and none bshd inside a CP world (``select_cases``)."""
+    rows, none bshd inside a CP world and the order layouts (``select_cases``); what
+    ``--mode order`` checks."""
+    if mode == "order":
+        return tuple(c for c in ORDER_CASES if fmt is None or c.fmt == fmt)
     if mode != "all":
         return ()
     first: CpMode = "zigzag" if cp_size > 1 else "none"
@@ -137,7 +163,7 @@ def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
         extra.append(Case(first, "bshd", left_padded=True))
     if fmt in (None, "bshd") and cp_size > 1:
         extra.append(Case("none", "bshd"))
-    return tuple(extra)
+    return tuple(extra) + tuple(c for c in ORDER_CASES if fmt is None or c.fmt == fmt)
 
 
 def check_sizes(cp_size: int, tp_size: int) -> None:

@@ -3,6 +3,7 @@
 ``set_up`` builds what both checks share: the rank's layout (from parallel_state, with
 a left-padded case through ``Layout.from_attention_mask``, checked against
 parallel_state's with the same row offsets; a padded case through ``Layout.from_cu_seqlens``;
+an order case through ``Layout.from_order`` at parallel_state's rank and size;
 none in a CP world without CP, the whole batch on every CP rank) with a local length of one padding row more than the
 layout needs (whose gradient must be zero: a function that reads the least length
 instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
@@ -10,7 +11,7 @@ rank's packed rows of its TP vocabulary shard.
 ``check_batch`` then runs the path of a training step through the public API:
 
     pack -> response_log_probs(with_entropy=True, tp_group=<megatron's TP group>)
-      -> [allgather only] redistribute to the zigzag layout
+      -> [allgather and order] redistribute to the zigzag layout
       -> backward of a weighted sum of log-probs and entropy
 
 ``check_support_batch`` runs the same batch with every response token restricted to
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._distill import response_distillation
-from .._layout import Layout
+from .._layout import Layout, closed_mode
 from .._pack import pack
 from .._redistribute import redistribute
 from .._response import response_log_probs
@@ -106,6 +107,8 @@ def row_length(case: Case, batch: Batch) -> int | None:
     sample ends exactly at its row's last column."""
     if case.fmt != "bshd":
         return None
+    if batch.order is not None:  # an order's rows: as long as the order says
+        return len(batch.order[0])
     if batch.offsets is not None:
         return max(o + t for o, t in zip(batch.offsets, batch.total))
     seq = max(batch.total) + 1
@@ -123,9 +126,9 @@ def attention_mask(batch: Batch, seq: int) -> Tensor:
 
 def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
     """The rank's layout: from megatron-core's parallel_state; for a padded case from
-    ``Layout.from_cu_seqlens`` and for a left-padded one from
-    ``Layout.from_attention_mask``, with the rank and size it gives; for none in a CP
-    world a layout without CP (the whole batch on this rank).
+    ``Layout.from_cu_seqlens``, for a left-padded one from ``Layout.from_attention_mask``
+    and for an order case from ``Layout.from_order``, with the rank and size it gives;
+    for none in a CP world a layout without CP (the whole batch on this rank).
 
     Raises:
         RuntimeError: parallel_state gives another CP mode than the case's, or another
@@ -137,16 +140,21 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
         cp_mode="allgather" if case.mode == "allgather" else None, align=case.align,
         row_offsets=batch.offsets,
     )
+    if batch.order is not None:  # thd: [1, N], as torch's balancers give it
+        return Layout.from_order(torch.tensor(batch.order), batch.total, batch.response,
+                                 cp_rank=state.cp_rank, cp_size=state.cp_size,
+                                 qkv_format=case.fmt, max_seq_len=seq, padded_lengths=batch.padded)
     if case.mode == "none" and state.cp_size > 1:
         return Layout(batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
                       row_offsets=batch.offsets)
     if state.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
+    mode = closed_mode(state)
     if batch.offsets is not None:
         # the way a Hugging Face trainer builds it: from the batch's attention mask
         assert seq is not None
         rows = Layout.from_attention_mask(attention_mask(batch, seq), batch.response,
-                                          cp_mode=case.mode, cp_rank=state.cp_rank,
+                                          cp_mode=mode, cp_rank=state.cp_rank,
                                           cp_size=state.cp_size)
         if rows != state:
             raise RuntimeError(f"Layout.from_attention_mask gave {rows!r}, parallel_state {state!r}")
@@ -154,7 +162,7 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
     if batch.padded is None:
         return state
     bounds = [0, *itertools.accumulate(batch.padded)]
-    return Layout.from_cu_seqlens(bounds, batch.total, batch.response, cp_mode=case.mode,
+    return Layout.from_cu_seqlens(bounds, batch.total, batch.response, cp_mode=mode,
                                   cp_rank=state.cp_rank, cp_size=state.cp_size)
 
 
@@ -174,7 +182,7 @@ def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
     layout = layout.with_local_length(length)
     view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
                            layout.cp_rank, layout.cp_size, length, case.align, batch.padded,
-                           batch.offsets)
+                           batch.offsets, batch.order)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
     return RankSetup(layout, view, shard, logits)
@@ -212,7 +220,7 @@ def check_batch(
     err_lp = max_error(lp, oracle.shares(batch.ref_lp, s.view))
     err_ent = max_error(ent, oracle.shares(batch.ref_ent, s.view))
     where = s.view
-    if s.layout.cp_mode == "allgather":
+    if case.mode in ("allgather", "order"):
         # what loss code written for ring attention reads: zigzag (none at cp 1)
         zigzag = Layout.from_parallel_state(batch.total, batch.response)
         mode = "zigzag" if s.layout.cp_size > 1 else "none"

@@ -9,7 +9,9 @@ shows up as a failing row instead of agreeing with itself.
 
 A ``Place`` is what one local row holds: ``(sample, within-sample position)``, or
 None for padding. A sample's extent holds its tokens, then padding; a left-padded bshd
-row (``offsets``) holds padding before them too.
+row (``offsets``) holds padding before them too. An order layout is read from the order
+itself, row by row: local row ``j`` of rank ``r`` holds stream position
+``order[r*T + j]`` (bshd: row after row, column ``order[b][r*S/c + k]`` of row ``b``).
 """
 
 from collections.abc import Sequence
@@ -31,7 +33,9 @@ class RankView:
     padding positions after its tokens up to a multiple of ``align``; ``padded`` (thd)
     gives each sample's positions ``W_i >= L_i`` outright, its padding included;
     ``offsets`` (bshd) the column ``o_i`` of its row where sample ``i``'s tokens start
-    (None: column 0).
+    (None: column 0); ``order`` (mode ``"order"``) the token order: thd one row, a
+    permutation of the stream of extents, bshd a row per sample, each a permutation of
+    its ``seq`` columns.
     """
 
     total: tuple[int, ...]
@@ -45,14 +49,16 @@ class RankView:
     align: int | None = None
     padded: tuple[int, ...] | None = None
     offsets: tuple[int, ...] | None = None
+    order: tuple[tuple[int, ...], ...] | None = None
 
 
 def least_length(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, size: int,
     align: int | None = None, padded: Sequence[int] | None = None,
 ) -> int:
-    """The fewest local rows that hold this rank's positions of every sample."""
-    if mode == "allgather":
+    """The fewest local rows that hold this rank's positions of every sample (an order
+    layout: the stream's ``N / size``)."""
+    if mode in ("allgather", "order"):
         stream = sum(_extent(i, n, fmt, seq, align, padded) for i, n in enumerate(total))
         return -(-stream // size)
     return len(_places(total, mode, fmt, seq, 0, size, None, align, padded, None))
@@ -75,6 +81,34 @@ def _extent(
     return _padded(n, align) if align else n
 
 
+def _place(total: Sequence[int], offsets: Sequence[int] | None, i: int, p: int) -> Place:
+    """Position ``p`` of sample ``i``'s extent: its tokens from column ``o_i`` on."""
+    o = offsets[i] if offsets is not None else 0
+    return (i, p - o) if o <= p < o + total[i] else None
+
+
+def _order_places(view: RankView) -> list[Place]:
+    """An order layout's rows, read from the order: row ``j`` of rank ``r`` holds stream
+    position ``order[r*T + j]`` (bshd: row after row, each row's columns
+    ``order[b][r*S/c:(r+1)*S/c]``)."""
+    assert view.order is not None, "an order layout needs its order"
+    if view.fmt == "thd":
+        (index,) = view.order
+        stream = [
+            _place(view.total, None, i, p)
+            for i, n in enumerate(view.total)
+            for p in range(_extent(i, n, "thd", None, view.align, view.padded))
+        ]
+        t = len(index) // view.size
+        return [stream[index[view.rank * t + j]] for j in range(t)]
+    columns = int(view.seq or 0) // view.size
+    return [
+        _place(view.total, view.offsets, b, row[view.rank * columns + k])
+        for b, row in enumerate(view.order)
+        for k in range(columns)
+    ]
+
+
 def _places(
     total: Sequence[int], mode: str, fmt: str, seq: int | None, rank: int, size: int,
     length: int | None, align: int | None, padded: Sequence[int] | None,
@@ -86,9 +120,7 @@ def _places(
         return _extent(i, n, fmt, seq, align, padded)
 
     def place(i: int, p: int) -> Place:
-        """Position ``p`` of sample ``i``'s extent: its tokens from column ``o_i`` on."""
-        o = offsets[i] if offsets is not None else 0
-        return (i, p - o) if o <= p < o + total[i] else None
+        return _place(total, offsets, i, p)
 
     if mode == "none":
         for i, n in enumerate(total):
@@ -113,7 +145,7 @@ def _places(
 
 def places(view: RankView) -> list[Place]:
     """What each of the rank's ``view.length`` local rows holds (padding: None)."""
-    rows = _places(
+    rows = _order_places(view) if view.mode == "order" else _places(
         view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length,
         view.align, view.padded, view.offsets,
     )
@@ -124,7 +156,8 @@ def places(view: RankView) -> list[Place]:
 
 def share_offsets(view: RankView) -> list[list[int]]:
     """Per sample, the offsets into its whole response (``p - (P_i - 1)``) of the
-    response-span positions ``p`` that this rank holds, in ascending order."""
+    response-span positions ``p`` that this rank holds, in ascending order (a closed
+    form's rows hold them in that order already; an order's rows, in any)."""
     out: list[list[int]] = [[] for _ in view.total]
     for place in places(view):
         if place is None:
@@ -134,7 +167,8 @@ def share_offsets(view: RankView) -> list[list[int]]:
         if first <= p < view.total[i] - 1:
             out[i].append(p - first)
     for offsets in out:
-        assert offsets == sorted(offsets)
+        assert view.mode == "order" or offsets == sorted(offsets)
+        offsets.sort()
     return out
 
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .batches import TEMPERATURE, VOCAB_PER_RANK
+from .batches import BLOCK, TEMPERATURE, VOCAB_PER_RANK
 from .cases import Case, Config
 from .check import Errors
 
@@ -64,6 +64,7 @@ def header(config: Config) -> str:
         kinds += ("  left-padded: bshd rows as Hugging Face trainers hold them, each prompt "
                   "left-padded to the longest, its response after it, one sample ending at "
                   "its row's last column (Layout.from_attention_mask);\n")
+    kinds += _order_kinds(config)
     if any(c.mode == "none" and c.fmt == "bshd" and not c.left_padded for c in config.cases):
         where = ", without CP on every CP rank (each holds the whole batch)"
         kinds += f"  none bshd: rows of odd length{where if config.cp_size > 1 else ''};\n"
@@ -81,6 +82,19 @@ def header(config: Config) -> str:
         "the divergence from a teacher's top-k (response_distillation)"
         + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
     )
+
+
+def _order_kinds(config: Config) -> str:
+    """The header's line on the order layouts, if the run has any."""
+    kinds = [c.order for c in config.cases if c.order is not None]
+    if not kinds:
+        return ""
+    said = {"random": "a random permutation", "block": f"shuffled blocks of {BLOCK} positions",
+            "per-document head-tail": "torch's per-document head-tail (its private "
+            "_PerDocumentHeadTailLoadBalancer)"}
+    what = ", ".join(dict.fromkeys(said[k] for k in kinds))
+    return (f"  order: Layout.from_order of a token order ({what}), the shares redistributed "
+            "to zigzag;\n")
 
 
 def progress_line(result: CaseResult) -> str:
