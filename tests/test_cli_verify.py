@@ -191,9 +191,9 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
     assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     assert "  left-padded: bshd rows as Hugging Face trainers hold them" in out
-    assert ("  order: Layout.from_order of a token order (a random permutation, shuffled blocks of "
-            "3 positions, torch's per-document head-tail (its private "
-            "_PerDocumentHeadTailLoadBalancer)), the shares redistributed to zigzag;") in out
+    assert ("  order: Layout.from_order of a random permutation, shuffled blocks of 3 positions and "
+            "torch's per-document head-tail index (its private _PerDocumentHeadTailLoadBalancer), "
+            "the shares redistributed to zigzag;") in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
@@ -401,8 +401,16 @@ FAKE = {
 
 
 def test_bench_runs_every_benchmark_of_the_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
+    before = set(sys.modules)
+
+    def forget_the_fakes() -> None:  # monkeypatch restores only the modules it removed
+        for name in [n for n in sys.modules if n.split(".")[0] == "benchmarks" and n not in before]:
+            del sys.modules[name]
+
+    request.addfinalizer(forget_the_fakes)
     folder = tmp_path / "benchmarks"
     folder.mkdir()
     (folder / "__init__.py").write_text("")
