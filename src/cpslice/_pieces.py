@@ -157,11 +157,12 @@ def _tiles(flat: Tensor, heads: Tensor, n: int) -> bool:
     tile ``[0, n)``: then ``flat`` is a permutation of ``range(n)``, each value once."""
     if not heads.numel():
         return n == 0
-    first = flat[heads]
-    width = torch.diff(heads, append=torch.tensor([flat.numel()]))
-    by = torch.argsort(first)
-    lo, hi = first[by], first[by] + width[by]
-    return int(lo[0]) == 0 and int(hi[-1]) == n and torch.equal(lo[1:], hi[:-1])
+    at = heads.numpy()
+    first = flat.numpy()[at]
+    by = np.argsort(first)
+    lo = first[by]
+    hi = lo + np.diff(at, append=flat.numel())[by]
+    return int(lo[0]) == 0 and int(hi[-1]) == n and bool(np.array_equal(lo[1:], hi[:-1]))
 
 
 def _check_permutation(values: Tensor, n: int, what: str, entry: str, every: int = 0) -> Tensor:
@@ -247,26 +248,29 @@ def _pieces_of(
     ``flat[r*T + j]``), ``heads`` where its runs of consecutive positions start (cut at
     the ranks' first rows): each run cut at the samples' starts too.
     Returns the table ``[4, pieces]`` (sample, slot, first, width) and each piece's rank,
-    sorted by rank, sample, then position."""
-    n, runs = flat.numel(), heads
-    extent = _ints(widths)
-    lo = flat[runs]  # each run's first stream position, and the one after its last
-    hi = lo + torch.diff(runs, append=torch.tensor([n]))
-    sample = torch.searchsorted(starts, lo, right=True) - 1
-    if bool((hi > starts[sample] + extent[sample]).any()):  # runs across samples: cut them
-        count = torch.searchsorted(starts, hi - 1, right=True) - sample  # one piece a sample
-        total = int(count.sum())
-        run = torch.repeat_interleave(torch.arange(runs.numel()), count, output_size=total)
-        sample = sample[run] + torch.arange(total) - torch.repeat_interleave(_cumsum0(count), count, output_size=total)
-        begin = torch.maximum(lo[run], starts[sample])
-        end = torch.minimum(hi[run], starts[sample] + extent[sample])
+    sorted by rank, sample, then position. In numpy, one thread: tens of thousands of
+    runs are too few to gain from torch's threads, and enough for each of its parallel
+    kernels to wait for a busy core."""
+    start, extent = starts.numpy(), _ints(widths).numpy()
+    runs = heads.numpy()
+    lo = flat.numpy()[runs]  # each run's first stream position, and the one after its last
+    hi = lo + np.diff(runs, append=flat.numel())
+    by = np.argsort(lo)  # in position order the runs tile the stream: a sorted lookup
+    sample = np.empty_like(lo)
+    sample[by] = np.searchsorted(start, lo[by], side="right") - 1
+    if bool((hi > start[sample] + extent[sample]).any()):  # runs across samples: cut them
+        count = np.empty_like(lo)
+        count[by] = np.searchsorted(start, hi[by] - 1, side="right") - sample[by]  # one piece a sample
+        run = np.repeat(np.arange(runs.size), count)
+        sample = sample[run] + np.arange(run.size) - np.repeat(np.cumsum(count) - count, count)
+        begin = np.maximum(lo[run], start[sample])
+        end = np.minimum(hi[run], start[sample] + extent[sample])
         runs, lo, hi = runs[run] + (begin - lo[run]), begin, end
-    rank = torch.div(runs, length, rounding_mode="floor")
-    first = lo - starts[sample]
-    by = torch.argsort((rank * len(widths) + sample) * (max(widths) + 1) + first)
-    rank, sample, first = rank[by], sample[by], first[by]
-    table = torch.stack([sample, runs[by] - rank * length, first, (hi - lo)[by]])
-    return table, rank
+    rank = runs // length
+    first = lo - start[sample]
+    by = np.argsort((rank * len(widths) + sample) * (max(widths) + 1) + first)
+    table = np.stack([sample[by], (runs - rank * length)[by], first[by], (hi - lo)[by]]).astype(np.int64)
+    return torch.from_numpy(table), torch.from_numpy(rank[by].astype(np.int64))
 
 
 def read(order: object, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> tuple[Tensor, Order]:
