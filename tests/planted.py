@@ -49,12 +49,17 @@ PLANTS = {
     ),
     # bshd rows without CP rounded up to an even width (only zigzag rounds them); and,
     # in the same run (each run costs a start-up), the row offsets left out of _plan's
-    # runs: every bshd sample at column 0, consistently in pack and extraction
-    "bshd rows: no-CP rounded to even, row offsets ignored": Plant(
+    # runs: every bshd sample at column 0, consistently in pack and extraction; and a
+    # bshd order read with each rank's columns strided (rank r holding columns
+    # order[b, r::c], not order[b, r*S/c:(r+1)*S/c]): still a permutation, read alike by
+    # every function, so only the oracle's own reading of the order catches it
+    "bshd rows: no-CP rounded to even, row offsets ignored, an order's columns strided": Plant(
         (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
           '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
          ("_plan.py", "    offset = torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]",
-          "    offset = 0 * torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]")),
+          "    offset = 0 * torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]"),
+         ("_pieces.py", "(order + starts[:, None]).view(rows, size, seq // size).transpose(0, 1)",
+          "(order + starts[:, None]).view(rows, seq // size, size).permute(2, 0, 1)")),
         ("--cp-size", "2", "--format", "bshd"),
     ),
 }

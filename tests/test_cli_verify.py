@@ -96,9 +96,10 @@ def test_which_layouts_each_mode_checks() -> None:
               Case("order", "thd", order="per-document head-tail"))
     thd_orders = tuple(c for c in orders if c.fmt == "thd")
     assert ORDER_CASES == orders
+    # torch's order last: where its private balancer moved, only it fails and stops the run
     assert select_cases(2, "all", None) == (
         Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 8), *padded, left, Case("none", "bshd"), *orders)
+        Case("allgather", "thd", 8), *padded, left, *orders[:3], Case("none", "bshd"), orders[3])
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
         Case("allgather", "thd", 4), Case("none", "thd", padded=True),
@@ -114,8 +115,8 @@ def test_which_layouts_each_mode_checks() -> None:
     assert [c.name for c in orders] == ["order random thd", "order block thd", "order random bshd",
                                         "order per-document head-tail thd"]
     assert select_cases(4, "all", "bshd") == (
-        Case("zigzag", "bshd"), Case("zigzag", "bshd", left_padded=True), Case("none", "bshd"),
-        Case("order", "bshd", order="random"))
+        Case("zigzag", "bshd"), Case("zigzag", "bshd", left_padded=True),
+        Case("order", "bshd", order="random"), Case("none", "bshd"))
     assert select_cases(1, "none", "thd") == (Case("none", "thd"),)
     assert select_cases(2, "allgather", None) == (Case("allgather", "thd"),)
     assert select_cases(2, "zigzag", None) == (Case("zigzag", "thd"), Case("zigzag", "bshd"))
@@ -190,9 +191,9 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
     assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     assert "  left-padded: bshd rows as Hugging Face trainers hold them" in out
-    assert ("  order: Layout.from_order of a token order (a random permutation, shuffled blocks of "
-            "3 positions, torch's per-document head-tail (its private "
-            "_PerDocumentHeadTailLoadBalancer)), the shares redistributed to zigzag;") in out
+    assert ("  order: Layout.from_order of a random permutation, shuffled blocks of 3 positions and "
+            "torch's per-document head-tail index (its private _PerDocumentHeadTailLoadBalancer), "
+            "the shares redistributed to zigzag;") in out
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
@@ -200,8 +201,8 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     ]
     rows = planted.rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
-             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded", "none bshd",
-             "order random thd", "order block thd", "order random bshd",
+             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded",
+             "order random thd", "order block thd", "order random bshd", "none bshd",
              "order per-document head-tail thd"]
     assert list(rows) == names, out
     for name, r in rows.items():
@@ -400,8 +401,16 @@ FAKE = {
 
 
 def test_bench_runs_every_benchmark_of_the_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
+    before = set(sys.modules)
+
+    def forget_the_fakes() -> None:  # monkeypatch restores only the modules it removed
+        for name in [n for n in sys.modules if n.split(".")[0] == "benchmarks" and n not in before]:
+            del sys.modules[name]
+
+    request.addfinalizer(forget_the_fakes)
     folder = tmp_path / "benchmarks"
     folder.mkdir()
     (folder / "__init__.py").write_text("")

@@ -1,6 +1,6 @@
 """``cpslice verify`` catches bugs planted in copies of the package (``planted.PLANTS``:
 layout arithmetic, a length read from the layout instead of the tensor, padded widths,
-no-CP bshd rows, left-padded rows): it prints FAIL for the layouts they break, passes
+no-CP bshd rows, left-padded rows, a misread bshd order): it prints FAIL for the layouts they break, passes
 the others, and exits 1. The runs start with the session, in the background
 (``background.py``); this file is collected last, so they have run beside the other
 tests by then."""
@@ -49,15 +49,18 @@ def test_a_planted_padded_width_bug_fails(planted: dict[str, Done]) -> None:
     assert code == 1, out + err
     assert verdicts(out) == {
         "zigzag thd": "pass", "allgather thd": "pass", "allgather thd align 8": "pass",
-        "zigzag thd padded": "FAIL", "allgather thd padded": "not run"}, out + err
+        "zigzag thd padded": "FAIL", "allgather thd padded": "not run",
+        "order random thd": "not run", "order block thd": "not run",
+        "order per-document head-tail thd": "not run"}, out + err
     assert "LayoutError" in rows(out)["zigzag thd padded"][-1]
 
 
 @PLANTED_TIMEOUT
 def test_planted_bshd_row_bugs_fail(planted: dict[str, Done]) -> None:
-    # in a CP world the default set still runs none bshd, its rows of odd length; and
-    # its left-padded rows catch offsets that pack and extraction both ignore
-    code, out, err = planted["bshd rows: no-CP rounded to even, row offsets ignored"]
+    # in a CP world the default set still runs none bshd, its rows of odd length; its
+    # left-padded rows catch offsets that pack and extraction both ignore; and its bshd
+    # order, read by the oracle from the order itself, a misread order
+    code, out, err = planted["bshd rows: no-CP rounded to even, row offsets ignored, an order's columns strided"]
     assert code == 1, out + err
     assert verdicts(out) == {"zigzag bshd": "pass", "zigzag bshd left-padded": "FAIL",
-                              "none bshd": "FAIL"}, out + err
+                              "order random bshd": "FAIL", "none bshd": "FAIL"}, out + err

@@ -181,8 +181,8 @@ def _from_order(
     base = cls(total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
                padded_lengths=padded_lengths, align=align, row_offsets=row_offsets)
     rank, size = check_cp(cp_rank, cp_size, base.qkv_format, "zigzag")
-    full, placement = read(order, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
-    mode = twin(full, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
+    _, placement = read(order, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
+    mode = twin(placement, base.qkv_format, base.padded_lengths, size)
     if mode is None:
         return base._placed(rank, size, None, placement)
     thd = base.qkv_format == "thd"

@@ -51,7 +51,7 @@ def block_order(n: int, block: int, seed: int, rows: int = 1) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-n // block)
     starts = torch.rand(rows, blocks, generator=gen).argsort(1) * block
-    positions = (starts[:, :, None] + torch.arange(block, dtype=_I64)).reshape(rows, -1)
+    positions = (starts[:, :, None] + torch.arange(block, dtype=_I64)).reshape(rows, blocks * block)
     return positions[positions < n].view(rows, n)
 
 

@@ -35,10 +35,10 @@ it, the rows as long as the sample that ends last: ``Layout.from_attention_mask`
 batch's mask, checked against ``Layout.from_parallel_state`` with its ``row_offsets``)
 and, under context
 parallelism, the layout without CP on every CP rank (each holds the whole batch; bshd rows of odd
-length, which no rule rounds); it ends with the layouts of token orders
-(``Layout.from_order``: a random permutation of the stream and of every bshd row, the
-stream in shuffled blocks, and the index of torch's own per-document head-tail load
-balancer), which the oracle reads from the order itself. A rank that raises fails the layout it was in, with
+length, which no rule rounds) and the layouts of token orders (``Layout.from_order``: a
+random permutation of the stream and of every bshd row, the stream in shuffled blocks,
+and, last, the index of torch's own per-document head-tail load balancer), which the
+oracle reads from the order itself. A rank that raises fails the layout it was in, with
 its error in the table, and stops the run.
 
 The modules, each importing only those above it:

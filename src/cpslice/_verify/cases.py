@@ -73,7 +73,7 @@ def select_cases(
 
     ``mode`` is ``"zigzag"``, ``"allgather"``, ``"none"`` or ``"all"``; ``fmt`` is
     ``"thd"``, ``"bshd"`` or None for every format the mode has; ``"order"`` the order
-    layouts (``ORDER_CASES``), which ``"all"`` ends with. ``"all"`` means
+    layouts (``ORDER_CASES``), which ``"all"`` holds too, torch's last. ``"all"`` means
     zigzag (thd, bshd) and allgather (thd) when ``cp_size > 1``, and none (thd, bshd)
     and allgather (thd) when ``cp_size == 1``: megatron-core's ``parallel_state``
     yields zigzag only with context parallelism, and none only without it. With
@@ -149,10 +149,11 @@ def select_cases(
 
 def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
     """What ``--mode all`` checks beyond each mode's formats: padded widths, left-padded
-    rows, none bshd inside a CP world and the order layouts (``select_cases``); what
-    ``--mode order`` checks."""
+    rows, the order layouts, none bshd inside a CP world, then torch's order (last:
+    ``ORDER_CASES``) (``select_cases``); what ``--mode order`` checks."""
+    orders = [c for c in ORDER_CASES if fmt is None or c.fmt == fmt]
     if mode == "order":
-        return tuple(c for c in ORDER_CASES if fmt is None or c.fmt == fmt)
+        return tuple(orders)
     if mode != "all":
         return ()
     first: CpMode = "zigzag" if cp_size > 1 else "none"
@@ -161,9 +162,10 @@ def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
         extra += [Case(first, "thd", padded=True), Case("allgather", "thd", padded=True)]
     if fmt in (None, "bshd"):
         extra.append(Case(first, "bshd", left_padded=True))
+    extra += orders[:-1] if orders and orders[-1] == ORDER_CASES[-1] else orders
     if fmt in (None, "bshd") and cp_size > 1:
         extra.append(Case("none", "bshd"))
-    return tuple(extra) + tuple(c for c in ORDER_CASES if fmt is None or c.fmt == fmt)
+    return tuple(extra) + ((ORDER_CASES[-1],) if ORDER_CASES[-1] in orders else ())
 
 
 def check_sizes(cp_size: int, tp_size: int) -> None:

@@ -86,15 +86,14 @@ def header(config: Config) -> str:
 
 def _order_kinds(config: Config) -> str:
     """The header's line on the order layouts, if the run has any."""
-    kinds = [c.order for c in config.cases if c.order is not None]
+    said = {"random": "a random permutation", "block": f"shuffled blocks of {BLOCK} positions",
+            "per-document head-tail": "torch's per-document head-tail index (its private "
+            "_PerDocumentHeadTailLoadBalancer)"}
+    kinds = list(dict.fromkeys(said[c.order] for c in config.cases if c.order is not None))
     if not kinds:
         return ""
-    said = {"random": "a random permutation", "block": f"shuffled blocks of {BLOCK} positions",
-            "per-document head-tail": "torch's per-document head-tail (its private "
-            "_PerDocumentHeadTailLoadBalancer)"}
-    what = ", ".join(dict.fromkeys(said[k] for k in kinds))
-    return (f"  order: Layout.from_order of a token order ({what}), the shares redistributed "
-            "to zigzag;\n")
+    what = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " and " + kinds[-1]
+    return f"  order: Layout.from_order of {what}, the shares redistributed to zigzag;\n"
 
 
 def progress_line(result: CaseResult) -> str:
