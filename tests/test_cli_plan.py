@@ -277,14 +277,7 @@ def test_printed_shares_are_what_extraction_returns(
             align=int(align) if align else None,
             row_offsets=[int(v) for v in offsets.split(",")] if offsets else None,
         )
-        shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
-        printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
-        assert len(printed) == layout.num_samples
-        for share, ranges in zip(shares, printed):
-            rows: list[int] = []
-            for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
-                rows += range(int(lo), int(hi))
-            assert share.tolist() == rows
+        _shares_are_extracted(block, layout, length)
     assert len(out.split("\n\n")) == cp_size + 1
 
 
@@ -604,14 +597,7 @@ def test_an_order_plan_prints_what_extraction_returns(
             align=int(align) if align else None,
             row_offsets=[int(v) for v in offsets.split(",")] if offsets else None,
         ).with_local_length(length)
-        shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
-        printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
-        assert len(printed) == layout.num_samples
-        for share, ranges in zip(shares, printed):
-            rows: list[int] = []
-            for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
-                rows += range(int(lo), int(hi))
-            assert share.tolist() == rows
+        _shares_are_extracted(block, layout, length)
 
 
 def test_a_long_order_is_not_printed(capsys: pytest.CaptureFixture[str]) -> None:
@@ -725,3 +711,16 @@ def test_a_moved_torch_balancer_is_one_line(
     assert err.count("\n") == 1
     # random and block need no torch balancer
     assert run([*PER_DOCUMENT[:-1], "random"], capsys)[0] == 0
+
+
+def _shares_are_extracted(block: str, layout: Layout, length: int) -> None:
+    """The rows a rank's block prints as each sample's response share are the rows
+    ``extract_responses`` returns for it."""
+    shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
+    printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
+    assert len(printed) == layout.num_samples
+    for share, ranges in zip(shares, printed):
+        rows: list[int] = []
+        for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
+            rows += range(int(lo), int(hi))
+        assert share.tolist() == rows
