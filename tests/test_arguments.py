@@ -49,6 +49,11 @@ def layout_kinds(i: Any, r: Any) -> None:
     assert Layout(range(2, 4), range(1, 3)).total_lengths == (2, 3)
     cu: list[Any] = [np.int64(0), np.int64(6), np.int32(12)]
     assert Layout.from_cu_seqlens(cu, TOTAL, RESPONSE, local_length=i + 9).padded_lengths == (6, 6)
+    # both samples have prompts of 3: one group, one star of 3 + 2 + 1 positions
+    assert _layout(shared_prefix=[np.int64(2)]).padded_lengths == (6,)
+    assert _layout(shared_prefix=[i - 2, np.int32(1)]).shared_prefix is None  # groups of 1: none
+    star: list[Any] = [np.int64(0), i + 5]
+    assert Layout.from_cu_seqlens(star, TOTAL, RESPONSE, shared_prefix=[np.uint8(2)]).padded_lengths == (int(i) + 5,)
 
 
 def from_parallel_state(i: Any, r: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,6 +78,25 @@ def pack_kinds(i: Any, r: Any) -> None:
     assert cpslice.pack([torch.zeros(t) for t in TOTAL], layout, fill=r).shape == (9,)
     assert cpslice.pack(_tokens(), layout, fill=i).dtype == torch.int64
     assert cpslice.shifted_targets(_tokens(), layout, fill=i)[4] == int(i)
+    assert cpslice.shifted_targets(_tokens(), layout, fill=i, depth=i - 2)[3] == int(i)  # 3 + 1 + 1 = L_0
+    assert cpslice.position_ids(layout).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert cpslice.attention_mask(layout).shape == (9, 9)
+
+
+def depth_kinds(i: Any, r: Any) -> None:
+    """``depth=`` on the extraction side and the log-probs: any int kind."""
+    layout = _layout()
+    d = i - 2  # 1
+    shares, _ = cpslice.extract_responses(_logits(9), layout, depth=d)
+    assert [s.shape[0] for s in shares] == RESPONSE
+    assert [s.shape[0] for s in cpslice.shard_responses(shares, layout, depth=np.int64(1))] == RESPONSE
+    assert cpslice.response_rows(layout, depth=d).rows.tolist() == [1, 2, 6]
+    lp, _ = cpslice.response_log_probs(_logits(9), _tokens(), layout, depth=d)
+    assert [s.shape[0] for s in lp] == RESPONSE
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    lp, _ = cpslice.response_log_probs_from_hidden(hidden, weight, _tokens(), layout, depth=d)
+    assert [s.shape[0] for s in lp] == RESPONSE
 
 
 def log_probs_kinds(i: Any, r: Any) -> None:
@@ -175,6 +199,8 @@ CALLS: dict[str, Callable[..., None]] = {
     "Layout": layout_kinds,
     "pack": pack_kinds,
     "shifted_targets": pack_kinds,
+    "position_ids": pack_kinds,
+    "attention_mask": pack_kinds,
     "log_probs_and_entropy": log_probs_kinds,
     "response_log_probs": log_probs_kinds,
     "log_probs_and_entropy_from_hidden": hidden_kinds,
@@ -186,12 +212,12 @@ CALLS: dict[str, Callable[..., None]] = {
          "response_topk_log_probs", "response_topk_log_probs_from_hidden"],
         distill_kinds,
     ),
+    **dict.fromkeys(["extract_responses", "shard_responses", "response_rows"], depth_kinds),
     "sample_means": reducer_kinds,
     "sum_of_sample_means": reducer_kinds,
     "sum_of_tokens": reducer_kinds,
     **dict.fromkeys(
-        ["extract_responses", "shard_responses", "redistribute", "gather_responses",
-         "response_rows", "extraction_strategy", "sample_max", "sample_min", "clear_caches"],
+        ["redistribute", "gather_responses", "extraction_strategy", "sample_max", "sample_min", "clear_caches"],
         no_numbers,
     ),
 }

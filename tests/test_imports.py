@@ -139,7 +139,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 # (the glue, the command line, the package) may import anything.
 LAYOUT = {
     f"cpslice.{m}"
-    for m in ("_layout", "_layout_checks", "_plan", "_pieces", "_widths", "_masks", "_pack", "_extract",
+    for m in ("_layout", "_layout_checks", "_plan", "_pieces", "_widths", "_masks", "_pack", "_positions", "_extract",
               "_redistribute", "_reduce", "_megatron")
 }
 VOCAB = "cpslice._vocab"

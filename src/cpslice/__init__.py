@@ -37,6 +37,8 @@ from ._pack import ResponseRows as ResponseRows
 from ._pack import pack as pack
 from ._pack import response_rows as response_rows
 from ._pack import shifted_targets as shifted_targets
+from ._positions import attention_mask as attention_mask
+from ._positions import position_ids as position_ids
 from ._redistribute import gather_responses as gather_responses
 from ._redistribute import redistribute as redistribute
 from ._reduce import sample_max as sample_max
@@ -64,6 +66,7 @@ __all__ = [
     "ResponseRows",
     "Strategy",
     "Support",
+    "attention_mask",
     "clear_caches",
     "extract_responses",
     "extraction_strategy",
@@ -74,6 +77,7 @@ __all__ = [
     "log_probs_and_entropy",
     "log_probs_at",
     "pack",
+    "position_ids",
     "redistribute",
     "response_distillation",
     "response_distillation_from_hidden",

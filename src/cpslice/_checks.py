@@ -356,3 +356,19 @@ def cp_group(
             "parallel_state.get_context_parallel_group()) as cp_group="
         )
     return size
+
+
+def depth(value: object) -> int:
+    """A target depth ``d``: an int ``>= 0`` (position ``p`` predicts token ``p + 1 + d``).
+
+    Raises:
+        TypeError: not an int (a bool or a float included).
+        LayoutError: negative.
+    """
+    d = integer("depth", value)
+    if d < 0:
+        raise LayoutError(
+            f"depth {d} < 0 (at depth d the logit at position p predicts token p + 1 + d; "
+            "d = 0 is the next token)"
+        )
+    return d

@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 
 from ._cache import cached
+from ._checks import depth as check_depth
 from ._checks import per_position, per_sample
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import Local, resolve, response_base, selection, strategy
-from ._types import AnyShare, Share, Strategy, Values
+from ._plan import Local, Read, resolve, response_base, selection_at, strategy
+from ._types import AnyShare, IntArg, Share, Strategy, Values
 
 
 def extraction_strategy(layout: Layout) -> Strategy:
@@ -62,14 +63,49 @@ def gather_split(values: Tensor, rows: Tensor, counts: list[int]) -> list[Tensor
     return [next(parts) if count else empty for count in counts]
 
 
+def picked_ids(read: Read, ids: Tensor, rows: int | None = None) -> Tensor:
+    """The vocabulary engine's ids for the elements of a response ``read`` that pick
+    ``ids`` (``[E]``, or ``[E, k]`` each): over the ``rows`` local rows (``[T]`` or
+    ``[T, m * k]``), or with ``rows`` None over the read's distinct rows (``Picks.rows``).
+    ``m = Picks.k`` picks per row (1 unless rows are shared: then a row's slots hold its
+    elements' ids in turn, its first element's in the slots it does not use)."""
+    p = read.picks
+    at = read.rows if rows is not None else p.element
+    count = int(p.rows.numel()) if rows is None else rows
+    k = 1 if ids.dim() == 1 else int(ids.shape[1])
+    flat = ids.reshape(-1, k)
+    out = torch.zeros((count, k), dtype=ids.dtype, device=ids.device).index_copy(0, at[p.slot == 0], flat[p.slot == 0])
+    if p.k > 1:
+        out = out.repeat(1, p.k).view(count, p.k, k).index_put((at, p.slot), flat).view(count, p.k * k)
+    return out[:, 0] if ids.dim() == 1 and p.k == 1 else out
+
+
+def picked_values(read: Read, values: Tensor, k: int | None = None, local: bool = True) -> Tensor:
+    """Each element's result from the engine's output over the rows of ``picked_ids``
+    (``local``: the local rows; else the distinct rows): ``[E]`` from ``[rows]`` or
+    ``[rows, m]``; ``[E, k]`` from ``[rows, m * k]`` (``k`` ids per element)."""
+    p = read.picks
+    at = read.rows if local else p.element
+    if p.k == 1:
+        return values.index_select(0, at)
+    if k is None:
+        return values[at, p.slot]
+    return values.view(values.shape[0], p.k, k)[at, p.slot]
+
+
+def split_elements(read: Read, values: Tensor) -> list[Tensor]:
+    """Per-element ``values`` (``[E, *rest]``, extraction order) split per sample."""
+    return list(torch.split(values, read.selection.counts))
+
+
 @cached(maxsize=8)
-def _shard_plan(layout: Layout, length: int) -> list[list[tuple[int, int]]]:
+def _shard_plan(layout: Layout, length: int, depth: int = 0) -> list[list[tuple[int, int]]]:
     """Per sample, its non-empty runs: where each of this rank's pieces starts in the
     whole response, and its length."""
-    sel = selection(layout, length, "response")
+    sel = selection_at(layout, length, "response", depth)
     plan: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_samples)]
     live = sel.run_count > 0
-    starts = sel.run_sources(response_base(layout))[live].tolist()
+    starts = sel.run_sources(response_base(layout, depth=depth))[live].tolist()
     for i, start, size in zip(sel.run_sample[live].tolist(), starts, sel.run_count[live].tolist()):
         plan[i].append((start, size))
     return plan
@@ -85,18 +121,18 @@ def split(local: Local, values: Tensor, entropy: Tensor | None = None) -> tuple[
 
 @overload
 def extract_responses(
-    values: Values, layout: Layout, entropy: None = None
+    values: Values, layout: Layout, entropy: None = None, *, depth: IntArg = 0
 ) -> tuple[list[Share], None]: ...
 @overload
 def extract_responses(
-    values: Values, layout: Layout, entropy: Values
+    values: Values, layout: Layout, entropy: Values, *, depth: IntArg = 0
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def extract_responses(
-    values: Values, layout: Layout, entropy: Values | None
+    values: Values, layout: Layout, entropy: Values | None, *, depth: IntArg = 0
 ) -> tuple[list[Share], list[Share] | None]: ...
 def extract_responses(
-    values: Values, layout: Layout, entropy: Values | None = None
+    values: Values, layout: Layout, entropy: Values | None = None, *, depth: IntArg = 0
 ) -> tuple[list[Share], list[Share] | None]:
     """Cut each sample's share of the response out of this rank's per-position tensor.
 
@@ -106,18 +142,26 @@ def extract_responses(
             laid out as ``layout`` says; position ``p`` predicts token ``p + 1``.
         layout: this rank's layout.
         entropy: a tensor of the same shape, or None.
+        depth: keyword-only, ``d >= 0``: ``values`` come from a head that predicts token
+            ``p + 1 + d`` at position ``p`` (multi-token prediction); the shares are the
+            positions ``[P_i - 1 - d, L_i - 1 - d)`` from 0, so a sample whose prompt is
+            shorter than ``d + 1`` loses its first ``d + 1 - P_i`` response tokens.
 
     Returns:
         ``(per_sample_values, per_sample_entropy)``: one ``[r_i, *rest]`` tensor per
         sample, ``r_i`` being this rank's share of sample ``i``'s response, in
         ascending position order; the entropy list is aligned with the first, or
         None when no entropy was given. An empty share is a zero-length view of the
-        input (graph kept), never None.
+        input (graph kept), never None. With a shared prefix, a group's prompt rows
+        that predict response tokens are in the share of every branch (their
+        gradient the sum over the branches).
 
     Raises:
-        TypeError: values or entropy is not a floating-point tensor of at least 1 dim.
+        TypeError: values or entropy is not a floating-point tensor of at least 1 dim;
+            ``depth`` not an int.
         LayoutError: the local length is shorter than the layout needs, differs from
-            ``layout.local_length``, or entropy's shape differs from values'.
+            ``layout.local_length``, or entropy's shape differs from values'; a negative
+            ``depth``.
     """
     x = per_position("values", values)
     if entropy is not None:
@@ -127,31 +171,35 @@ def extract_responses(
                 f"entropy has shape {tuple(entropy.shape)} but values has "
                 f"{tuple(x.shape)} (they must be aligned position by position)"
             )
-    local = resolve(layout, int(x.shape[0]), "values", ("response",), x.device)
+    d = check_depth(depth)
+    local = resolve(layout, int(x.shape[0]), "values", ("response",), x.device, depth=d)
     return split(local, x, entropy)
 
 
-def shard_responses(full: Sequence[AnyShare], layout: Layout) -> list[AnyShare]:
+def shard_responses(full: Sequence[AnyShare], layout: Layout, *, depth: IntArg = 0) -> list[AnyShare]:
     """This rank's share of each sample's whole response-aligned tensor; no communication.
 
     The inverse reading of ``extract_responses``: ``full[i]`` is ``[R_i, *rest]``
     (rollout log-probs, advantages, loss masks; any dtype), and the result holds, for
     each sample, exactly the response positions ``extract_responses`` returns on this
-    rank, in the same order. A share that is one contiguous piece (always, except a
-    zigzag sample whose response touches both chunks of this rank) is a view.
+    rank, in the same order (at ``depth``, those of ``extract_responses(..., depth=d)``).
+    A share that is one contiguous piece (always, except a zigzag sample whose
+    response touches both chunks of this rank, or a branch of a shared prefix whose
+    share begins on the prompt) is a view.
 
     Raises:
-        TypeError: ``full`` is not a sequence of tensors of at least 1 dim.
+        TypeError: ``full`` is not a sequence of tensors of at least 1 dim; ``depth``
+            not an int.
         LayoutError: the number of samples, or a sample's length, disagrees with
-            the layout; an allgather layout without ``local_length``.
+            the layout; an allgather layout without ``local_length``; a negative depth.
     """
     items = per_sample("full", full, layout.response_lengths, "response_length")
-    return shard(items, resolve(layout))
+    return shard(items, resolve(layout, depth=check_depth(depth)))
 
 
 def shard(full: Sequence[Tensor], local: Local) -> list[Tensor]:
     """``shard_responses`` of checked whole responses in a resolved layout."""
-    plan = _shard_plan(local.layout, local.length)
+    plan = _shard_plan(local.layout, local.length, local.depth)
     out: list[Tensor] = []
     for f, runs in zip(full, plan, strict=True):
         pieces = [f.narrow(0, start, size) for start, size in runs]

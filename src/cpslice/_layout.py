@@ -11,7 +11,6 @@ from typing import cast
 
 from torch import Tensor
 
-from ._checks import lengths
 from ._layout_checks import (
     check_cp,
     check_format,
@@ -19,7 +18,9 @@ from ._layout_checks import (
     check_padding,
     check_parallel_state_mode,
     check_samples,
+    check_shared_prefix,
     cu_seqlens_widths,
+    star_lengths,
 )
 from ._masks import mask_rows
 from ._pieces import Order, closed, least_length, order_of, read, twin
@@ -49,6 +50,7 @@ def _from_parallel_state(
     padded_lengths: Lengths | None = None,
     align: IntArg | None = None,
     row_offsets: Lengths | None = None,
+    shared_prefix: Lengths | None = None,
 ) -> "Layout":
     """This rank's Layout, reading CP rank and size from megatron-core's parallel_state.
 
@@ -70,6 +72,7 @@ def _from_parallel_state(
         total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
         cp_mode=check_parallel_state_mode(cp_mode, size), cp_rank=rank, cp_size=size,
         local_length=local_length, padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
+        shared_prefix=shared_prefix,
     )
 
 
@@ -83,6 +86,7 @@ def _from_cu_seqlens(
     cp_rank: IntArg = 0,
     cp_size: IntArg = 1,
     local_length: IntArg | None = None,
+    shared_prefix: Lengths | None = None,
 ) -> "Layout":
     """The thd Layout of samples padded to the boundaries a framework already holds.
 
@@ -91,9 +95,10 @@ def _from_cu_seqlens(
             global padded boundaries before any CP split, exactly what megatron-core's
             ``PackedSeqParams.cu_seqlens_q_padded`` holds. A list/tuple of ints or an
             integer tensor on any device (read with one host copy). Sample ``i``
-            occupies ``W_i = b_{i+1} - b_i`` positions.
-        total_lengths, response_lengths, cp_mode, cp_rank, cp_size, local_length:
-            as ``Layout``.
+            occupies ``W_i = b_{i+1} - b_i`` positions. With ``shared_prefix``, the
+            ``[m + 1]`` boundaries of the ``m`` groups' stars (Megatron's packed stars).
+        total_lengths, response_lengths, cp_mode, cp_rank, cp_size, local_length,
+        shared_prefix: as ``Layout``.
 
     Returns:
         ``Layout(total_lengths, response_lengths, padded_lengths=W, ...)``.
@@ -104,10 +109,11 @@ def _from_cu_seqlens(
             decreases, or gives a sample fewer positions than its tokens; anything
             ``Layout`` refuses.
     """
-    total = lengths("total_lengths", total_lengths)
-    widths = cu_seqlens_widths(cu_seqlens_padded, total)
-    return cls(total, response_lengths, cp_mode=cp_mode, cp_rank=cp_rank, cp_size=cp_size,
-               local_length=local_length, padded_lengths=widths)
+    total, response = check_samples(total_lengths, response_lengths)
+    groups = check_shared_prefix(shared_prefix, total, response, "thd")
+    widths = cu_seqlens_widths(cu_seqlens_padded, star_lengths(groups, total, response), groups is not None)
+    return cls(total, response, cp_mode=cp_mode, cp_rank=cp_rank, cp_size=cp_size,
+               local_length=local_length, padded_lengths=widths, shared_prefix=groups)
 
 
 def _from_attention_mask(
@@ -159,6 +165,7 @@ def _from_order(
     padded_lengths: Lengths | None = None,
     align: IntArg | None = None,
     row_offsets: Lengths | None = None,
+    shared_prefix: Lengths | None = None,
 ) -> "Layout":
     """The Layout of a load balancer's token order (torch's context parallelism):
     rank ``r`` holds rows ``order[r*T:(r+1)*T]`` of the packed stream of padded samples,
@@ -168,7 +175,8 @@ def _from_order(
     applies its head-tail balancer's, or ``[B, S]``; each row a permutation of
     ``range(S)``). An integer tensor (one host copy) or nested ints.
     Padding positions stay padding; the index is taken as given, whatever its balance.
-    The other arguments are ``Layout``'s. Where a closed form places every position
+    The other arguments are ``Layout``'s (with ``shared_prefix``, the stream is the
+    groups' padded stars back to back). Where a closed form places every position
     alike (``Layout.order`` gives its index), that layout is returned; else one of
     ``cp_mode`` ``"order"``, whose local length is at least ``T``.
 
@@ -179,7 +187,8 @@ def _from_order(
             is not a permutation, anything ``Layout`` refuses.
     """
     base = cls(total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
-               padded_lengths=padded_lengths, align=align, row_offsets=row_offsets)
+               padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
+               shared_prefix=shared_prefix)
     rank, size = check_cp(cp_rank, cp_size, base.qkv_format, "zigzag")
     _, placement = read(order, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
     mode = twin(placement, base.qkv_format, base.padded_lengths, size)
@@ -190,7 +199,7 @@ def _from_order(
                max_seq_len=base.max_seq_len, cp_mode=mode, cp_rank=rank, cp_size=size,
                local_length=placement.length if mode == "allgather" else None,
                padded_lengths=base.padded_lengths if thd else None,
-               row_offsets=None if thd else base.row_offsets)
+               row_offsets=None if thd else base.row_offsets, shared_prefix=base.shared_prefix)
 
 
 class Layout:
@@ -219,12 +228,20 @@ class Layout:
         row_offsets: bshd only, keyword-only: ``o_i``, the column of row ``i`` where
             sample ``i`` starts (``o_i >= 0``, ``o_i + L_i <= max_seq_len``: a left-padded
             Hugging Face row; see ``from_attention_mask``). None: every sample at column 0.
+        shared_prefix: thd only, keyword-only: group sizes ``[G_0, G_1, ...]`` summing to
+            ``n``; the ``G_j`` consecutive samples of group ``j`` have equal prompt lengths
+            and share their prompt, packed as one *star*: the prompt once, then the
+            responses back to back. The star is what padding (``padded_lengths`` then
+            has one entry per group), ``align``, zigzag chunks and allgather pieces apply
+            to; per-sample inputs and outputs stay ``n`` aligned entries. None (or groups
+            all of 1): no sharing.
 
     The attributes ``padded_lengths`` and ``row_offsets`` hold every layout's resolved ``W_i``
-    and ``o_i``. Two layouts are equal when they place every token of every sample at the same
-    local row: the same lengths, format, mode, rank, size, local length, resolved
-    ``padded_lengths`` and ``row_offsets`` (``align=8`` equals the ``padded_lengths`` it stands
-    for, ``row_offsets`` of zeros equals none given). Integers may be ints, numpy integers or
+    (one per group's star with ``shared_prefix``) and ``o_i``. Two layouts are equal when they
+    place every token of every sample at the same local row: the same lengths, format, mode,
+    rank, size, local length, resolved ``padded_lengths``, ``row_offsets`` and groups
+    (``align=8`` equals the ``padded_lengths`` it stands for, ``row_offsets`` of zeros equals
+    none given, groups all of 1 no ``shared_prefix``). Integers may be ints, numpy integers or
     anything with ``__index__``; lengths any sequence of them (a list, a tuple, a ``range``).
     docs/layouts.md gives every rule.
 
@@ -238,7 +255,7 @@ class Layout:
 
     __slots__ = ("total_lengths", "response_lengths", "qkv_format", "max_seq_len", "cp_mode",
                  "cp_rank", "cp_size", "local_length", "padded_lengths", "align", "row_offsets",
-                 "_given_padding", "_key", "_hash", "_order")  # the order in which __init__ sets them
+                 "shared_prefix", "_given_padding", "_key", "_hash", "_order")  # the order in which __init__ sets them
 
     total_lengths: tuple[int, ...]
     response_lengths: tuple[int, ...]
@@ -255,6 +272,8 @@ class Layout:
     row_offsets: tuple[int, ...]
     """``o_i``, the padding positions before sample ``i``'s first token in its extent
     (bshd: its first column; zeros unless given, and for every thd layout)."""
+    shared_prefix: tuple[int, ...] | None
+    """The group sizes ``G_j`` of a shared-prefix layout (None: every sample its own)."""
     _given_padding: tuple[int, ...] | None
     _key: tuple[object, ...]
     _hash: int
@@ -275,19 +294,24 @@ class Layout:
         padded_lengths: Lengths | None = None,
         align: IntArg | None = None,
         row_offsets: Lengths | None = None,
+        shared_prefix: Lengths | None = None,
     ) -> None:
         total, response = check_samples(total_lengths, response_lengths)
         fmt, mode, seq = check_format(qkv_format, cp_mode, max_seq_len, total)
         rank, size = check_cp(cp_rank, cp_size, fmt, mode)
         local = check_local_length(local_length)
-        given, align_ = check_padding(total, fmt, mode, size, padded_lengths, align)
-        padded = resolve_padded_lengths(total, fmt, seq, mode, size, given, align_)
+        groups = check_shared_prefix(shared_prefix, total, response, fmt)
+        stars = star_lengths(groups, total, response)  # the extents' tokens
+        given, align_ = check_padding(stars, fmt, mode, size, padded_lengths, align, groups is not None)
+        padded = resolve_padded_lengths(stars, fmt, seq, mode, size, given, align_)
         offsets = resolve_row_offsets(total, fmt, seq, row_offsets)
         key: tuple[object, ...] = (total, response, fmt, seq, mode, rank, size, local, padded)
         if any(offsets):  # offsets of zeros place every token as none: the same key
             key += (offsets,)
+        if groups is not None:
+            key += (groups,)
         values = (total, response, fmt, seq, mode, rank, size, local, padded, align_, offsets,
-                  given, key, hash(key), None)  # in the order of __slots__
+                  groups, given, key, hash(key), None)  # in the order of __slots__
         for name, value in zip(self.__slots__, values, strict=True):
             object.__setattr__(self, name, value)
 
@@ -340,6 +364,7 @@ class Layout:
             max_seq_len=self.max_seq_len, cp_mode=closed_mode(self), cp_rank=cp_rank,
             cp_size=self.cp_size, local_length=local_length, padded_lengths=self._given_padding,
             align=self.align, row_offsets=self.row_offsets if self.qkv_format == "bshd" else None,
+            shared_prefix=self.shared_prefix,
         )
 
     def _placed(self, rank: int, size: int, local: int | None, placement: Order) -> "Layout":
@@ -347,9 +372,10 @@ class Layout:
         new = object.__new__(Layout)
         head = (self.total_lengths, self.response_lengths, self.qkv_format, self.max_seq_len, "order")
         offsets = (self.row_offsets,) if any(self.row_offsets) else ()
-        key = (*head, rank, size, local, self.padded_lengths, *offsets, placement)
-        values = (*head, rank, size, local, self.padded_lengths, self.align,
-                  self.row_offsets, self._given_padding, key, hash(key), placement)
+        groups = () if self.shared_prefix is None else (self.shared_prefix,)
+        key = (*head, rank, size, local, self.padded_lengths, *offsets, *groups, placement)
+        values = (*head, rank, size, local, self.padded_lengths, self.align, self.row_offsets,
+                  self.shared_prefix, self._given_padding, key, hash(key), placement)
         for name, value in zip(self.__slots__, values, strict=True):
             object.__setattr__(new, name, value)
         return new
@@ -371,6 +397,7 @@ class Layout:
             "cp_rank": self.cp_rank, "cp_size": self.cp_size, "local_length": self.local_length,
             "padded_lengths": None if given is None else list(given), "align": self.align,
             "row_offsets": list(self.row_offsets) if any(self.row_offsets) else None,
+            "shared_prefix": None if self.shared_prefix is None else list(self.shared_prefix),
         }
         return f"Layout({', '.join(f'{k}={v!r}' for k, v in fields.items() if v is not None)})"
 

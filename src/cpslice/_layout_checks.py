@@ -121,8 +121,11 @@ def check_padding(
     size: int,
     padded_lengths: object,
     align: object,
+    grouped: bool = False,
 ) -> tuple[tuple[int, ...] | None, int | None]:
-    """The validated ``padded_lengths`` and ``align`` arguments (at most one of them)."""
+    """The validated ``padded_lengths`` and ``align`` arguments (at most one of them);
+    ``total`` the extents' token counts: the samples', or with ``grouped`` the stars' of a
+    ``shared_prefix`` layout (one padded length per group)."""
     if padded_lengths is None and align is None:
         return None, None
     what = "padded_lengths" if padded_lengths is not None else "align"
@@ -147,16 +150,25 @@ def check_padding(
         if mode == "zigzag" and a % two_c:
             raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
         return None, a
-    given = per_sample_lengths("padded_lengths", padded_lengths, total)
+    if grouped:
+        given = lengths("padded_lengths", padded_lengths)
+        if len(given) != len(total):
+            raise LayoutError(
+                f"padded_lengths has {len(given)} entries but shared_prefix has {len(total)} "
+                "groups (a shared_prefix layout pads each group's star: one entry per group)"
+            )
+    else:
+        given = per_sample_lengths("padded_lengths", padded_lengths, total)
+    unit, tokens = ("group", "star length") if grouped else ("sample", "total_length")
     for i, (w, t) in enumerate(zip(given, total)):
         if w < t:
             raise LayoutError(
-                f"sample {i}: padded_length {w} < total_length {t} (a padded sample holds "
+                f"{unit} {i}: padded_length {w} < {tokens} {t} (a padded {unit} holds "
                 "its tokens, then padding)"
             )
         if mode == "zigzag" and w % two_c:
             raise LayoutError(
-                f"sample {i}: padded_length {w} is not a multiple of 2 * cp_size = "
+                f"{unit} {i}: padded_length {w} is not a multiple of 2 * cp_size = "
                 f"{two_c}{zigzag}"
             )
     return given, None
@@ -181,14 +193,20 @@ def _boundaries(values: object) -> tuple[int, ...]:
     return tuple(integer(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
-def cu_seqlens_widths(cu_seqlens_padded: object, total: tuple[int, ...]) -> tuple[int, ...]:
+def cu_seqlens_widths(
+    cu_seqlens_padded: object, total: tuple[int, ...], grouped: bool = False
+) -> tuple[int, ...]:
     """``W_i = b_{i+1} - b_i`` of the global padded boundaries ``b``
-    (``Layout.from_cu_seqlens``): ``n + 1`` of them, from 0, non-decreasing, ``W_i >= L_i``."""
+    (``Layout.from_cu_seqlens``): ``n + 1`` of them, from 0, non-decreasing, ``W_i >= L_i``;
+    ``total`` the extents' token counts (with ``grouped``, the ``m`` stars')."""
     bounds = _boundaries(cu_seqlens_padded)
     n = len(total)
+    unit, units, tokens = ("group", "shared_prefix groups", "star length") if grouped else (
+        "sample", "samples", "total_length"
+    )
     if len(bounds) != n + 1:
         raise LayoutError(
-            f"cu_seqlens_padded has {len(bounds)} entries but there are {n} samples "
+            f"cu_seqlens_padded has {len(bounds)} entries but there are {n} {units} "
             f"(it holds the n + 1 = {n + 1} padded boundaries, starting at 0)"
         )
     if bounds[0] != 0:
@@ -200,14 +218,14 @@ def cu_seqlens_widths(cu_seqlens_padded: object, total: tuple[int, ...]) -> tupl
     for i, (w, t) in enumerate(zip(widths, total)):
         if w < 0:
             raise LayoutError(
-                f"sample {i}: cu_seqlens_padded decreases, {bounds[i]} then {bounds[i + 1]} "
+                f"{unit} {i}: cu_seqlens_padded decreases, {bounds[i]} then {bounds[i + 1]} "
                 "(boundaries are non-decreasing)"
             )
         if w < t:
             raise LayoutError(
-                f"sample {i}: cu_seqlens_padded[{i + 1}] - cu_seqlens_padded[{i}] = "
-                f"{bounds[i + 1]} - {bounds[i]} = {w} < total_length {t} (a padded "
-                "sample holds its tokens, then padding)"
+                f"{unit} {i}: cu_seqlens_padded[{i + 1}] - cu_seqlens_padded[{i}] = "
+                f"{bounds[i + 1]} - {bounds[i]} = {w} < {tokens} {t} (a padded "
+                f"{unit} holds its tokens, then padding)"
             )
     return widths
 
@@ -232,3 +250,57 @@ def check_parallel_state_mode(cp_mode: ModeArg | None, size: int) -> ModeArg:
             "holds whole"
         )
     return cp_mode
+
+
+def check_shared_prefix(
+    groups: object, total: tuple[int, ...], response: tuple[int, ...], fmt: QkvFormat
+) -> tuple[int, ...] | None:
+    """The group sizes of ``shared_prefix`` (None: no sharing, as are groups all of 1):
+    each ``G_j >= 1``, summing to ``n``; the samples of a group have equal prompt lengths
+    ``P_j``; thd only (a bshd row holds one sample)."""
+    if groups is None:
+        return None
+    sizes = lengths("shared_prefix", groups)
+    n = len(total)
+    for j, g in enumerate(sizes):
+        if g < 1:
+            raise LayoutError(f"group {j}: shared_prefix size {g} < 1 (a group holds a sample)")
+    if sum(sizes) != n:
+        raise LayoutError(
+            f"shared_prefix sums to {sum(sizes)} but there are {n} samples (the group sizes "
+            "G_0 + G_1 + ... count every sample once, groups of consecutive samples)"
+        )
+    if all(g == 1 for g in sizes):
+        return None
+    if fmt == "bshd":
+        raise LayoutError(
+            "shared_prefix is given with qkv_format 'bshd', whose rows hold one sample each; "
+            "pass qkv_format='thd' to pack each group's prompt once with its responses"
+        )
+    first = 0
+    for j, g in enumerate(sizes):
+        prompt = total[first] - response[first]
+        for i in range(first + 1, first + g):
+            if total[i] - response[i] != prompt:
+                raise LayoutError(
+                    f"group {j}: sample {i} has prompt length {total[i] - response[i]} "
+                    f"(total_length {total[i]} - response_length {response[i]}) but sample "
+                    f"{first}, the group's first, has {prompt} (the samples of a shared_prefix "
+                    "group share one prompt)"
+                )
+        first += g
+    return sizes
+
+
+def star_lengths(
+    sizes: tuple[int, ...] | None, total: tuple[int, ...], response: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``L*_j = P_j + sum R_i`` of each group's star (the samples' lengths without sharing)."""
+    if sizes is None:
+        return total
+    out: list[int] = []
+    first = 0
+    for g in sizes:
+        out.append(total[first] - response[first] + sum(response[first:first + g]))
+        first += g
+    return tuple(out)

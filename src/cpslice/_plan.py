@@ -14,6 +14,14 @@ of the same runs, not other code paths.
 A *selection* intersects the runs with one position range per sample and expands
 the result into row indices with vectorized integer arithmetic: no Python loop
 over samples, no per-sample ``torch.arange``.
+
+A shared-prefix layout lays out *stars* (a group's prompt once, then its responses back
+to back) where other layouts lay out samples: the pieces are the stars', and each
+sample's runs are the star's rows that hold its positions (``_star_runs``), so the rows
+of a group's prompt are in the runs of every sample of the group. A selection's
+*elements* then share rows: the prompt's last row predicts the first response token of
+each branch. At *depth* ``d`` (multi-token prediction) position ``p`` predicts token
+``p + 1 + d`` of its sample; the response and targets spans move with it.
 """
 
 from collections.abc import Mapping
@@ -54,12 +62,12 @@ def packed_offsets(layout: Layout) -> Tensor:
     return exclusive_cumsum(_lengths(layout)[0])
 
 
-def response_base(layout: Layout, *, concatenated: bool = False) -> Tensor:
-    """Per sample, what turns a within-sample position of the response span into an
-    index of the response: ``p - (P_i - 1)``, or with ``concatenated`` an index into all
-    responses back to back: ``R_0 + ... + R_{i-1} + p - (P_i - 1)``."""
+def response_base(layout: Layout, *, concatenated: bool = False, depth: int = 0) -> Tensor:
+    """Per sample, what turns a within-sample position of the response span (at ``depth``)
+    into an index of the response: ``p + 1 + d - P_i``, or with ``concatenated`` an index
+    into all responses back to back: ``R_0 + ... + R_{i-1} + p + 1 + d - P_i``."""
     total, response = _lengths(layout)
-    base = response - total + 1  # -(P_i - 1)
+    base = response - total + 1 + depth  # 1 + d - P_i
     return base + exclusive_cumsum(response) if concatenated else base
 
 
@@ -170,13 +178,73 @@ def _tokens(p: Pieces, layout: Layout) -> Runs:
     return Runs(p.sample, p.slot + lead, (first - offset).clamp_min(0), size, width, lead)
 
 
+class Segments(NamedTuple):
+    """Where each sample's positions sit in its group's star (``shared_prefix``): star
+    positions ``[lo, lo + size)`` of star ``star`` hold positions ``[start, start + size)``
+    of ``sample``; a sample's segments in position order, samples in order."""
+
+    sample: Tensor
+    star: Tensor
+    lo: Tensor
+    size: Tensor
+    start: Tensor
+
+
+@cached(maxsize=16)
+def segments(layout: Layout) -> Segments:
+    """A shared-prefix layout's segments: a group's first sample holds star positions
+    ``[0, L_i)``; branch ``g > 0`` the prompt ``[0, P)``, then its response at
+    ``[P + D_g, P + D_g + R_g)``, ``D_g`` the responses of the group's earlier branches."""
+    assert layout.shared_prefix is not None
+    total, response = _lengths(layout)
+    sizes = torch.tensor(layout.shared_prefix, dtype=_I64)
+    star = torch.repeat_interleave(torch.arange(len(sizes), dtype=_I64), sizes, output_size=len(total))
+    first = exclusive_cumsum(sizes)[star]
+    prompt = total - response
+    before = exclusive_cumsum(response)
+    offset = before - before[first]  # D_g
+    lead = offset == 0  # the group's first (and its empty-response predecessors: D_g = 0)
+    samples = torch.arange(len(total), dtype=_I64)
+    size_a = torch.where(lead, total, prompt)
+    size_b = torch.where(lead, torch.zeros_like(total), response)
+    both = torch.stack
+    return Segments(
+        torch.repeat_interleave(samples, 2), torch.repeat_interleave(star, 2),
+        both([torch.zeros_like(total), prompt + offset], 1).reshape(-1),
+        both([size_a, size_b], 1).reshape(-1), both([torch.zeros_like(total), prompt], 1).reshape(-1),
+    )
+
+
+def _star_runs(p: Pieces, layout: Layout) -> Runs:
+    """The runs of a shared-prefix layout's star pieces ``p``: every segment of every sample
+    against every piece of its star on the rank, the non-empty intersections (a run of
+    token rows only: ``width`` its ``length``, no ``lead``)."""
+    seg = segments(layout)
+    stars = len(layout.padded_lengths)
+    count = torch.bincount(p.sample, minlength=stars)
+    pairs = count[seg.star]
+    total = int(pairs.sum())
+    which = torch.repeat_interleave(torch.arange(len(pairs), dtype=_I64), pairs, output_size=total)
+    piece = exclusive_cumsum(count)[seg.star[which]] + torch.arange(total, dtype=_I64) - exclusive_cumsum(pairs)[which]
+    first, width, slot = p.first[piece], p.width[piece], p.slot[piece]
+    lo = torch.maximum(first, seg.lo[which])
+    size = (torch.minimum(first + width, seg.lo[which] + seg.size[which]) - lo).clamp_min(0)
+    keep = size > 0
+    size = size[keep]
+    lo, first, slot, which = lo[keep], first[keep], slot[keep], which[keep]
+    start = seg.start[which] + lo - seg.lo[which]
+    return Runs(seg.sample[which], slot + lo - first, start, size, size, torch.zeros_like(size))
+
+
 def runs(layout: Layout, length: int, rank: int | None = None) -> Runs:
     """The runs of the layout on its rank (or on CP rank ``rank`` of its group), whose
     local tensor has ``length`` rows."""
     r, placed = layout.cp_rank if rank is None else rank, layout._order
     if placed is not None:
-        return _tokens(placed.of_rank(r), layout)
-    return _tokens(closed(closed_mode(layout), layout.padded_lengths, r, layout.cp_size, length), layout)
+        pieces = placed.of_rank(r)
+    else:
+        pieces = closed(closed_mode(layout), layout.padded_lengths, r, layout.cp_size, length)
+    return _tokens(pieces, layout) if layout.shared_prefix is None else _star_runs(pieces, layout)
 
 
 class Selection(NamedTuple):
@@ -230,62 +298,133 @@ def _select(layout: Layout, length: int, lo: Tensor, hi: Tensor, rank: int | Non
 Span = Literal["response", "sample", "targets"]
 
 
-def select(layout: Layout, length: int, span: Span, rank: int | None = None) -> Selection:
+def select(layout: Layout, length: int, span: Span, rank: int | None = None, depth: int = 0) -> Selection:
     """The selection of one span of every sample (rows on the CPU), computed anew, on the
     layout's rank (or on CP rank ``rank`` of its group: another rank's rows, no other
-    ``Layout`` built).
+    ``Layout`` built), at ``depth`` ``d`` (position ``p`` predicts token ``p + 1 + d``).
 
-    - ``"response"``: positions ``[P_i - 1, L_i - 1)``, the logits that predict the
-      response (what extraction returns);
-    - ``"sample"``: positions ``[0, L_i)``, every token (what packing writes);
-    - ``"targets"``: positions ``[0, L_i - 1)``, those whose next token exists.
+    - ``"response"``: positions ``[P_i - 1 - d, L_i - 1 - d)`` from 0, the logits that
+      predict the response (what extraction returns); with a shared prefix, a group's
+      prompt rows among them are elements of each branch;
+    - ``"sample"``: positions ``[0, L_i)``, every token (what packing writes); with a
+      shared prefix, every sample but its group's first omits the prompt, so that each
+      row is selected once;
+    - ``"targets"``: positions ``[0, L_i - 1 - d)``, those whose target token exists.
     """
     total, response = _lengths(layout)
+    zero = torch.zeros_like(total)
     if span == "response":
-        lo, hi = total - response - 1, total - 1
+        lo, hi = (total - response - 1 - depth).clamp_min(0), total - 1 - depth
     elif span == "sample":
-        lo, hi = torch.zeros_like(total), total
+        lo, hi = zero, total
+        if layout.shared_prefix is not None:
+            lo = torch.where(_repeats_prompt(layout), total - response, zero)
     else:
-        lo, hi = torch.zeros_like(total), total - 1
+        lo, hi = zero, total - 1 - depth
     return _select(layout, length, lo, hi, rank)
+
+
+@cached(maxsize=8)
+def prompt_pairs(layout: Layout) -> tuple[Tensor, Tensor, Tensor]:
+    """For a shared-prefix layout, every prompt token of every sample but its group's
+    first, as indices into the concatenated per-sample tensors: ``(copy, first, sample)``,
+    the token, the same token of the group's first sample, and the sample it belongs to."""
+    total, response = _lengths(layout)
+    prompt = torch.where(_repeats_prompt(layout), total - response, torch.zeros_like(total))
+    count = int(prompt.sum())
+    sample = torch.repeat_interleave(torch.arange(len(total), dtype=_I64), prompt, output_size=count)
+    position = torch.arange(count, dtype=_I64) - exclusive_cumsum(prompt)[sample]
+    offsets = packed_offsets(layout)
+    assert layout.shared_prefix is not None
+    sizes = torch.tensor(layout.shared_prefix, dtype=_I64)
+    first = torch.repeat_interleave(exclusive_cumsum(sizes), sizes, output_size=len(total))
+    return offsets[sample] + position, offsets[first[sample]] + position, sample
+
+
+def _repeats_prompt(layout: Layout) -> Tensor:
+    """Per sample of a shared-prefix layout: whether it is not its group's first."""
+    assert layout.shared_prefix is not None
+    out = torch.ones(layout.num_samples, dtype=torch.bool)
+    out[exclusive_cumsum(torch.tensor(layout.shared_prefix, dtype=_I64))] = False
+    return out
 
 
 # A few layouts at a time: one step reads the same layout several times (log-probs,
 # entropy, masks), and a selection of ~1M rows holds ~16 MB.
 @cached(maxsize=8)
-def selection(layout: Layout, length: int, span: Span) -> Selection:
+def selection(layout: Layout, length: int, span: Span, depth: int = 0) -> Selection:
     """``select``, cached: the selections of this rank's layouts that a step reads."""
-    return select(layout, length, span)
+    return select(layout, length, span, depth=depth)
+
+
+def selection_at(layout: Layout, length: int, span: Span, depth: int) -> Selection:
+    """``selection`` at ``depth``, called as every caller at depth 0 calls it (one cache
+    entry per selection: ``lru_cache`` keys a defaulted argument apart from a given one)."""
+    return selection(layout, length, span) if depth == 0 else selection(layout, length, span, depth)
 
 
 @cached(maxsize=8)
-def rows_on(layout: Layout, length: int, span: Span, device: torch.device) -> Tensor:
+def rows_on(layout: Layout, length: int, span: Span, device: torch.device, depth: int = 0) -> Tensor:
     """``selection(...).rows`` on ``device``, cached so a step copies it once."""
-    return selection(layout, length, span).rows.to(device)
+    return selection_at(layout, length, span, depth).rows.to(device)
+
+
+class Picks(NamedTuple):
+    """The elements of a response read as the vocabulary engine computes them: each
+    distinct row once (``rows``, on the call's device), element ``e`` the pick ``slot[e]``
+    of row ``rows[element[e]]``, ``k`` picks per row at most (1 unless rows are shared: a
+    shared prefix's prompt rows, one pick per branch); ``host_rows`` the rows on the CPU."""
+
+    rows: Tensor
+    element: Tensor
+    slot: Tensor
+    k: int
+    host_rows: Tensor
 
 
 class Read:
     """One span of a resolved layout, as a call reads it: the ``selection`` (CPU) and its
-    ``rows`` on the call's device; ``sources`` and ``mask`` are computed at their first
-    reading (an extraction reads neither) and kept with the cached read."""
+    ``rows`` on the call's device; ``sources``, ``targets``, ``picks`` and ``mask`` are
+    computed at their first reading (an extraction reads none) and kept with the cached
+    read."""
 
-    __slots__ = ("selection", "rows", "_layout", "_length", "_span", "_device", "_sources", "_mask")
+    __slots__ = ("selection", "rows", "_layout", "_length", "_span", "_device", "_depth", "_sources",
+                 "_targets", "_picks", "_mask")
 
     def __init__(self, selection: Selection, rows: Tensor, layout: Layout, length: int, span: Span,
-                 device: torch.device) -> None:
+                 device: torch.device, depth: int = 0) -> None:
         self.selection, self.rows = selection, rows
         self._layout, self._length, self._span, self._device = layout, length, span, device
+        self._depth = depth
         self._sources: Tensor | None = None
+        self._targets: Tensor | None = None
+        self._picks: Picks | None = None
         self._mask: Tensor | None = None
 
     @property
     def sources(self) -> Tensor:
-        """On the call's device: for every row the element of the concatenated per-sample
-        tensors it holds (``"sample"``: the token, ``"targets"``: the next token,
-        ``"response"``: the element of the concatenated whole responses)."""
+        """On the call's device: for every element the element of the concatenated
+        per-sample tensors it holds (``"sample"``: the token, ``"targets"``: its target
+        token, ``"response"``: the element of the concatenated whole responses)."""
         if self._sources is None:
-            self._sources = self.selection.sources(_base(self._layout, self._span)).to(self._device)
+            self._sources = self.selection.sources(_base(self._layout, self._span, self._depth)).to(self._device)
         return self._sources
+
+    @property
+    def targets(self) -> Tensor:
+        """On the call's device: for every element the index of its target token
+        (``p + 1 + d`` of its sample) in the concatenated per-sample tokens."""
+        if self._targets is None:
+            base = packed_offsets(self._layout) + 1 + self._depth
+            self._targets = self.selection.sources(base).to(self._device)
+        return self._targets
+
+    @property
+    def picks(self) -> Picks:
+        """The elements' distinct rows and picks (``Picks``)."""
+        if self._picks is None:
+            self._picks = _picks(self.selection.rows, self._layout.shared_prefix is None, self._device)
+        return self._picks
 
     @property
     def mask(self) -> Tensor:
@@ -295,30 +434,49 @@ class Read:
         return self._mask
 
 
+def _picks(rows: Tensor, distinct: bool, device: torch.device) -> Picks:
+    """``Picks`` of the CPU ``rows`` of a selection (``distinct``: no row twice, as in
+    every layout without a shared prefix)."""
+    total = int(rows.numel())
+    if distinct:
+        zero = torch.zeros(total, dtype=_I64, device=device)
+        return Picks(rows.to(device), torch.arange(total, dtype=_I64, device=device), zero, 1, rows)
+    unique, element, counts = torch.unique(rows, sorted=True, return_inverse=True, return_counts=True)
+    order = torch.argsort(element, stable=True)
+    slot = torch.empty(total, dtype=_I64)
+    slot[order] = torch.arange(total, dtype=_I64) - torch.repeat_interleave(
+        exclusive_cumsum(counts), counts, output_size=total
+    )
+    k = int(counts.max()) if total else 1
+    return Picks(unique.to(device), element.to(device), slot.to(device), k, unique)
+
+
 class Local(NamedTuple):
     """A layout resolved once for one call: the ``layout``, this rank's local length
-    ``length`` (``T``), the ``device`` of the call's tensors and the ``reads`` of the spans
-    the call asked for. Private workers take this record, never a ``Layout``: nothing
-    after the resolution reads the layout's lengths again."""
+    ``length`` (``T``), the ``device`` of the call's tensors, the ``reads`` of the spans
+    the call asked for and their ``depth``. Private workers take this record, never a
+    ``Layout``: nothing after the resolution reads the layout's lengths again."""
 
     layout: Layout
     length: int
     device: torch.device
     reads: Mapping[Span, Read]
+    depth: int = 0
 
 
-def _base(layout: Layout, span: Span) -> Tensor:
+def _base(layout: Layout, span: Span, depth: int) -> Tensor:
     """Where each sample starts in the concatenation ``Read.sources`` indexes, plus the
-    shift from position to element (``p + 1`` for targets; ``p - (P_i - 1)`` for the
-    response)."""
+    shift from position to element (``p + 1 + d`` for targets; ``p + 1 + d - P_i`` for
+    the response)."""
     if span == "response":
-        return response_base(layout, concatenated=True)
-    return packed_offsets(layout) + (1 if span == "targets" else 0)
+        return response_base(layout, concatenated=True, depth=depth)
+    return packed_offsets(layout) + (1 + depth if span == "targets" else 0)
 
 
 @cached(maxsize=16)
-def _read(layout: Layout, length: int, span: Span, device: torch.device) -> Read:
-    return Read(selection(layout, length, span), rows_on(layout, length, span, device), layout, length, span, device)
+def _read(layout: Layout, length: int, span: Span, device: torch.device, depth: int = 0) -> Read:
+    return Read(selection_at(layout, length, span, depth), rows_on(layout, length, span, device, depth), layout,
+                length, span, device, depth)
 
 
 @boundary
@@ -330,6 +488,7 @@ def resolve(
     device: torch.device | str = "cpu",
     *,
     least: bool = False,
+    depth: int = 0,
 ) -> Local:
     """The layout resolved for one call: ``T`` (the given tensor's ``length``, else the
     layout's ``local_length``, else, with ``least`` or outside allgather, the least
@@ -341,4 +500,5 @@ def resolve(
     """
     t = _resolve_length(layout, length, what, least)
     dev = torch.device(device)
-    return Local(layout, t, dev, {span: _read(layout, t, span, dev) for span in spans})
+    reads = {span: _read(layout, t, span, dev, 0 if span == "sample" else depth) for span in spans}
+    return Local(layout, t, dev, reads, depth)

@@ -11,10 +11,11 @@ from torch import Tensor
 
 from . import _checks as checks
 from ._errors import LayoutError
-from ._extract import split
+from ._extract import gather_split as split_rows
+from ._extract import picked_ids, picked_values, split_elements
 from ._layout import Layout
-from ._pack import checked_tokens, targets_of, temperatures_of
-from ._plan import Local, Span, resolve
+from ._pack import check_group_temperatures, checked_tokens, temperatures_of
+from ._plan import Local, Read, Span, resolve
 from ._support import SupportArg, take_rows
 from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from ._vocab import args, dtensor
@@ -24,13 +25,13 @@ from ._vocab.hidden import default_hidden_chunk_rows
 
 if TYPE_CHECKING:
     from ._support import Support
-    from ._types import LogProbKeywords
+    from ._types import SampleKeywords
 
-    Keywords = LogProbKeywords[SampleTemperatureArg, Support]
+    Keywords = SampleKeywords[SampleTemperatureArg, Support]
     """The per-sample functions' keywords beside ``with_entropy``: one temperature per
-    sample (or one for all), a ``cpslice.Support``."""
+    sample (or one for all), a ``cpslice.Support``, the target depth."""
 else:  # beartype reads no subscripted TypedDict (see _types.LogProbKeywords)
-    from ._types import LogProbKeywords as Keywords
+    from ._types import SampleKeywords as Keywords
 
 
 @overload
@@ -62,6 +63,7 @@ def response_log_probs(
     entropy_over: EntropyOverArg = "full",
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    depth: IntArg = 0,
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -78,7 +80,12 @@ def response_log_probs(
     rollout's top-p / top-k sets, and ``softcap`` and ``vocab_size`` match the rollout's
     distribution, as in ``log_probs_and_entropy``. ``temperature`` is one real, or one
     per sample (``n`` reals or an ``[n]`` tensor: rollouts sampled at different
-    temperatures), each sample's applied to its rows.
+    temperatures), each sample's applied to its rows. ``depth`` ``d`` (an MTP head's
+    logits): position ``p`` predicts token ``p + 1 + d``, the shares as
+    ``extract_responses(..., depth=d)``'s. With a shared prefix, a prompt row that
+    predicts the first response token of several branches is computed once and each
+    branch's target picked from it (its gradient the sum over them); the samples of a
+    group must then share their temperature.
 
     Collectives: those of ``log_probs_and_entropy`` (one all-gather over ``tp_group``);
     no CP communication (see ``redistribute`` / ``gather_responses`` for that).
@@ -87,18 +94,35 @@ def response_log_probs(
         TypeError: ``logits`` is not a tensor; as ``shifted_targets``,
             ``log_probs_and_entropy`` and ``extract_responses``.
         LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
-            three functions above.
+            three functions above; a shared-prefix group whose samples' temperatures
+            differ, or whose prompts' tokens differ.
     """
     x, tp = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"), tp_group)
-    local, targets, tau = _inputs(x, "logits", tokens, layout, temperature)
+    local, targets, tau = _inputs(x, "logits", tokens, layout, temperature, depth)
+    read = local.reads["response"]
+    ids = picked_ids(read, targets, local.length)
     options = args.options(
-        x, x.shape[1], targets, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
+        x, x.shape[1], ids, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
         tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
         vocab_size=vocab_size,
     )
     # only the response rows get the softmax's statistics; the others' gradient is zero
-    log_probs, entropy = logits_driver.apply(x, targets, options._replace(rows=local.reads["response"].mask))
-    return split(local, log_probs, entropy)
+    log_probs, entropy = logits_driver.apply(x, ids, options._replace(rows=read.mask))
+    return _shares(read, log_probs, entropy, local=True)
+
+
+def _shares(
+    read: Read, log_probs: Tensor, entropy: Tensor | None, local: bool
+) -> tuple[list[Share], list[Share] | None]:
+    """The engine's results over the local (or distinct) rows, per element, per sample."""
+    if local and read.picks.k == 1:  # one gather and one split per tensor, empty views of the inputs
+        return split_rows(log_probs, read.rows, read.selection.counts), (
+            None if entropy is None else split_rows(entropy, read.rows, read.selection.counts)
+        )
+    at = read.rows if local else read.picks.element
+    return split_elements(read, picked_values(read, log_probs, local=local)), (
+        None if entropy is None else split_elements(read, entropy.index_select(0, at))
+    )
 
 
 def _two_d(name: str, value: object, shape: str, flatten: str) -> Tensor:
@@ -112,16 +136,21 @@ def _two_d(name: str, value: object, shape: str, flatten: str) -> Tensor:
 
 
 def _inputs(
-    x: Tensor, what: str, tokens: object, layout: Layout, temperature: object
+    x: Tensor, what: str, tokens: object, layout: Layout, temperature: object, depth: object
 ) -> tuple[Local, Tensor, float | Tensor]:
-    """The call's one resolution of ``layout`` (``T`` from ``x``), the targets of
-    ``tokens`` and the per-row temperature, on ``x``'s device (replicated DTensors read
-    as their local tensors: ``dtensor.replicated``)."""
+    """The call's one resolution of ``layout`` (``T`` from ``x``, at ``depth``), each
+    response element's target token (``[E]``) and the per-row temperature, on ``x``'s
+    device (replicated DTensors read as their local tensors: ``dtensor.replicated``)."""
+    d = checks.depth(depth)
     items = checked_tokens(dtensor.replicated_each("tokens", tokens), layout)
     tau = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
-    spans: tuple[Span, ...] = ("targets", "response", "sample") if isinstance(tau, Tensor) else ("targets", "response")
-    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
-    return local, targets_of(items, local), temperatures_of(tau, local)
+    if isinstance(tau, Tensor):
+        check_group_temperatures(tau, layout)
+    spans: tuple[Span, ...] = ("response", "sample") if isinstance(tau, Tensor) else ("response",)
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device, depth=d)
+    read = local.reads["response"]
+    flat = torch.cat(items).to(x.device) if items else torch.zeros(0, dtype=torch.int64, device=x.device)
+    return local, flat.index_select(0, read.targets).to(torch.int64), temperatures_of(tau, local)
 
 
 @overload
@@ -154,6 +183,7 @@ def response_log_probs_from_hidden(
     entropy_over: EntropyOverArg = "full",
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    depth: IntArg = 0,
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -170,7 +200,8 @@ def response_log_probs_from_hidden(
     graph) and the entropy shares aligned with them (None unless ``with_entropy``).
     ``support`` is over the ``T`` rows of ``hidden``, as ``response_log_probs`` takes it
     (``Support.from_responses``); the response rows' sets are taken from it, and its
-    errors name its own rows.
+    errors name its own rows. ``depth`` and a shared prefix as ``response_log_probs``
+    (a shared row's hidden state goes through the head once).
 
     Collectives: those of ``log_probs_and_entropy_from_hidden`` (one all-gather over
     ``tp_group`` forward, one all-reduce backward); no CP communication.
@@ -181,20 +212,20 @@ def response_log_probs_from_hidden(
             hold; a support over another number of rows than ``hidden``'s.
     """
     h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
-    local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature)
+    local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature, depth)
     read = local.reads["response"]
     # every argument against the whole hidden (a support's errors name the caller's
-    # rows), then the response rows' temperatures and sets
+    # rows), then the distinct response rows' temperatures and sets
     whole = args.options(
-        h, w.shape[0], targets, what="hidden", default_chunk=default_hidden_chunk_rows(w.shape[0]),
-        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau, tp_group=tp,
-        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+        h, w.shape[0], picked_ids(read, targets, local.length), what="hidden",
+        default_chunk=default_hidden_chunk_rows(w.shape[0]), with_entropy=with_entropy, entropy_grad=entropy_grad,
+        temperature=tau, tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over,
+        softcap=softcap, vocab_size=vocab_size,
     )
+    rows = read.picks.rows
     options = whole._replace(
-        tau=whole.tau if isinstance(whole.tau, float) else whole.tau[read.rows],
-        support=None if whole.support is None else take_rows(whole.support, read.selection.rows),
+        tau=whole.tau if isinstance(whole.tau, float) else whole.tau[rows],
+        support=None if whole.support is None else take_rows(whole.support, read.picks.host_rows),
     )
-    log_probs, entropy = hidden_driver.apply(h[read.rows], w, targets[read.rows], options)
-    counts = read.selection.counts
-    shares = list(torch.split(log_probs, counts))
-    return shares, None if entropy is None else list(torch.split(entropy, counts))
+    log_probs, entropy = hidden_driver.apply(h[rows], w, picked_ids(read, targets), options)
+    return _shares(read, log_probs, entropy, local=False)

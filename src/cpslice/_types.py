@@ -106,6 +106,13 @@ class LogProbKeywords(TypedDict, Generic[TemperatureT, SupportT], total=False):
     vocab_size: IntArg | None
 
 
+class SampleKeywords(LogProbKeywords[TemperatureT, SupportT], total=False):
+    """``LogProbKeywords`` and the per-sample functions' own: ``depth``, the target depth
+    (``response_log_probs`` and its hidden-state twin)."""
+
+    depth: IntArg
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype cpslice computes and accumulates in for inputs of ``dtype``: float64 for
     float64, float32 for every other dtype (bfloat16 and float16 sums would stall)."""
