@@ -33,9 +33,9 @@ from torch import Tensor
 
 from . import _checks as checks
 from ._errors import LayoutError
-from ._extract import shard, split
+from ._extract import picked_ids, picked_values, shard, split
 from ._layout import Layout
-from ._pack import temperatures_of
+from ._pack import check_group_temperatures, temperatures_of
 from ._plan import Local, Read, Span, resolve
 from ._types import (
     ChunkArg,
@@ -230,6 +230,8 @@ def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tupl
     """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
     its per-row temperature."""
     per_sample = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
+    if isinstance(per_sample, Tensor):
+        check_group_temperatures(per_sample, layout)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
     return local, temperatures_of(per_sample, local)
@@ -252,9 +254,10 @@ def _prepare(
 
 
 def _response_rows(options: Options, read: Read) -> Options:
-    """``options`` for the response rows of ``read`` alone (the hidden path's ``[R, H]``
-    copy): their temperatures."""
-    return options._replace(tau=options.tau if isinstance(options.tau, float) else options.tau[read.rows])
+    """``options`` for the distinct response rows of ``read`` alone (the hidden path's
+    ``[R, H]`` copy; a shared prefix's prompt row once): their temperatures."""
+    rows = read.picks.rows
+    return options._replace(tau=options.tau if isinstance(options.tau, float) else options.tau[rows])
 
 
 def response_distillation(
@@ -307,11 +310,11 @@ def response_distillation(
     step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
     read = step.local.reads["response"]
-    picked = torch.zeros((x.shape[0], step.k), dtype=torch.int64, device=x.device)
-    picked[read.rows] = _rows(step.ids, step.k, torch.int64, x.device)
+    # each element's k teacher ids, a shared row's branches side by side (``picked_ids``)
+    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, x.device), x.shape[0])
     student, _ = logits_driver.apply(x, picked, step.options._replace(rows=read.mask))
     teacher = _rows(step.lps, step.k, student.dtype, x.device)
-    div = topk_divergence(student[read.rows], teacher, kind=kind, beta=beta, tail=tail)
+    div = topk_divergence(picked_values(read, student, step.k), teacher, kind=kind, beta=beta, tail=tail)
     return list(torch.split(div, read.selection.counts))
 
 
@@ -344,10 +347,10 @@ def response_distillation_from_hidden(
     step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp,
                     teacher_log_probs, teacher_ids, kind, beta, tail)
     read = step.local.reads["response"]
-    picked = _rows(step.ids, step.k, torch.int64, h.device)
-    student, _ = hidden_driver.apply(h[read.rows], w, picked, _response_rows(step.options, read))
+    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, h.device))
+    student, _ = hidden_driver.apply(h[read.picks.rows], w, picked, _response_rows(step.options, read))
     teacher = _rows(step.lps, step.k, student.dtype, h.device)
-    div = topk_divergence(student, teacher, kind=kind, beta=beta, tail=tail)
+    div = topk_divergence(picked_values(read, student, step.k, local=False), teacher, kind=kind, beta=beta, tail=tail)
     return list(torch.split(div, read.selection.counts))
 
 
@@ -435,6 +438,8 @@ def response_topk_log_probs_from_hidden(
     local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
                                        vocab_size, tp)
     read = local.reads["response"]
-    values, ids = hidden_driver.apply_topk(h[read.rows], w, k_, _response_rows(options, read))
+    values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
+    if read.picks.k > 1:  # a shared prefix's prompt row: one per branch
+        values, ids = values[read.picks.element], ids[read.picks.element]
     counts = read.selection.counts
     return list(torch.split(values, counts)), list(torch.split(ids, counts))

@@ -373,13 +373,15 @@ class Picks(NamedTuple):
     """The elements of a response read as the vocabulary engine computes them: each
     distinct row once (``rows``, on the call's device), element ``e`` the pick ``slot[e]``
     of row ``rows[element[e]]``, ``k`` picks per row at most (1 unless rows are shared: a
-    shared prefix's prompt rows, one pick per branch); ``host_rows`` the rows on the CPU."""
+    shared prefix's prompt rows, one pick per branch); ``host_*`` the same on the CPU."""
 
     rows: Tensor
     element: Tensor
     slot: Tensor
     k: int
     host_rows: Tensor
+    host_element: Tensor
+    host_slot: Tensor
 
 
 class Read:
@@ -439,8 +441,8 @@ def _picks(rows: Tensor, distinct: bool, device: torch.device) -> Picks:
     every layout without a shared prefix)."""
     total = int(rows.numel())
     if distinct:
-        zero = torch.zeros(total, dtype=_I64, device=device)
-        return Picks(rows.to(device), torch.arange(total, dtype=_I64, device=device), zero, 1, rows)
+        every, zero = torch.arange(total, dtype=_I64), torch.zeros(total, dtype=_I64)
+        return Picks(rows.to(device), every.to(device), zero.to(device), 1, rows, every, zero)
     unique, element, counts = torch.unique(rows, sorted=True, return_inverse=True, return_counts=True)
     order = torch.argsort(element, stable=True)
     slot = torch.empty(total, dtype=_I64)
@@ -448,7 +450,7 @@ def _picks(rows: Tensor, distinct: bool, device: torch.device) -> Picks:
         exclusive_cumsum(counts), counts, output_size=total
     )
     k = int(counts.max()) if total else 1
-    return Picks(unique.to(device), element.to(device), slot.to(device), k, unique)
+    return Picks(unique.to(device), element.to(device), slot.to(device), k, unique, element, slot)
 
 
 class Local(NamedTuple):

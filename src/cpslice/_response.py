@@ -2,7 +2,7 @@
 the per-sample split. Where the layout side (``_pack``, ``_extract``) meets the
 vocabulary functions (``_vocab``)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, Unpack, overload
 
 import torch
@@ -21,6 +21,7 @@ from ._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleT
 from ._vocab import args, dtensor
 from ._vocab import hidden as hidden_driver
 from ._vocab import logits as logits_driver
+from ._vocab.engine import Options
 from ._vocab.hidden import default_hidden_chunk_rows
 
 if TYPE_CHECKING:
@@ -107,8 +108,42 @@ def response_log_probs(
         vocab_size=vocab_size,
     )
     # only the response rows get the softmax's statistics; the others' gradient is zero
-    log_probs, entropy = logits_driver.apply(x, ids, options._replace(rows=read.mask))
-    return _shares(read, log_probs, entropy, local=True)
+    return _computed(lambda t, i, o: logits_driver.apply(t, i, o), x, read, targets, ids,
+                     options._replace(rows=read.mask), local=True)
+
+
+Driver = Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]]
+
+
+def _computed(
+    driver: Driver, base: Tensor, read: Read, targets: Tensor, ids: Tensor, options: Options, local: bool
+) -> tuple[list[Share], list[Share] | None]:
+    """``driver`` over the rows of ``base`` (the local logits, or the distinct response rows'
+    hidden states: ``local`` False) at the picks ``ids``, each element's result per sample.
+
+    A support's sets take one target per row (the restricted distribution is its set plus
+    that target), so where a shared prefix puts several branches' targets on one row, the
+    branches after the first go through a second call on their rows alone (a few rows per
+    group: with a set, no full-vocabulary pass unless the entropy is over it)."""
+    if options.support is None or read.picks.k == 1:
+        log_probs, entropy = driver(base, ids, options)
+        return _shares(read, log_probs, entropy, local)
+    p = read.picks
+    log_probs, entropy = driver(base, ids[:, 0], options)  # each row's first pick
+    extra, host_extra = (p.slot > 0).nonzero()[:, 0], (p.host_slot > 0).nonzero()[:, 0]
+    at = read.rows if local else p.element
+    rows = (read.selection.rows if local else p.host_element)[host_extra]
+    device_rows = at.index_select(0, extra)
+    sub = options._replace(
+        tau=options.tau if isinstance(options.tau, float) else options.tau[device_rows],
+        support=take_rows(options.support, rows), rows=None,
+    )
+    more, more_entropy = driver(base.index_select(0, device_rows), targets.index_select(0, extra), sub)
+    values = log_probs.index_select(0, at).index_put((extra,), more)
+    if entropy is None or more_entropy is None:
+        return split_elements(read, values), None
+    h = entropy.index_select(0, at).index_put((extra,), more_entropy)
+    return split_elements(read, values), split_elements(read, h)
 
 
 def _shares(
@@ -227,5 +262,5 @@ def response_log_probs_from_hidden(
         tau=whole.tau if isinstance(whole.tau, float) else whole.tau[rows],
         support=None if whole.support is None else take_rows(whole.support, read.picks.host_rows),
     )
-    log_probs, entropy = hidden_driver.apply(h[rows], w, picked_ids(read, targets), options)
-    return _shares(read, log_probs, entropy, local=False)
+    return _computed(lambda t, i, o: hidden_driver.apply(t, w, i, o), h[rows], read, targets,
+                     picked_ids(read, targets), options, local=False)

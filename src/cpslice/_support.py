@@ -14,7 +14,7 @@ from torch import Tensor
 from . import _checks as checks
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import exclusive_cumsum, resolve_length, response_base, selection
+from ._plan import Selection, exclusive_cumsum, resolve, response_base
 from ._types import IdsArg
 from ._vocab import support as engine
 from ._vocab.dtensor import replicated_each
@@ -96,13 +96,16 @@ class Support(engine.Support):
         # global[j]: where flat_off[j]'s set starts in flat_ids
         glob = flat_off + torch.repeat_interleave(exclusive_cumsum(id_len), resp + 1, output_size=flat_off.numel())
         _check_ids(flat_ids.to("cpu"), glob, starts, ends, resp)
-        length = resolve_length(layout)
-        sel = selection(layout, length, "response")
+        read = resolve(layout, spans=("response",)).reads["response"]
+        length, sel = read.mask.numel(), read.selection
         # offsets index of the set of position p of sample i: starts[i] + p - (P_i - 1)
         src = sel.sources(starts + response_base(layout))
         lo, hi = glob[src], glob[src + 1]
-        order = torch.argsort(sel.rows)
-        rows, lo, count = sel.rows[order], lo[order], (hi - lo)[order]
+        rows = sel.rows
+        if read.picks.k > 1:  # a shared prefix's prompt row: its branches' sets, one kept
+            lo, hi, rows = _one_set_per_row(flat_ids, lo, hi, read.picks.slot, read.picks.element, sel, layout)
+        order = torch.argsort(rows)
+        rows, lo, count = rows[order], lo[order], (hi - lo)[order]
         per_row = torch.zeros(length, dtype=_I64).index_put_((rows,), count)
         local_off = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(per_row, 0)])
         total = int(local_off[-1])
@@ -112,6 +115,33 @@ class Support(engine.Support):
         out = cls.__new__(cls)
         out._init_checked(flat_ids.index_select(0, take.to(device)), local_off.to(device), local_off)
         return out
+
+
+def _one_set_per_row(
+    flat_ids: Tensor, lo: Tensor, hi: Tensor, slot: Tensor, element: Tensor, sel: Selection, layout: Layout
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The sets ``flat_ids[lo:hi]`` of the elements that are first on their row (``slot`` 0),
+    after checking that every other element's set (a shared prompt row's other branches)
+    is the same ids: the row's distribution is one, so its rollout kept one set."""
+    first = torch.full((int(element.max()) + 1,), -1, dtype=_I64).index_copy_(
+        0, element[slot == 0], (slot == 0).nonzero()[:, 0]
+    )
+    sample = torch.repeat_interleave(torch.arange(layout.num_samples, dtype=_I64),
+                                     torch.tensor(sel.counts, dtype=_I64), output_size=int(slot.numel()))
+    for e in (slot > 0).nonzero()[:, 0].tolist():
+        f = int(first[element[e]])
+        mine, theirs = flat_ids[int(lo[e]):int(hi[e])], flat_ids[int(lo[f]):int(hi[f])]
+        if not torch.equal(mine.sort().values, theirs.sort().values):
+            i, j = int(sample[e]), int(sample[f])
+            token = int(sel.positions[e]) + 1 - layout.prompt_lengths[i]
+            raise LayoutError(
+                f"sample {i}, response token {token}: its set differs from sample {j}'s on the "
+                f"same shared prompt row ({mine.numel()} ids against {theirs.numel()}); the "
+                "branches of a shared_prefix group predict their first tokens from one row, "
+                "whose rollout set is one: give every branch the same set there"
+            )
+    keep = slot == 0
+    return lo[keep], hi[keep], sel.rows[keep]
 
 
 def _per_sample(name: str, values: object, n: int) -> list[Tensor]:
