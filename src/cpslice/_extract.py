@@ -74,10 +74,13 @@ def picked_ids(read: Read, ids: Tensor, rows: int | None = None) -> Tensor:
     count = int(p.rows.numel()) if rows is None else rows
     k = 1 if ids.dim() == 1 else int(ids.shape[1])
     flat = ids.reshape(-1, k)
-    out = torch.zeros((count, k), dtype=ids.dtype, device=ids.device).index_copy(0, at[p.slot == 0], flat[p.slot == 0])
-    if p.k > 1:
-        out = out.repeat(1, p.k).view(count, p.k, k).index_put((at, p.slot), flat).view(count, p.k * k)
-    return out[:, 0] if ids.dim() == 1 and p.k == 1 else out
+    out = torch.zeros((count, k), dtype=ids.dtype, device=ids.device)
+    if p.k == 1:  # every element its own row: no mask (a mask's nonzero would sync a device)
+        out = out.index_copy(0, at, flat)
+        return out[:, 0] if ids.dim() == 1 else out
+    first = (p.host_slot == 0).nonzero()[:, 0].to(ids.device)
+    out = out.index_copy(0, at.index_select(0, first), flat.index_select(0, first))
+    return out.repeat(1, p.k).view(count, p.k, k).index_put((at, p.slot), flat).view(count, p.k * k)
 
 
 def picked_values(read: Read, values: Tensor, k: int | None = None, local: bool = True) -> Tensor:
