@@ -2,8 +2,9 @@
 are collected (``tests/conftest.py``), at a lower CPU priority.
 
 A few tests run commands that take many seconds of CPU and need nothing from the
-session: the planted ``cpslice verify`` runs (``planted.py``) and the error tests
-rerun with run-time checking off (``checked.py``); each group is ``register``-ed by
+session: the planted ``cpslice verify`` runs (``planted.py``), the error tests rerun
+with run-time checking off (``checked.py``) and the compiled steps
+(``compile_job.py``); each group is ``register``-ed by
 the helper module that defines it. Started at once and niced, they use the cores the
 session's own tests leave idle (a single-process test keeps one of the two busy; the
 session waits on a subprocess) instead of running in line; a test that needs one's
@@ -71,6 +72,11 @@ def start(group: str) -> None:
         # still starting, seconds before it spawns the children that inherit it
         os.setpriority(os.PRIO_PROCESS, proc.pid, NICENESS)
         _RUNS[name] = (proc, out, err)
+
+
+def waits(nodeid: str) -> bool:
+    """Whether this test (a node id) waits for a group's jobs."""
+    return any(nodeid.startswith(prefix) for prefix, _ in _GROUPS.values())
 
 
 def start_for(nodeids: list[str]) -> None:

@@ -1,16 +1,23 @@
 """Starts the background jobs (``background.py``) that the session's tests wait for, as
-soon as they are collected: the planted ``cpslice verify`` runs and the unchecked rerun
-of the error tests take many seconds of CPU each, and run, niced, beside the tests
-instead of in line with them."""
+soon as they are collected: the planted ``cpslice verify`` runs, the unchecked rerun of
+the error tests and the compiled steps take many seconds of CPU each, and run, niced,
+beside the tests instead of in line with them. The tests that wait for them run last,
+so that the jobs have the whole session to finish in."""
 
 import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # imported here, after collection: they import cpslice, which the jaxtyping plugin's
+    # hook must see first (so that the session runs checked)
+    from . import background, checked, compile_job, planted  # noqa: F401  (they register jobs)
+
+    items.sort(key=lambda item: background.waits(item.nodeid))  # stable: waiters last
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    # imported here, after collection: they import cpslice, which the jaxtyping plugin's
-    # hook must see first (so that the session runs checked)
-    from . import background, checked, planted  # noqa: F401  (they register their jobs)
+    from . import background
 
     background.start_for([item.nodeid for item in session.items])

@@ -8,93 +8,27 @@ imports ``torch._dynamo`` before ``torch.compile`` and the first call of every b
 is one that dynamo meets while tracing (the boundaries decide at each call whether
 ``torch._dynamo`` is loaded: ``cpslice/_cache.py``)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-STEP = r"""
-import sys
-import torch
-if sys.argv[1] == "eager":
-    import torch._dynamo
-import cpslice
-
-torch.manual_seed(0)
-total, response = [12, 9, 5, 3], [3, 8, 0, 2]
-layout = cpslice.Layout(total, response, cp_mode="zigzag", cp_rank=1, cp_size=2)
-tokens = [torch.randint(0, 50, (t,)) for t in total]
-masks = [torch.rand(r) > 0.3 for r in response]
-old = [torch.randn(r) for r in response]
-T = 18  # zigzag at cp 2: each sample padded to a multiple of 4 (36 positions), half here
-
-def step(logits):
-    lp, ent = cpslice.response_log_probs(logits, tokens, layout, with_entropy=True,
-                                         temperature=0.7)
-    ratio = [(a - b).exp() for a, b in zip(lp, cpslice.shard_responses(old, layout))]
-    return (cpslice.sum_of_sample_means(ratio, masks, layout)
-            - 0.01 * cpslice.sum_of_tokens(ent, masks, layout))
-
-def compiled(logits):
-    logits.grad = None
-    got = torch.compile(step, backend="aot_eager")(logits)
-    got.backward()
-    return got.detach(), logits.grad.clone()
-
-logits = torch.randn(T, 50, requires_grad=True)
-if sys.argv[1] == "compiled":
-    assert "torch._dynamo" not in sys.modules, "import cpslice imported torch._dynamo"
-    runs = [compiled(logits) for _ in range(2)]  # the second reuses the compiled graphs
-logits.grad = None
-eager = step(logits)
-eager.backward()
-expected = logits.grad.clone()
-if sys.argv[1] == "eager":
-    runs = [compiled(logits) for _ in range(2)]
-assert cpslice.pack(tokens, layout).shape[0] == T
-for got, grad in runs:
-    torch.testing.assert_close(got, eager.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-6)
-for reason in torch._dynamo.utils.counters["graph_break"]:
-    print("break:", reason.splitlines()[0], "|", " ".join(reason.split())[:160])
-
-# response_log_probs alone, in the same process: where its graph breaks
-import re
-
-def log_probs(x):
-    lp, ent = cpslice.response_log_probs(x, tokens, layout, with_entropy=True, temperature=0.7)
-    return sum(a.sum() for a in lp) + sum(h.sum() for h in ent)
-
-torch._dynamo.reset()  # the step's compiled frames would hide the breaks they share
-torch._dynamo.utils.counters.clear()
-logits.grad = None
-torch.compile(log_probs, backend="aot_eager")(logits).backward()
-for reason in torch._dynamo.utils.counters["graph_break"]:
-    site = re.search(r"<function (\w+) at", reason)
-    print("lp-break:", site.group(1) if site else reason.splitlines()[0])
-"""
+from . import compile_job
 
 
-@pytest.mark.parametrize("first", ["eager", "compiled"])
+@pytest.mark.parametrize("first", compile_job.FIRSTS)
 def test_a_compiled_step_equals_eager(first: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
-    proc = subprocess.run(
-        [sys.executable, "-c", STEP, first], env=env, capture_output=True, text=True,
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    reasons = [line for line in proc.stdout.splitlines() if line.startswith("break:")]
+    # the step ran in the background from the session's start (tests/compile_job.py)
+    proc = compile_job.result(first)
+    assert proc.code == 0, proc.err[-4000:]
+    reasons = [line for line in proc.out.splitlines() if line.startswith("break:")]
     assert reasons, "no graph break: the planning code was traced"
     # every graph break is a planning boundary of cpslice (torch.compiler.disable)
     unplanned = [r for r in reasons if "torch.compiler.disable" not in r]
     assert unplanned == [], "\n".join(unplanned)
     # a boundary traced as a frame of its own (its code shared by every boundary) would
     # also exceed dynamo's recompile limit
-    assert "recompile_limit" not in proc.stderr, proc.stderr[-4000:]
+    assert "recompile_limit" not in proc.err, proc.err[-4000:]
     # response_log_probs alone (docs/caches-and-compile.md): the one resolution of the
     # layout, the host check of the targets' ids, the engine's runs of response rows
     # (dynamo counts each once per attempt at tracing the frame around it: sites, not
     # counts)
-    sites = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("lp-break:")}
+    sites = {line.split()[1] for line in proc.out.splitlines() if line.startswith("lp-break:")}
     assert sites == {"resolve", "in_vocabulary", "runs_of"}, sites
