@@ -38,8 +38,8 @@ VOCAB, HIDDEN = 11, 5
 
 @dataclass(frozen=True)
 class Case:
-    """One micro-batch's layout family, every rank of it; ``order`` a thd stream order
-    (``Layout.from_order``), ``cu`` the extents given as ``Layout.from_cu_seqlens``
+    """One micro-batch's layout family, every rank of it; ``order`` a token order
+    (``Layout.from_order``: thd, of the stream; bshd, of every row's columns), ``cu`` the extents given as ``Layout.from_cu_seqlens``
     boundaries, ``extra`` padding rows past the layout's need (allgather: in its piece
     length ``T``, given as ``local_length``)."""
 
@@ -64,8 +64,9 @@ class Case:
         local = length(self) if self.mode == "allgather" else None
         if self.order is not None:
             return Layout.from_order(list(self.order), list(self.total), list(self.response), cp_rank=rank,
-                                     cp_size=self.cp, padded_lengths=_list(self.padded), align=self.align,
-                                     shared_prefix=_list(self.shared))
+                                     cp_size=self.cp, qkv_format=self.fmt,  # type: ignore[arg-type]
+                                     max_seq_len=self.seq, padded_lengths=_list(self.padded), align=self.align,
+                                     row_offsets=_list(self.offsets), shared_prefix=_list(self.shared))
         if self.cu:
             bounds = [0]
             for w in widths(self):
@@ -155,7 +156,10 @@ def place(case: Case, rank: int) -> tuple[Entry, ...]:
     """What each of the rank's ``T`` local rows holds."""
     t, ext, c = length(case), extents(case), case.cp
     stream = [e for x in ext for e in x]
-    if case.order is not None:
+    if case.order is not None and case.fmt == "bshd":  # one order of every row's columns
+        cut = len(case.order) // c
+        rows = [x[k] for x in ext for k in case.order[rank * cut:(rank + 1) * cut]]
+    elif case.order is not None:
         rows = [stream[k] for k in case.order[rank * t:(rank + 1) * t]]
     elif case.mode == "zigzag":
         rows = []

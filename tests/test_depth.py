@@ -81,6 +81,8 @@ SINGLE = [
     Case("zigzag 2 padded, short samples", (3, 2, 1, 5, 7), (2, 1, 0, 3, 6), mode="zigzag", cp=2, align=4, seed=5),
     Case("order 2 shared prefix", (4, 6, 3), (2, 4, 1), shared=(2, 1), mode="order", cp=2, padded=(8, 4),
          order=(9, 2, 0, 7, 4, 11, 1, 8, 5, 3, 10, 6), seed=6),
+    Case("order 2 bshd row_offsets", (6, 1, 4, 9), (3, 0, 3, 2), fmt="bshd", seq=10, offsets=(0, 5, 4, 1),
+         mode="order", cp=2, order=(0, 1, 8, 9, 4, 2, 3, 6, 7, 5), seed=7),
 ]
 
 
