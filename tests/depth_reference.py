@@ -39,9 +39,9 @@ VOCAB, HIDDEN = 11, 5
 @dataclass(frozen=True)
 class Case:
     """One micro-batch's layout family, every rank of it; ``order`` a token order
-    (``Layout.from_order``: thd, of the stream; bshd, of every row's columns), ``cu`` the extents given as ``Layout.from_cu_seqlens``
-    boundaries, ``extra`` padding rows past the layout's need (allgather: in its piece
-    length ``T``, given as ``local_length``)."""
+    (``Layout.from_order``: thd, of the stream; bshd, of every row's columns), ``cu`` the
+    extents given as ``Layout.from_cu_seqlens`` boundaries, ``extra`` padding rows past
+    the layout's need (allgather: in its piece length ``T``, given as ``local_length``)."""
 
     name: str
     total: tuple[int, ...]
