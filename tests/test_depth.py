@@ -176,6 +176,8 @@ def test_the_docs_padded_sample_shorter_than_2c_under_zigzag() -> None:
         (grad,) = torch.autograd.grad(lp.sum() + ent.sum(), x)
         assert r == 0 or float(grad.abs().max()) == 0.0
         assert float(grad[1].abs().max()) == 0.0  # position 3 (padding) never predicts
+        assert torch.equal(x.detach(), logits.float())  # the caller's tensors are unchanged
+    assert tokens[0].tolist() == [4, 9, 2] and whole[0].tolist() == [5.0, 6.0]
 
 
 def test_depth_zero_is_the_default_and_numpy_ints_count() -> None:
