@@ -53,8 +53,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     from cpslice._redistribute import _element_ids
 
-    ids = _element_ids(src, resolve_length(src), src.cp_rank)  # where this rank's shares sit in the whole responses
-    dst_counts = {dst: _route(src, resolve_length(src), dst, resolve_length(dst), CP).dst_counts
+    ids = _element_ids(src, resolve_length(src), src.cp_rank, 0)  # where this rank's shares sit in the whole responses
+    dst_counts = {dst: _route(src, resolve_length(src), dst, resolve_length(dst), CP, 0).dst_counts
                   for dst in (zig, whole)}
 
     def padded(dst: Layout) -> Callable[[], None]:
@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
             buf = _all_reduce(buf)
             counts = list(response)
             if dst.cp_mode == "zigzag":
-                buf = buf[:, _element_ids(dst, resolve_length(dst), dst.cp_rank)]
+                buf = buf[:, _element_ids(dst, resolve_length(dst), dst.cp_rank, 0)]
                 counts = [int(c) for c in torch.tensor(dst_counts[dst])]
             # the same output as redistribute: per-sample shares of each list
             a, b = torch.split(buf[0], counts), torch.split(buf[1], counts)
@@ -76,7 +76,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     rows = []
     for name, dst in (("allgather -> zigzag", zig), ("allgather -> none", whole)):
-        route = _route(src, resolve_length(src), dst, resolve_length(dst), CP)
+        route = _route(src, resolve_length(src), dst, resolve_length(dst), CP, 0)
         sent = 2 * sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
         ar_sent = int(2 * (CP - 1) / CP * 2 * sum(response))
         t_ours = median_ms(ours(dst), repeat)

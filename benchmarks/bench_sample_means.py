@@ -207,7 +207,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
 
     itemsize = 4
     ring = 2 * (CP - 1) / CP
-    route = _route(layout, resolve_length(layout), whole, resolve_length(whole), CP)
+    route = _route(layout, resolve_length(layout), whole, resolve_length(whole), CP, 0)
     a2a_fwd = sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
     a2a_bwd = sum(s for j, s in enumerate(route.recv_splits) if j != rank)
     rows: list[Row] = [

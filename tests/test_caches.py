@@ -43,7 +43,7 @@ def test_a_route_miss_does_not_evict_the_steps_own_entries() -> None:
     step_entries = selection.__wrapped__.cache_info().currsize  # type: ignore[attr-defined]
     # a new route reads all 8 ranks' selections of src and of dst
     allgather = Layout(total, response, cp_mode="allgather", cp_rank=1, cp_size=8, local_length=6)
-    _route(allgather, 6, zig, cpslice.pack(tokens, zig).shape[0], 8)
+    _route(allgather, 6, zig, cpslice.pack(tokens, zig).shape[0], 8, 0)
     before, reads = cache_info(selection), cache_info(_read)
     _step(zig, tokens)
     after = cache_info(selection)

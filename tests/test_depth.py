@@ -9,6 +9,7 @@ worked example of a padded sample shorter than ``2c`` under zigzag (Megatron's
 #4494/#4495/#6205); random layouts; the refusals of a bad ``depth``."""
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,11 +25,18 @@ from cpslice import (
     Layout,
     LayoutError,
     extract_responses,
+    gather_responses,
+    redistribute,
     response_log_probs,
     response_log_probs_from_hidden,
     response_rows,
+    sample_max,
+    sample_means,
+    sample_min,
     shard_responses,
     shifted_targets,
+    sum_of_sample_means,
+    sum_of_tokens,
 )
 
 from ._dist import run_distributed
@@ -267,6 +276,7 @@ def test_refusals() -> None:
     tokens = [torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6])]
     lay = Layout([4, 2], [2, 1])
     x, h, w = torch.randn(6, 7), torch.randn(6, 3), torch.randn(7, 3)
+    shares, masks = [torch.ones(2), torch.ones(1)], [torch.ones(2), torch.ones(1)]
     calls: dict[str, Callable[[Any], object]] = {
         "shifted_targets": lambda d: shifted_targets(tokens, lay, depth=d),
         "response_rows": lambda d: response_rows(lay, depth=d),
@@ -274,6 +284,13 @@ def test_refusals() -> None:
         "shard_responses": lambda d: shard_responses([torch.ones(2), torch.ones(1)], lay, depth=d),
         "response_log_probs": lambda d: response_log_probs(x, tokens, lay, depth=d),
         "response_log_probs_from_hidden": lambda d: response_log_probs_from_hidden(h, w, tokens, lay, depth=d),
+        "sum_of_sample_means": lambda d: sum_of_sample_means(shares, masks, lay, depth=d),
+        "sum_of_tokens": lambda d: sum_of_tokens(shares, masks, lay, depth=d),
+        "sample_means": lambda d: sample_means(shares, masks, lay, depth=d),
+        "sample_max": lambda d: sample_max(shares, masks, lay, depth=d),
+        "sample_min": lambda d: sample_min(shares, masks, lay, depth=d),
+        "redistribute": lambda d: redistribute(shares, lay, lay, depth=d),
+        "gather_responses": lambda d: gather_responses(shares, lay, depth=d),
     }
     for call in calls.values():
         for negative in (-1, -3, np.int64(-2)):
@@ -286,3 +303,139 @@ def test_refusals() -> None:
     shared = Layout([4, 3], [2, 1], shared_prefix=[2])
     with refused(LayoutError, r"shared_prefix \[2\] puts a prompt's rows in several samples"):
         shifted_targets([torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 5])], shared, depth=1)
+
+
+# ---- the reducers, redistribute and gather_responses of depth-d shares ----
+
+
+def _whole(case: Case, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random float64 whole responses ``[R_i]`` (requiring grad) and fractional masks."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(r, generator=gen, dtype=torch.float64).requires_grad_(True) for r in case.response]
+    masks = [torch.randint(0, 3, (r,), generator=gen).double() / 2 for r in case.response]
+    return values, masks
+
+
+def _predicted(case: Case, i: int, depth: int) -> slice:
+    """The response elements of sample ``i`` that a position predicts at ``depth``: all
+    but the first ``d + 1 - P_i`` (the rule read straight from docs/layouts.md)."""
+    return slice(max(0, depth + 1 - (case.total[i] - case.response[i])), None)
+
+
+def _means(case: Case, values: list[torch.Tensor], masks: list[torch.Tensor], depth: int) -> torch.Tensor:
+    """Each sample's masked mean over its predicted tokens, 0 where their mask sums to 0."""
+    out = []
+    for i, (v, m) in enumerate(zip(values, masks, strict=True)):
+        keep = _predicted(case, i, depth)
+        den = m[keep].sum()
+        out.append((v[keep] * m[keep]).sum() / den if den else v.sum() * 0)
+    return torch.stack(out)
+
+
+REDUCED = [*SINGLE, *_families(2), *_families(4)]
+
+
+@pytest.mark.parametrize("case", REDUCED, ids=[c.name for c in REDUCED])
+def test_the_loss_parts_of_depth_d_shares_sum_to_the_whole_samples(case: Case) -> None:
+    """``sum_of_sample_means`` and ``sum_of_tokens`` at ``depth=d``: each share element
+    weighted by its predicted token's mask, the tokens no position predicts in no sum;
+    the parts over the ranks sum to the float64 whole-sample value, and so do their
+    gradients."""
+    for depth in DEPTHS:
+        values, masks = _whole(case, case.seed + depth)
+        means = tokens = torch.zeros((), dtype=torch.float64)
+        for rank in range(case.cp):
+            layout = case.layout(rank)
+            shares = shard_responses(values, layout, depth=depth)
+            means = means + sum_of_sample_means(shares, masks, layout, depth=depth)
+            tokens = tokens + sum_of_tokens(shares, masks, layout, depth=depth)
+        want = _means(case, values, masks, depth)
+        want_tokens = sum((v[_predicted(case, i, depth)] * m[_predicted(case, i, depth)]).sum()
+                          for i, (v, m) in enumerate(zip(values, masks, strict=True)))
+        torch.testing.assert_close(means, want.sum(), rtol=1e-12, atol=1e-12, msg=f"depth {depth}")
+        torch.testing.assert_close(tokens, want_tokens, rtol=1e-12, atol=1e-12, msg=f"depth {depth}")
+        got = torch.autograd.grad(means + 2 * tokens, values, allow_unused=True, materialize_grads=True)
+        ref = torch.autograd.grad(want.sum() + 2 * want_tokens, values, allow_unused=True,
+                                  materialize_grads=True)
+        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=f"depth {depth} sample {i}")
+
+
+def test_a_depth_d_loss_without_depth_is_refused_where_the_counts_differ() -> None:
+    """Shares at depth 1 of a sample with a 1-token prompt hold one element fewer than
+    at depth 0: passed without ``depth=`` they are refused, not misread."""
+    layout = Layout([4, 3], [3, 1])
+    shares = shard_responses([torch.ones(3), torch.ones(1)], layout, depth=1)
+    with pytest.raises(LayoutError, match="sample 0"):
+        sum_of_sample_means(shares, [torch.ones(3), torch.ones(1)], layout)
+
+
+def _zigzag(case: Case, rank: int) -> Layout:
+    return Layout(list(case.total), list(case.response), cp_mode="zigzag", cp_rank=rank,
+                  cp_size=case.cp, shared_prefix=None if case.shared is None else list(case.shared))
+
+
+def _reduce_ranks(rank: int, world: int, cases: list[Case]) -> list[list[dict[str, Any]]]:
+    """Per case and depth: this rank's ``sample_means`` (and its inputs' gradient),
+    ``sample_max`` / ``sample_min``, ``gather_responses`` (and its gradient) and
+    ``redistribute`` to zigzag of its depth-d shares, over the world's group."""
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    found = []
+    for case in cases:
+        per_depth = []
+        for depth in WORLD_DEPTHS:
+            values, masks = _whole(case, case.seed + depth)
+            layout, zig = case.layout(rank), _zigzag(case, rank)
+            shares = shard_responses(values, layout, depth=depth)
+            means = sample_means(shares, masks, layout, cp_group=group, depth=depth)
+            gathered = gather_responses(shares, layout, cp_group=group, depth=depth)
+            moved = redistribute(shares, layout, zig, cp_group=group, depth=depth)
+            weight = torch.arange(1.0, len(case.total) + 1, dtype=torch.float64)
+            loss = (means * weight).sum() + sum((g * g).sum() for g in gathered)
+            grads = torch.autograd.grad(loss, values, allow_unused=True, materialize_grads=True)
+            per_depth.append({
+                "means": means.detach(), "grads": [g.detach() for g in grads],
+                "max": sample_max(shares, masks, layout, cp_group=group, depth=depth),
+                "min": sample_min(shares, masks, layout, cp_group=group, depth=depth),
+                "gathered": [g.detach() for g in gathered], "moved": [m.detach() for m in moved],
+                "zig": [s.detach() for s in shard_responses(values, zig, depth=depth)],
+            })
+        found.append(per_depth)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sample_statistics_and_moves_of_depth_d_shares_on_gloo(world: int) -> None:
+    """On a real gloo world, depth-d shares of padded short samples, allgather pieces
+    and shared prefixes: ``sample_means`` is each sample's mean over its predicted
+    tokens on every rank (gradient: the sum over the ranks' parts), ``sample_max`` /
+    ``sample_min`` their extremes, ``gather_responses`` the predicted tokens whole,
+    ``redistribute`` the shares zigzag's ``shard_responses`` gives."""
+    every = _families(world)
+    cases = [every[0], every[2], every[6], every[7]]
+    per_rank = run_distributed(_reduce_ranks, world, cases, timeout=120)
+    for k, case in enumerate(cases):
+        for j, depth in enumerate(WORLD_DEPTHS):
+            values, masks = _whole(case, case.seed + depth)
+            want = _means(case, values, masks, depth)
+            wholes = [v[_predicted(case, i, depth)] for i, v in enumerate(values)]
+            weight = torch.arange(1.0, len(case.total) + 1, dtype=torch.float64)
+            # every rank builds its loss from the means: the gradient is the sum of the parts
+            loss = world * (want * weight).sum() + world * sum((w * w).sum() for w in wholes)
+            ref = torch.autograd.grad(loss, values, allow_unused=True, materialize_grads=True)
+            kept = [x.detach()[(m != 0)[_predicted(case, i, depth)]]
+                    for i, (x, m) in enumerate(zip(wholes, masks, strict=True))]
+            top = [float(x.max()) if x.numel() else -math.inf for x in kept]
+            low = [float(x.min()) if x.numel() else math.inf for x in kept]
+            grads = [sum(gs) for gs in zip(*(r[k][j]["grads"] for r in per_rank))]
+            where = f"{case.name} depth {depth}"
+            for i, (g, r) in enumerate(zip(grads, ref, strict=True)):
+                torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10, msg=f"{where} grad {i}")
+            for rank, out in enumerate(r[k][j] for r in per_rank):
+                torch.testing.assert_close(out["means"], want.detach(), rtol=1e-12, atol=1e-12, msg=where)
+                assert out["max"].tolist() == top and out["min"].tolist() == low, (where, rank)
+                for got, w in zip(out["gathered"], wholes, strict=True):
+                    assert torch.equal(got, w.detach()), (where, rank)
+                for got, w in zip(out["moved"], out["zig"], strict=True):
+                    assert torch.equal(got, w), (where, rank)

@@ -18,8 +18,8 @@ from . import _checks as checks
 from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import resolve, response_base, select, selection
-from ._types import Share
+from ._plan import resolve, response_base, select, selection_at
+from ._types import IntArg, Share
 
 _I64 = torch.int64
 
@@ -39,33 +39,34 @@ class _Route(NamedTuple):
     src_total: int  # my flat input shares' length
 
 
-def _element_ids(layout: Layout, length: int, rank: int) -> Tensor:
+def _element_ids(layout: Layout, length: int, rank: int, depth: int) -> Tensor:
     """For each response row of CP rank ``rank`` (any rank: a "none" layout holds the
-    whole response on every rank), in extraction order, its index in all the responses
-    back to back (the same numbering on every rank)."""
+    whole response on every rank) at ``depth``, in extraction order, the index of the
+    token it predicts in all the responses back to back (one numbering on every rank)."""
     # `select`, not the cached `selection`: the other ranks' selections would push this
     # step's own entries out of that small cache.
-    sel = select(layout, length, "response", None if layout.cp_mode == "none" else rank)
-    return sel.sources(response_base(layout, concatenated=True))
+    sel = select(layout, length, "response", None if layout.cp_mode == "none" else rank, depth)
+    return sel.sources(response_base(layout, concatenated=True, depth=depth))
 
 
 # One step redistributes between a few pairs of layouts.
 @cached(maxsize=8)
-def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int) -> _Route:
+def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int, depth: int) -> _Route:
     me = src.cp_rank
     total = sum(src.response_lengths)
     owner = torch.full((total,), -1, dtype=_I64)
     place = torch.full((total,), -1, dtype=_I64)
     src_total = 0
     for q in range(size):
-        ids = _element_ids(src, src_length, q)
+        ids = _element_ids(src, src_length, q, depth)
         owner[ids] = q
         place[ids] = torch.arange(ids.numel(), dtype=_I64)
         if q == me:
             src_total = int(ids.numel())
-    if total and bool((owner < 0).any()):  # pragma: no cover - docs/layouts.md's shares partition
+    dst_ids = [_element_ids(dst, dst_length, q, depth) for q in range(size)]
+    # at depth d both layouts hold the same elements: those with a predicting position
+    if any(bool((owner[ids] < 0).any()) for ids in dst_ids):  # pragma: no cover - docs/layouts.md's shares partition
         raise AssertionError("the source layout's shares do not cover every response element")
-    dst_ids = [_element_ids(dst, dst_length, q) for q in range(size)]
     send_index = [place[ids[owner[ids] == me]] for ids in dst_ids]
     recv_owner = owner[dst_ids[me]]
     splits = torch.bincount(recv_owner, minlength=size)
@@ -74,7 +75,7 @@ def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int
     order = torch.sort(recv_owner, stable=True).indices
     grouped = torch.empty_like(order)
     grouped[order] = torch.arange(order.numel(), dtype=_I64)
-    dst_counts = selection(dst, dst_length, "response").counts
+    dst_counts = selection_at(dst, dst_length, "response", depth).counts
     return _Route(
         send_index,
         splits.tolist(),
@@ -99,9 +100,10 @@ class _DeviceRoute(NamedTuple):
 
 @cached(maxsize=8)
 def _device_route(
-    src: Layout, src_length: int, dst: Layout, dst_length: int, size: int, nlists: int, device: torch.device
+    src: Layout, src_length: int, dst: Layout, dst_length: int, size: int, nlists: int,
+    device: torch.device, depth: int,
 ) -> _DeviceRoute:
-    route = _route(src, src_length, dst, dst_length, size)
+    route = _route(src, src_length, dst, dst_length, size, depth)
     # send buffer: destination-major, then list, then the destination's order
     lists_base = torch.arange(nlists, dtype=_I64).unsqueeze(1) * route.src_total
     send_index = torch.cat([(lists_base + idx).reshape(-1) for idx in route.send_index])
@@ -142,7 +144,7 @@ _all_to_all = cast(Callable[[Tensor, list[int], list[int], Any], Tensor], _AllTo
 
 
 def _check(
-    lists: Sequence[object], src: Layout, dst: Layout, name: str
+    lists: Sequence[object], src: Layout, dst: Layout, name: str, depth: int
 ) -> tuple[int, list[list[Tensor]]]:
     """``src``'s local length (its one resolution) and every list's shares, checked
     against ``src``'s counts on this rank, before any collective: one dtype and trailing
@@ -157,7 +159,7 @@ def _check(
             f"src has total_lengths {list(src.total_lengths)} but dst has "
             f"{list(dst.total_lengths)} (src and dst must describe the same samples)"
         )
-    at = resolve(src, what="the layout", spans=("response",))
+    at = resolve(src, what="the layout", spans=("response",), depth=depth)
     counts = at.reads["response"].selection.counts
     out: list[list[Tensor]] = []
     first: Tensor | None = None
@@ -189,18 +191,20 @@ def _check_group(what: str, src: Layout, dst: Layout, cp_group: Any) -> int:
 
 
 def _redistribute(
-    lists: Sequence[object], src: Layout, dst: Layout, cp_group: Any, name: str, what: str
+    lists: Sequence[object], src: Layout, dst: Layout, cp_group: Any, name: str, what: str,
+    depth: object,
 ) -> list[list[Tensor]]:
+    d = checks.depth(depth)
     # One rank holds every share whole, in every layout: nothing to move, no group.
     local = src.cp_size == 1 and dst.cp_size == 1
     size = 1 if local else _check_group(what, src, dst, cp_group)
-    src_length, shares = _check(lists, src, dst, name)
+    src_length, shares = _check(lists, src, dst, name, d)
     if local:
         return [list(s) for s in shares]
     nlists = len(shares)
     stacked = torch.cat([x for s in shares for x in s])
     dst_length = resolve(dst, what="the layout").length
-    route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device)
+    route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device, d)
     send = stacked.index_select(0, route.send_index)
     received = _all_to_all(send, route.send_splits, route.recv_splits, cp_group)
     return [
@@ -211,11 +215,12 @@ def _redistribute(
 
 @overload
 def redistribute(
-    values: Sequence[Share], src: Layout, dst: Layout, *, cp_group: Any = None
+    values: Sequence[Share], src: Layout, dst: Layout, *, cp_group: Any = None, depth: IntArg = 0
 ) -> list[Share]: ...
 @overload
 def redistribute(
-    values: tuple[Sequence[Share], ...], src: Layout, dst: Layout, *, cp_group: Any = None
+    values: tuple[Sequence[Share], ...], src: Layout, dst: Layout, *, cp_group: Any = None,
+    depth: IntArg = 0,
 ) -> tuple[list[Share], ...]: ...
 def redistribute(
     values: Sequence[Share] | tuple[Sequence[Share], ...],
@@ -223,6 +228,7 @@ def redistribute(
     dst: Layout,
     *,
     cp_group: Any = None,
+    depth: IntArg = 0,
 ) -> list[Share] | tuple[list[Share], ...]:
     """Move per-sample shares from ``src``'s layout to ``dst``'s, over the CP group.
 
@@ -239,6 +245,8 @@ def redistribute(
             ``parallel_state.get_context_parallel_group()``; ``dist.group.WORLD`` when
             every process is one CP group). ``None`` (the default) means no group, as
             ``tp_group=None`` means no TP: only cp_size 1 (src and dst) may omit it.
+        depth: the shares' target depth ``d >= 0`` (``extract_responses(...,
+            depth=d)``: a multi-token prediction head's), the same in both layouts.
 
     Returns:
         The shares in ``dst``'s layout: a list, or a tuple of lists aligned with
@@ -256,28 +264,32 @@ def redistribute(
     (``cp_group`` is then unused).
 
     Raises:
-        TypeError: ``values`` is not a list (or tuple of lists) of per-sample tensors.
+        TypeError: ``values`` is not a list (or tuple of lists) of per-sample tensors;
+            ``depth`` is not an int.
         RuntimeError: cp_size > 1 and torch.distributed is not initialized.
         LayoutError: CP with no ``cp_group``; layouts for other samples (total or
-            response lengths), ranks or group size; a share of the wrong length,
-            dtype or trailing shape. Raised before any collective.
+            response lengths), ranks or group size; a share of the wrong length (at
+            ``depth``), dtype or trailing shape; a negative depth. Raised before any
+            collective.
     """
     if isinstance(values, tuple) and values and all(not isinstance(v, Tensor) for v in values):
-        return tuple(_redistribute(values, src, dst, cp_group, "values", "redistribute"))
-    return _redistribute([values], src, dst, cp_group, "values", "redistribute")[0]
+        return tuple(_redistribute(values, src, dst, cp_group, "values", "redistribute", depth))
+    return _redistribute([values], src, dst, cp_group, "values", "redistribute", depth)[0]
 
 
 def gather_responses(
-    values: Sequence[Share], layout: Layout, *, cp_group: Any = None
+    values: Sequence[Share], layout: Layout, *, cp_group: Any = None, depth: IntArg = 0
 ) -> list[Share]:
     """The whole response of every sample, on every rank of the CP group.
 
-    ``redistribute(values, layout, Layout(total, response))``: one all-to-all that moves
-    each rank's shares to every rank (1x the responses). Differentiable. ``cp_group``,
-    collectives and errors as ``redistribute``.
+    ``redistribute(values, layout, Layout(total, response), depth=depth)``: one
+    all-to-all that moves each rank's shares to every rank (1x the responses); at depth
+    ``d`` a sample's whole share is that of the tokens predicted at that depth (all but
+    the first ``d + 1 - P_i`` where its prompt is shorter). Differentiable.
+    ``cp_group``, collectives and errors as ``redistribute``.
     """
     whole = _whole(layout)
-    return _redistribute([values], layout, whole, cp_group, "values", "gather_responses")[0]
+    return _redistribute([values], layout, whole, cp_group, "values", "gather_responses", depth)[0]
 
 
 @cached(maxsize=8)

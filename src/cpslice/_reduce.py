@@ -24,8 +24,8 @@ from . import _checks as checks
 from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import Local, resolve, response_base, selection
-from ._types import Denominators, Masks, Shares, compute_dtype
+from ._plan import Local, resolve, response_base, selection_at
+from ._types import Denominators, IntArg, Masks, Shares, compute_dtype
 
 _I64 = torch.int64
 
@@ -41,29 +41,35 @@ class _Index(NamedTuple):
     local: Tensor  # [m] each share element's index in all whole responses back to back
     local_sample: Tensor  # [m] each share element's sample
     whole_sample: Tensor  # [R] each whole-response element's sample
+    predicted: Tensor  # [R] 1 where an element has a predicting position at the depth, else 0
 
 
-# A few (layout, device) pairs: one step reduces the same layout several times.
+# A few (layout, device, depth) triples: one step reduces the same layout several times.
 @cached(maxsize=8)
-def _index(layout: Layout, length: int, device: torch.device) -> _Index:
-    sel = selection(layout, length, "response")
+def _index(layout: Layout, length: int, device: torch.device, depth: int) -> _Index:
+    sel = selection_at(layout, length, "response", depth)
     samples = torch.arange(layout.num_samples, dtype=_I64)
     # (output_size: no summing pass, which under load costs milliseconds on 2 threads)
     local_sample = torch.repeat_interleave(samples, torch.tensor(sel.counts, dtype=_I64),
                                            output_size=sum(sel.counts))
-    whole_sample = torch.repeat_interleave(
-        samples, torch.tensor(layout.response_lengths, dtype=_I64), output_size=sum(layout.response_lengths)
-    )
-    local = sel.sources(response_base(layout, concatenated=True))
+    response = torch.tensor(layout.response_lengths, dtype=_I64)
+    whole_sample = torch.repeat_interleave(samples, response, output_size=sum(layout.response_lengths))
+    # at depth d the first d + 1 - P_i tokens of a sample have no predicting position
+    # (docs/layouts.md, "Depth-d targets"): they are in no share and weigh nothing
+    prompt = torch.tensor(layout.total_lengths, dtype=_I64) - response
+    within = torch.arange(whole_sample.numel(), dtype=_I64) - (torch.cumsum(response, 0) - response)[whole_sample]
+    predicted = (within >= (1 + depth - prompt).clamp_min(0)[whole_sample]).to(torch.float64)
+    local = sel.sources(response_base(layout, concatenated=True, depth=depth))
     return _Index(
-        list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device)
+        list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device),
+        predicted.to(device),
     )
 
 
 def _check_shares(values: object, local: Local, *, columns: bool) -> list[Tensor]:
     """This rank's shares ``[r_i]``, or with ``columns`` ``[r_i, *m]``, of one dtype and
     one trailing shape."""
-    counts = selection(local.layout, local.length, "response").counts
+    counts = selection_at(local.layout, local.length, "response", local.depth).counts
     shares = checks.per_sample("values", values, counts, "this rank's share", floating=True)
     for i, v in enumerate(shares):
         if not columns and v.dim() != 1:
@@ -148,10 +154,10 @@ class _Sums(NamedTuple):
     dtype: torch.dtype  # the values' dtype
 
 
-def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool) -> _Sums:
+def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool, depth: object = 0) -> _Sums:
     """Per sample (and statistic): the sum of value * mask over this rank's share, and
-    the whole mask sum."""
-    at = resolve(layout, what="the layout")
+    the whole mask sum (of the tokens predicted at ``depth``)."""
+    at = resolve(layout, what="the layout", depth=checks.depth(depth))
     shares = _check_shares(values, at, columns=columns)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
@@ -161,13 +167,15 @@ def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool) 
     dtype = shares[0].dtype
     acc = compute_dtype(dtype)
     device = shares[0].device
-    index = _index(layout, at.length, device)
+    index = _index(layout, at.length, device, at.depth)
     flat = torch.cat(shares).to(acc)
     whole_mask = torch.cat(masks).to(device=device, dtype=acc)
     mask = _columns(whole_mask.index_select(0, index.local), flat)
     # where, not a bare product: a masked -inf or NaN must not poison the sum (or its grad)
     masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
     local = flat.new_zeros((n, *flat.shape[1:])).index_add(0, index.local_sample, masked)
+    if at.depth:
+        whole_mask = whole_mask * index.predicted.to(acc)
     whole = torch.zeros(n, dtype=acc, device=device).index_add(
         0, index.whole_sample, whole_mask
     )
@@ -188,6 +196,7 @@ def sum_of_sample_means(
     layout: Layout,
     *,
     denominators: Denominators = None,
+    depth: IntArg = 0,
 ) -> Scalar:
     """This rank's part of ``sum_i mean_i``, the masked mean of each sample's response.
 
@@ -206,13 +215,21 @@ def sum_of_sample_means(
     every share, so every rank's backward reaches the same collectives. Divide by
     the number of samples for a sequence-mean loss.
 
+    With ``depth=d`` the shares are those of a multi-token prediction head at depth
+    ``d`` (``extract_responses(..., depth=d)``); ``loss_masks`` stay the whole masks
+    ``[R_i]`` of the response tokens, each share element weighted by its predicted
+    token's mask, and a token no position predicts at that depth (the first
+    ``d + 1 - P_i`` of a sample whose prompt ``P_i`` is shorter than ``d + 1``) counts
+    in no sum, the default denominator included.
+
     Raises:
         TypeError: values is not a list of floating-point tensors; a denominator is
-            not a number.
-        LayoutError: a list or share length disagrees with the layout; a share is
-            not 1-D; denominators has the wrong length or a negative (or NaN) value.
+            not a number; ``depth`` is not an int.
+        LayoutError: a list or share length disagrees with the layout (at ``depth``);
+            a share is not 1-D; denominators has the wrong length or a negative (or
+            NaN) value; a negative depth.
     """
-    sums = _sums(values, loss_masks, layout, columns=False)
+    sums = _sums(values, loss_masks, layout, columns=False, depth=depth)
     if denominators is None:
         d = sums.whole
     else:
@@ -220,7 +237,7 @@ def sum_of_sample_means(
     return _divide(sums.local, d).sum().to(sums.dtype)
 
 
-def sum_of_tokens(values: Shares, loss_masks: Masks, layout: Layout) -> Scalar:
+def sum_of_tokens(values: Shares, loss_masks: Masks, layout: Layout, *, depth: IntArg = 0) -> Scalar:
     """This rank's part of ``sum`` of ``value * mask`` over every response token.
 
     Arguments as ``sum_of_sample_means``. The parts sum over the CP group to the no-CP
@@ -231,7 +248,7 @@ def sum_of_tokens(values: Shares, loss_masks: Masks, layout: Layout) -> Scalar:
     Raises:
         TypeError, LayoutError: as ``sum_of_sample_means``.
     """
-    sums = _sums(values, loss_masks, layout, columns=False)
+    sums = _sums(values, loss_masks, layout, columns=False, depth=depth)
     return sums.local.sum().to(sums.dtype)
 
 
@@ -271,6 +288,7 @@ def sample_means(
     *,
     cp_group: dist.ProcessGroup | None = None,
     denominators: Denominators = None,
+    depth: IntArg = 0,
 ) -> PerSample:
     """Each sample's masked mean over its *whole* response, on every rank of the CP group.
 
@@ -294,6 +312,7 @@ def sample_means(
             place of the whole masks' sums (e.g. a token count per rollout group), one
             per sample for all its statistics. A CPU tensor is checked for negative or
             NaN values (a device tensor is not: that would cost a sync).
+        depth: the shares' target depth ``d >= 0``, as ``sum_of_sample_means``.
 
     Returns:
         ``[n]`` for ``[r_i]`` values, ``[n, m]`` for ``[r_i, m]``; the values' dtype
@@ -320,7 +339,7 @@ def sample_means(
             ``cp_group``, or a group whose size or rank disagrees with the layout.
             Raised before any collective.
     """
-    sums = _sums(values, loss_masks, layout, columns=True)
+    sums = _sums(values, loss_masks, layout, columns=True, depth=depth)
     if denominators is None:
         d = sums.whole
     else:
@@ -347,19 +366,19 @@ _EXTREMES = {
 
 
 def _local_extreme(
-    how: _Extreme, values: object, loss_masks: object, layout: Layout
+    how: _Extreme, values: object, loss_masks: object, layout: Layout, depth: object = 0
 ) -> tuple[Tensor, Tensor]:
     """Per sample (and statistic): the extreme of this rank's unmasked share elements
     that are not NaN, ``how.identity`` where it holds none, and whether one of them is
     NaN; ``[n, *m]`` each, detached, the values' dtype and bool."""
-    local = resolve(layout, what="the layout")
+    local = resolve(layout, what="the layout", depth=checks.depth(depth))
     shares = _check_shares(values, local, columns=True)
     masks = _check_masks(loss_masks, layout)
     n = layout.num_samples
     if not n:
         return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
     flat = torch.cat(shares).detach()
-    index = _index(layout, local.length, flat.device)
+    index = _index(layout, local.length, flat.device, local.depth)
     kept = _columns((torch.cat(masks) != 0).to(flat.device).index_select(0, index.local), flat)
     samples = _columns(index.local_sample, flat).expand_as(flat)
     nan = kept & flat.isnan()
@@ -373,11 +392,11 @@ def _local_extreme(
 
 def _extreme(
     what: str, values: object, loss_masks: object, layout: Layout,
-    cp_group: dist.ProcessGroup | None,
+    cp_group: dist.ProcessGroup | None, depth: object,
 ) -> Tensor:
     """``sample_max`` or ``sample_min`` (``what``): see there."""
     how = _EXTREMES[what]
-    local, nan = _local_extreme(how, values, loss_masks, layout)
+    local, nan = _local_extreme(how, values, loss_masks, layout, depth)
     if layout.cp_size > 1:
         _check_group(what, layout, cp_group)
         if layout.num_samples:  # n is the same on every rank: all enter it, or none
@@ -395,6 +414,7 @@ def sample_max(
     layout: Layout,
     *,
     cp_group: dist.ProcessGroup | None = None,
+    depth: IntArg = 0,
 ) -> PerSample:
     """Each sample's masked maximum over its *whole* response, on every rank of the CP
     group: e.g. rejection of a sequence by its largest per-token log-ratio (verl's
@@ -422,7 +442,7 @@ def sample_max(
     Raises:
         RuntimeError, TypeError, LayoutError: as ``sample_means``.
     """
-    return _extreme("sample_max", values, loss_masks, layout, cp_group)
+    return _extreme("sample_max", values, loss_masks, layout, cp_group, depth)
 
 
 def sample_min(
@@ -431,10 +451,11 @@ def sample_min(
     layout: Layout,
     *,
     cp_group: dist.ProcessGroup | None = None,
+    depth: IntArg = 0,
 ) -> PerSample:
     """Each sample's masked minimum over its *whole* response, on every rank of the CP
     group: ``sample_max``'s twin, with an all_reduce (MIN) and ``+inf`` (the identity
     of the minimum) for a sample with no unmasked token. Arguments, result, collectives
     and errors as ``sample_max``.
     """
-    return _extreme("sample_min", values, loss_masks, layout, cp_group)
+    return _extreme("sample_min", values, loss_masks, layout, cp_group, depth)
