@@ -41,10 +41,15 @@ PLANTS = {
           "route = _device_route(src, needed_length(src), dst, needed_length(dst), size, nlists, stacked.device)")),
         ("--cp-size", "2", "--mode", "allgather"),
     ),
-    # every sample one position wider than its cu_seqlens_padded say
-    "from_cu_seqlens widths off by one": Plant(
+    # every sample one position wider than its cu_seqlens_padded say; and, in the same
+    # run, a shared prefix's prompt row whose gradient is its first branch's alone (the
+    # other branches' log-probs detached there): the log-probs stay right, so only the
+    # verifier's gradient rows, a shared row's summed over the branches, catch it
+    "from_cu_seqlens widths off by one, a shared row's gradient not summed": Plant(
         (("_layout_checks.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
-          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),),
+          "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),
+         ("_extract.py", "        return values[at, p.slot]",
+          "        return torch.where(p.slot == 0, values[at, p.slot], values[at, p.slot].detach())")),
         ("--cp-size", "2", "--format", "thd"),
     ),
     # bshd rows without CP rounded up to an even width (only zigzag rounds them); and,

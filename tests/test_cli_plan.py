@@ -713,10 +713,10 @@ def test_a_moved_torch_balancer_is_one_line(
     assert run([*PER_DOCUMENT[:-1], "random"], capsys)[0] == 0
 
 
-def _shares_are_extracted(block: str, layout: Layout, length: int) -> None:
+def _shares_are_extracted(block: str, layout: Layout, length: int, depth: int = 0) -> None:
     """The rows a rank's block prints as each sample's response share are the rows
-    ``extract_responses`` returns for it."""
-    shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout)
+    ``extract_responses`` returns for it (at ``depth``)."""
+    shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout, depth=depth)
     printed = re.findall(r"response share (?:none|local (.*?), positions)", block)
     assert len(printed) == layout.num_samples
     for share, ranges in zip(shares, printed):
@@ -724,3 +724,145 @@ def _shares_are_extracted(block: str, layout: Layout, length: int) -> None:
         for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
             rows += range(int(lo), int(hi))
         assert share.tolist() == rows
+
+
+# docs/layouts.md's star: one group of 3, P = 3, R = 2, 4, 3 (L* = 12), zigzag over 2 ranks
+STAR = ["plan", "--total", "5,7,6", "--response", "2,4,3", "--shared-prefix", "3", "--cp-size", "2",
+        "--mode", "zigzag"]
+
+
+def _strips(block: str) -> dict[int, str]:
+    """A rank block's line per sample under the picture: one glyph per local row."""
+    found = re.findall(r"^  (\S.*?)  sample (\d+)$", block, re.M)
+    return {int(i): strip.replace("|", "").replace(" ", "") for strip, i in found}
+
+
+def _rows(ranges: str) -> list[int]:
+    rows: list[int] = []
+    for lo, hi in re.findall(r"\[(\d+), (\d+)\)", ranges):
+        rows += range(int(lo), int(hi))
+    return rows
+
+
+def test_a_star_s_shares_are_layouts_md_s(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(STAR, capsys)
+    assert (code, err) == (0, "")
+    assert ", shared prefix 3, strategy zigzag, local length T = 6 " in out.splitlines()[0]
+    assert ("star 0: samples 0-2, L* 12 = prompt 3 + responses 2 + 4 + 3; star positions: prompt "
+            "[0, 3) once, then sample 0's [3, 5), sample 1's [5, 9), sample 2's [9, 12)") in out
+    blocks = out.split("\n\n")[1:]
+    want = [{0: [2], 1: [2], 2: [2, 3, 4]}, {0: [0], 1: [2, 3, 4], 2: []}]
+    pictures = ["ppP RRr", "RrR RRr"]
+    strips = [{0: "ppP---", 1: "ppP---", 2: "ppPRRr"}, {0: "Rr----", 1: "--RRRr", 2: "------"}]
+    for rank, block in enumerate(blocks):
+        shares = re.findall(r"sample (\d+): response share (?:none|local (.*?), positions)", block)
+        assert {int(i): _rows(r) for i, r in shares} == want[rank]
+        assert block.splitlines()[1] == "  " + pictures[rank]
+        assert _strips(block) == strips[rank]
+    # rank 0 holds star positions 0-2 and 9-11, rank 1 3-5 and 6-8
+    assert "star 0: holds star positions [0, 3) at local [0, 3) + star positions [9, 12) at local [3, 6)" in blocks[0]
+    assert "star 0: holds star positions [3, 6) at local [0, 3) + star positions [6, 9) at local [3, 6)" in blocks[1]
+
+
+SHARED_LAYOUTS = [
+    ["--total", "5,7,6", "--response", "2,4,3", "--shared-prefix", "3"],
+    ["--total", "5,7,3,4,3", "--response", "2,4,0,1,2", "--shared-prefix", "3,1,1", "--cp-size", "2",
+     "--mode", "zigzag", "--align", "8"],
+    ["--total", "2,2,9,4,5", "--response", "1,1,8,1,2", "--shared-prefix", "2,1,2", "--cp-size", "3",
+     "--mode", "zigzag", "--depth", "1"],
+    ["--total", "5,7,6,4", "--response", "2,4,3,3", "--shared-prefix", "3,1", "--cp-size", "2",
+     "--mode", "allgather", "--local-length", "9", "--depth", "2"],
+    ["--total", "5,7,6,4", "--response", "2,4,3,3", "--shared-prefix", "3,1", "--cp-size", "2",
+     "--mode", "zigzag", "--padded-lengths", "16,8", "--depth", "3"],
+    ["--total", "5,7,6,4", "--response", "2,4,3,3", "--shared-prefix", "3,1", "--cp-size", "2",
+     "--order", "12,2,3,13,14,4,10,11,8,6,0,15,9,5,1,7"],
+]
+
+
+@pytest.mark.parametrize("flags", SHARED_LAYOUTS)
+def test_a_shared_or_deep_plan_prints_what_extraction_returns(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each sample's printed share is what ``extract_responses(..., depth=d)`` returns, and
+    with a shared prefix its line under the picture marks those rows upper case, and the
+    rows it holds (any case) are the ones its "holds" line lists."""
+    code, out, err = run(["plan", *flags], capsys)
+    assert (code, err) == (0, ""), err
+    opts = dict(zip(flags[::2], flags[1::2]))
+    found = re.search(r"local length T = (\d+)", out)
+    assert found is not None
+    length, d = int(found.group(1)), int(opts.get("--depth", "0"))
+    assert (f", depth {d}," in out.splitlines()[0]) == (d > 0)
+    cp_size = int(opts.get("--cp-size", "1"))
+    groups = opts.get("--shared-prefix")
+    padded, align = opts.get("--padded-lengths"), opts.get("--align")
+    total = [int(v) for v in opts["--total"].split(",")]
+    response = [int(v) for v in opts["--response"].split(",")]
+    blocks = out.split("\n\n")[1:]
+    assert len(blocks) == cp_size
+    for rank, block in enumerate(blocks):
+        widths = [int(v) for v in padded.split(",")] if padded else None
+        sizes = [int(v) for v in groups.split(",")] if groups else None
+        if "--order" in opts:
+            index = torch.tensor([int(v) for v in opts["--order"].split(",")])
+            layout = Layout.from_order(index, total, response, cp_rank=rank, cp_size=cp_size,
+                                       padded_lengths=widths, shared_prefix=sizes)
+        else:
+            layout = Layout(total, response, cp_mode=cast(CpMode, opts.get("--mode", "none")),
+                            cp_rank=rank, cp_size=cp_size, padded_lengths=widths,
+                            align=int(align) if align else None, shared_prefix=sizes)
+        layout = layout.with_local_length(length)
+        _shares_are_extracted(block, layout, length, d)
+        strips = _strips(block)
+        if groups is None:
+            assert strips == {}
+            continue
+        shares, _ = extract_responses(torch.arange(length, dtype=torch.float32), layout, depth=d)
+        holds = dict(re.findall(r"sample (\d+): holds (.*)", block))
+        assert sorted(strips) == list(range(len(total)))
+        for i, strip in strips.items():
+            assert len(strip) == length
+            assert [j for j, g in enumerate(strip) if g in "PR"] == sorted(shares[i].long().tolist())
+            mine = [j for j, g in enumerate(strip) if g in "prPR"]
+            listed = [] if holds[str(i)] == "nothing" else sorted(
+                _rows(" ".join(part.split(" at local ")[1] for part in holds[str(i)].split(" + "))))
+            assert mine == listed
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shared-prefix", "2"],
+         "cpslice plan: error: --shared-prefix sums to 2 but there are 3 samples (the group sizes "
+         "G_0 + G_1 + ... count every sample once, groups of consecutive samples)\n"),
+        (["--shared-prefix", "1,0,2"], "cpslice plan: error: group 1: --shared-prefix size 0 < 1 "
+         "(a group holds a sample)\n"),
+        (["--shared-prefix", "3", "--format", "bshd", "--max-seq-len", "8"],
+         "cpslice plan: error: --shared-prefix is given with --format 'bshd', whose rows hold one "
+         "sample each; pass --format thd to pack each group's prompt once with its responses\n"),
+        (["--response", "2,4,1", "--shared-prefix", "3"],
+         "cpslice plan: error: group 0: sample 2 has prompt length 5 (total_length 6 - "
+         "response_length 1) but sample 0, the group's first, has 3"),
+        (["--shared-prefix", "3,x"], "cpslice plan: error: argument --shared-prefix: '3,x' is not a "
+         "comma-separated list of ints, one size per group (e.g. 4,1,3: the samples 0-3, 4 and 5-7)\n"),
+        (["--shared-prefix", "3", "--padded-lengths", "12,12,12"],
+         "cpslice plan: error: --padded-lengths has 3 entries but --shared-prefix has 1 groups (a "
+         "--shared-prefix layout pads each group's star: one entry per group)\n"),
+        (["--shared-prefix", "3", "--cp-size", "2", "--mode", "zigzag", "--padded-lengths", "14"],
+         "cpslice plan: error: "),
+        (["--depth", "-1"], "cpslice plan: error: --depth -1 < 0 (at depth d the logit at position p "
+         "predicts token p + 1 + d; 0 is the next token)\n"),
+        (["--depth", "one"], "cpslice plan: error: argument --depth: invalid int value: 'one'\n"),
+    ],
+)
+def test_bad_shared_prefix_or_depth_is_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"--total": "5,7,6", "--response": "2,4,3"}
+    for flag in [a for a in flags if a in base]:
+        del base[flag]
+    code, out, err = run(["plan", *(x for kv in base.items() for x in kv), *flags], capsys)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    assert err == message if message.endswith("\n") else err.startswith(message), err
+    assert not re.search(r"\b(shared_prefix|padded_lengths|qkv_format)\b", err), err

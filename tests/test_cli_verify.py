@@ -89,7 +89,8 @@ def test_unknown_options_are_one_line_and_exit_2(
 
 
 def test_which_layouts_each_mode_checks() -> None:
-    padded = (Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
+    shared = Case("zigzag", "thd", shared=True)
+    padded = (shared, Case("zigzag", "thd", padded=True), Case("allgather", "thd", padded=True))
     left = Case("zigzag", "bshd", left_padded=True)
     orders = (Case("order", "thd", order="random"), Case("order", "thd", order="block"),
               Case("order", "bshd", order="random"),
@@ -102,7 +103,7 @@ def test_which_layouts_each_mode_checks() -> None:
         Case("allgather", "thd", 8), *padded, left, *orders[:3], Case("none", "bshd"), orders[3])
     assert select_cases(1, "all", None) == (
         Case("none", "thd"), Case("none", "bshd"), Case("allgather", "thd"),
-        Case("allgather", "thd", 4), Case("none", "thd", padded=True),
+        Case("allgather", "thd", 4), Case("none", "thd", shared=True), Case("none", "thd", padded=True),
         Case("allgather", "thd", padded=True), Case("none", "bshd", left_padded=True), *orders)
     assert select_cases(2, "all", "thd", 12) == (
         Case("zigzag", "thd"), Case("allgather", "thd"), Case("zigzag", "thd", 12),
@@ -110,7 +111,8 @@ def test_which_layouts_each_mode_checks() -> None:
     assert select_cases(2, "allgather", None, 3) == (
         Case("allgather", "thd"), Case("allgather", "thd", 3))
     assert Case("allgather", "thd", 8).name == "allgather thd align 8"
-    assert padded[0].name == "zigzag thd padded"
+    assert shared.name == "zigzag thd shared-prefix"
+    assert padded[1].name == "zigzag thd padded"
     assert left.name == "zigzag bshd left-padded"
     assert [c.name for c in orders] == ["order random thd", "order block thd", "order random bshd",
                                         "order per-document head-tail thd"]
@@ -182,6 +184,53 @@ def test_the_left_padded_rows_come_from_an_attention_mask_filled_to_the_last_col
                                   cp_mode=mode, cp_rank=rank, cp_size=cp, row_offsets=batch.offsets)
 
 
+@pytest.mark.parametrize("cp", [1, 3])
+def test_the_shared_batches_share_their_prompts_and_their_first_sets(cp: int) -> None:
+    """verify's shared-prefix batches: each group's samples have equal prompt tokens and
+    prompt logits (pack refuses others) and one top-p set at the prompt's last row
+    (Support refuses others); the random batch holds a star shorter than 2 * cp, an empty
+    and a single-token response, a lone sample; the sparse batch leaves every CP rank but
+    0 without a response (read by the oracle)."""
+    from cpslice import Layout, Support, pack
+    from cpslice._verify import oracle
+    from cpslice._verify.batches import batches_for, response_sets
+
+    mode: CpMode = "zigzag" if cp > 1 else "none"
+    case = Case(mode, "thd", shared=True)
+    batches = batches_for(case, Config(cp, 1, (case,), samples=10))
+    assert len(batches) == (2 if cp > 1 else 1)
+    for batch in batches:
+        assert batch.groups is not None and sum(batch.groups) == len(batch.total)
+        stars = oracle.star_totals(batch.total, batch.response, batch.groups)
+        first = 0
+        for g in batch.groups:
+            p = batch.total[first] - batch.response[first]
+            for i in range(first, first + g):
+                assert batch.total[i] - batch.response[i] == p
+                assert torch.equal(batch.tokens[i][:p], batch.tokens[first][:p])
+                assert torch.equal(batch.logits[i][:p], batch.logits[first][:p])
+            first += g
+        sets = response_sets(batch, 8, 101)
+        ids = [[j for kept in sample for j in kept] for sample in sets]
+        offsets = [[0, *torch.tensor([len(k) for k in sample], dtype=torch.int64).cumsum(0).tolist()]
+                   for sample in sets]
+        for rank in range(cp):
+            layout = Layout(batch.total, batch.response, cp_mode=mode, cp_rank=rank, cp_size=cp,
+                            shared_prefix=batch.groups)
+            pack(batch.logits, layout)  # equal prompts, or a LayoutError
+            Support.from_responses(ids, offsets, layout)  # one set per shared row, or a LayoutError
+        if batch is batches[0]:
+            assert (min(stars) < 2 * cp or cp == 1) and 0 in batch.response and 1 in batch.response
+            assert 1 in batch.groups and max(batch.groups) >= 3
+        else:
+            for rank in range(cp):
+                view = oracle.RankView(batch.total, batch.response, mode, "thd", None, rank, cp,
+                                       oracle.least_length(stars, mode, "thd", None, cp),
+                                       groups=batch.groups)
+                held = sum(len(s) for s in oracle.share_offsets(view))
+                assert (held > 0) == (rank == 0), (rank, held)
+
+
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4"],
                          capsys)
@@ -191,6 +240,8 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     assert "  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens)" in out
     assert "  none bshd: rows of odd length, without CP on every CP rank" in out
     assert "  left-padded: bshd rows as Hugging Face trainers hold them" in out
+    assert ("  shared-prefix: groups of samples with one prompt, each packed once as a star with its "
+            "responses after it (shared_prefix=)") in out
     assert ("  order: Layout.from_order of a random permutation, shuffled blocks of 3 positions and "
             "torch's per-document head-tail index (its private _PerDocumentHeadTailLoadBalancer), "
             "the shares redistributed to zigzag;") in out
@@ -201,7 +252,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     ]
     rows = planted.rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
-             "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded",
+             "zigzag thd shared-prefix", "zigzag thd padded", "allgather thd padded", "zigzag bshd left-padded",
              "order random thd", "order block thd", "order random bshd", "none bshd",
              "order per-document head-tail thd"]
     assert list(rows) == names, out
@@ -209,11 +260,13 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         assert r[0] == "2 x 1" and r[-1] == "pass", (name, r)
         if name == "none bshd":  # no CP: every rank holds every response; no sparse batch
             assert r[1:3] == ["4", "0"], (name, r)
+        elif name == "zigzag thd shared-prefix":  # 4 samples in 2 stars, 3 in the sparse one
+            assert r[1:3] == ["7", "1"], (name, r)
         else:  # the sparse batch left a CP rank without a response
             assert int(r[2]) >= 1, (name, r)
         assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
     assert "pass when each is <= 1e-05" in out
-    assert lines[-1] == "12 layouts: all pass"
+    assert lines[-1] == "13 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
     assert [line.split(" pass ")[0].strip() for line in err.splitlines()
             if " pass " in line] == names

@@ -11,7 +11,15 @@ The verifier reads an order layout from the order itself: the index of each clos
 (``Layout.order``) read as an order places every row where the verifier's closed form
 does; torch's per-document head-tail index is read as torch cuts it; and a random
 order's rows are what ``cpslice.pack`` writes for ``Layout.from_order``.
+
+A shared-prefix layout's stars (prompt once, then each branch's response) are read as
+docs/layouts.md's worked example says, and over random stars the verifier's rows, shares
+and gradient rows (a shared row's the sum over its branches) are cpslice's.
 """
+
+import dataclasses
+import itertools
+from typing import NamedTuple
 
 import torch
 from hypothesis import assume, given, settings
@@ -120,3 +128,105 @@ def test_a_random_order_s_rows_are_what_cpslice_packs(case: tuple[suite.Config, 
                                    row_offsets=cfg.row_offsets)
         view = _order_view(cfg, rank, index, length)
         assert torch.equal(verifier.rows(per_row, view), pack(per_row, layout.with_local_length(length)))
+
+
+def test_a_star_is_read_as_layouts_md_s_worked_example() -> None:
+    # one group of 3, P = 3, R = 2, 4, 3: L* = 12 = W*, C = 3 under zigzag over 2 ranks;
+    # rank 0 holds star positions 0-2 (the prompt) and 9-11 (sample 2's positions 3-5),
+    # rank 1 star positions 3-5 (sample 0's 3, 4; sample 1's 3) and 6-8 (sample 1's 4-6)
+    total, response, groups = (5, 7, 6), (2, 4, 3), (3,)
+    assert verifier.star_totals(total, response, groups) == (12,)
+    assert verifier.least_length((12,), "zigzag", "thd", None, 2) == 6
+    prompt = [[(0, p), (1, p), (2, p)] for p in range(3)]
+    want_holders = [prompt + [[(2, 3)], [(2, 4)], [(2, 5)]],
+                    [[(0, 3)], [(0, 4)], [(1, 3)], [(1, 4)], [(1, 5)], [(1, 6)]]]
+    # the shares as local rows: rank 0 rows 2 | 2 | 2, 3, 4; rank 1 rows 0 | 2, 3, 4 | none
+    want_rows = [[[2], [2], [2, 3, 4]], [[0], [2, 3, 4], []]]
+    w = [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0, 30.0, 40.0]), torch.tensor([100.0, 200.0, 300.0])]
+    per_row = [torch.cat([torch.zeros(2), x, torch.zeros(1)]) for x in w]  # w at positions [P - 1, L - 1)
+    want_grad = [[0, 0, 1 + 10 + 100, 200, 300, 0, 0], [2, 0, 20, 30, 40, 0, 0]]
+    for rank in range(2):
+        view = verifier.RankView(total, response, "zigzag", "thd", None, rank, 2, 7, groups=groups)
+        assert verifier.holders(view) == want_holders[rank] + [[]]  # the extra row: padding
+        assert verifier.places(view) == [h[0] for h in want_holders[rank]] + [None]
+        held = verifier.holders(view)
+        rows = [[j for j, h in enumerate(held) if any(s == i and t - r - 1 <= p < t - 1 for s, p in h)]
+                for i, (t, r) in enumerate(zip(total, response))]
+        assert rows == want_rows[rank]
+        assert verifier.share_offsets(view) == ([[0], [0], [0, 1, 2]] if rank == 0 else [[1], [1, 2, 3], []])
+        # a shared row's gradient: the sum over the branches that read it (row 2 of rank 0)
+        assert verifier.rows(per_row, view).tolist() == want_grad[rank]
+
+
+class Stars(NamedTuple):
+    total: tuple[int, ...]
+    response: tuple[int, ...]
+    groups: tuple[int, ...]
+    mode: str
+    cp: int
+    align: int | None
+    padded: tuple[int, ...] | None
+    extra: int  # local rows beyond the least
+
+
+@st.composite
+def star_configs(draw: st.DrawFn) -> Stars:
+    """A shared-prefix thd layout of 1 to 4 groups of 1 to 4 samples (prompts of 1 to 6,
+    responses of 0 to 6, stars shorter than 2 * cp among them), in a closed form over 1
+    to 4 ranks, default, aligned or explicitly padded stars, a few rows longer than needed.
+    (Plain arithmetic: a cpslice call in a strategy would draw from ``random``, as the
+    checked mode's beartype does.)"""
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    total: list[int] = []
+    response: list[int] = []
+    stars = []
+    for g in sizes:
+        prompt = draw(st.integers(1, 6))
+        rs = draw(st.lists(st.integers(0, 6), min_size=g, max_size=g))
+        total += [prompt + r for r in rs]
+        response += rs
+        stars.append(prompt + sum(rs))
+    mode = draw(st.sampled_from(("none", "zigzag", "allgather")))
+    cp = 1 if mode == "none" else draw(st.integers(1 if mode == "allgather" else 2, 4))
+    step = 2 * cp if mode == "zigzag" else 1
+    kind = draw(st.sampled_from(("default", "align", "padded")))
+    align = step * draw(st.integers(1, 3)) if kind == "align" else None
+    padded = tuple(-(-t // step) * step + step * draw(st.integers(0, 2)) for t in stars) if kind == "padded" else None
+    return Stars(tuple(total), tuple(response), tuple(sizes), mode, cp, align, padded, draw(st.integers(0, 2)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(star_configs())
+def test_the_verifier_reads_stars_as_cpslice_places_them(case: Stars) -> None:
+    """Over random stars: the verifier's first holder of each row is what ``pack`` writes
+    there (a group's prompt once), its shares are what ``shard_responses`` reads, and its
+    gradient rows, a shared row's the sum over its branches, are autograd's through
+    ``extract_responses``."""
+    from cpslice import extract_responses, shard_responses
+
+    groups, cp = case.groups, case.cp
+    least = verifier.least_length(verifier.star_totals(case.total, case.response, groups), case.mode,
+                                  "thd", None, cp, case.align, case.padded)
+    base = verifier.RankView(case.total, case.response, case.mode, "thd", None, 0, cp, least + case.extra,
+                             case.align, case.padded, groups=groups)
+    firsts = [f for f, g in zip([0, *itertools.accumulate(groups)], groups) for _ in range(g)]
+    # a sample's prompt values are its group's first sample's (pack checks they are equal)
+    per_row = [torch.tensor([100.0 * (firsts[i] if p < t - r else i) + p for p in range(t)])
+               for i, (t, r) in enumerate(zip(base.total, base.response))]
+    whole = [torch.arange(r, dtype=torch.float64) + 100 * i + 1 for i, r in enumerate(base.response)]
+    weights = [torch.cat([torch.zeros(t - r - 1, dtype=torch.float64), w, torch.zeros(1, dtype=torch.float64)])
+               for w, t, r in zip(whole, base.total, base.response)]
+    for rank in range(cp):
+        view = dataclasses.replace(base, rank=rank)
+        layout = Layout(base.total, base.response, cp_mode=base.mode, cp_rank=rank, cp_size=cp,  # type: ignore[arg-type]
+                        local_length=base.length, padded_lengths=base.padded, align=base.align,
+                        shared_prefix=groups)
+        written = torch.tensor([0.0 if p is None else float(per_row[p[0]][p[1]]) for p in verifier.places(view)])
+        assert torch.equal(pack(per_row, layout), written)
+        got = shard_responses(whole, layout)
+        assert [s.tolist() for s in verifier.shares(whole, view)] == [s.tolist() for s in got]
+        x = torch.zeros(base.length, dtype=torch.float64, requires_grad=True)
+        shares, _ = extract_responses(x, layout)
+        loss = sum(((s * w).sum() for s, w in zip(shares, verifier.shares(whole, view))), x.sum() * 0)
+        (grad,) = torch.autograd.grad(loss, x)
+        assert torch.equal(grad, verifier.rows(weights, view))

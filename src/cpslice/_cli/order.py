@@ -157,6 +157,7 @@ def order_layout(args: argparse.Namespace, base: Layout, local_length: int | Non
         padded_lengths=cast("tuple[int, ...] | None", args.padded_lengths),
         align=cast("int | None", args.align),
         row_offsets=cast("tuple[int, ...] | None", args.row_offsets),
+        shared_prefix=base.shared_prefix,
     )
     return layout.with_local_length(local_length), order
 

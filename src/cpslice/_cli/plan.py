@@ -19,11 +19,12 @@ from torch import Tensor
 from .._errors import LayoutError
 from .._extract import extraction_strategy
 from .._layout import Layout
-from .._plan import default_length, needed_length, runs, selection
+from .._plan import default_length, needed_length, runs, selection, selection_at
 from .._types import CpMode, QkvFormat
 from .args import EXIT_FAILURE, Subcommand, one_line
 from .balancers import TorchBalancerMissing
 from .order import add_order_arguments, check_order_arguments, order_layout, order_line, source
+from .stars import groups, star_layout, star_line, strips
 
 MAX_PLAN_CP_SIZE = 1024
 """``cpslice plan`` draws every rank; a CP size beyond any real setup is refused."""
@@ -40,6 +41,7 @@ _FLAGS = {
     "padded_lengths": "--padded-lengths",
     "align": "--align",
     "row_offsets": "--row-offsets",
+    "shared_prefix": "--shared-prefix",
 }
 _API_NAMES = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
 _FLAG_VALUE = re.compile(r"(--[a-z-]+)=(?:'([^']*)'|(\d+))")
@@ -55,15 +57,18 @@ def _flag_names(message: str) -> str:
 Colour = Literal["auto", "always", "never"]
 
 
-def _lengths(text: str) -> tuple[int, ...]:
+def _lengths(text: str, each: str = "one per sample (e.g. 10,7,13)") -> tuple[int, ...]:
     """``"10,7,13"`` -> ``(10, 7, 13)``; the rules on the values are Layout's."""
     items = [item.strip() for item in text.split(",")]
     try:
         return tuple(int(item) for item in items)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of ints, one per sample (e.g. 10,7,13)"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints, {each}") from None
+
+
+def _group_sizes(text: str) -> tuple[int, ...]:
+    """``--shared-prefix``: ``"4,1,3"`` -> ``(4, 1, 3)``, one size per group."""
+    return _lengths(text, "one size per group (e.g. 4,1,3: the samples 0-3, 4 and 5-7)")
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +113,16 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="bshd: the column where each sample starts in its row, the columns before it "
         "padding (a left-padded prompt: Hugging Face trainers)",
     )
+    parser.add_argument(
+        "--shared-prefix", type=_group_sizes, default=None, metavar="G0,G1,...",
+        help="thd: group sizes; the G_j consecutive samples of group j share one prompt, "
+        "packed once as a star: the prompt, then each response (GRPO's G responses)",
+    )
+    parser.add_argument(
+        "--depth", type=int, default=0, metavar="D",
+        help="the shares at target depth D: position p predicts token p + 1 + D "
+        "(multi-token prediction; default 0, the next token)",
+    )
     add_order_arguments(parser)
     parser.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto",
@@ -141,20 +156,31 @@ _ORDER_NOTE = "        an order's runs: in row order in the picture, in position
 _COMPACT_NOTE = "        pictures over {} rows are run-length coded: p5 is five p rows"
 
 
-def _legend(colour: bool) -> list[str]:
+def _legend(colour: bool, depth: int, shared: bool) -> list[str]:
     p, r, pad, big_p, big_r = (_paint(glyph, colour) for glyph in "pr.PR")
     first = (
         f"legend: {p} prompt token, {r} response token, {pad} padding; {big_p}, {big_r}: "
         "that token's logit is in the response span, so that rank extracts it"
     )
+    span, predicts = "[P_i - 1, L_i - 1)", "its response"
+    if depth:
+        span = f"[max(0, P_i - {1 + depth}), L_i - {1 + depth})"
+        predicts = f"its response at depth {depth} (position p predicts token p + {1 + depth})"
+    unit = "star" if shared else "sample"
     second = (
-        "        (response span of sample i: the logits [P_i - 1, L_i - 1) that predict "
-        "its response); '|' separates samples, ' ' a sample's runs"
+        f"        (response span of sample i: the logits {span} that predict "
+        f"{predicts}); '|' separates {unit}s, ' ' a {unit}'s runs"
     )
-    return [first, second]
+    if not shared:
+        return [first, second]
+    third = (
+        "        a star: a shared-prefix group's prompt once, then each sample's response; under "
+        "the picture, a line per sample: its rows (upper case: its share), '-' another's"
+    )
+    return [first, second, third]
 
 
-def _picture_rows(layout: Layout, length: int) -> str:
+def _picture_rows(layout: Layout, length: int, depth: int) -> str:
     """One glyph per local row (``_GLYPHS``), read from the layout's selections."""
     codes = torch.zeros(length, dtype=torch.int64)
     tokens = selection(layout, length, "sample")
@@ -163,7 +189,7 @@ def _picture_rows(layout: Layout, length: int) -> str:
     )
     prompt = torch.tensor(layout.prompt_lengths, dtype=torch.int64)[sample_of]
     codes[tokens.rows] = 1 + (tokens.positions >= prompt).to(torch.int64)
-    codes[selection(layout, length, "response").rows] += 2
+    codes[selection_at(layout, length, "response", depth).rows] += 2
     values: list[int] = codes.tolist()
     return "".join(_GLYPHS[v] for v in values)
 
@@ -197,8 +223,8 @@ def _slots(layout: Layout, length: int) -> list[_Slot]:
     return [_Slot(*run) for run in columns]
 
 
-def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> str:
-    rows = _picture_rows(layout, length)
+def _picture(rows: str, length: int, slots: list[_Slot], colour: bool) -> str:
+    """The glyphs ``rows`` of the local rows, cut where the ``slots`` (runs) are."""
     pieces: list[tuple[int | None, int, int]] = []
     cursor = 0
     for s in sorted(slots, key=lambda s: s.lo):  # an order's runs: sample by sample, not row by row
@@ -222,14 +248,14 @@ def _picture(layout: Layout, length: int, slots: list[_Slot], colour: bool) -> s
     return "".join(out)
 
 
-def _held(slots: list[_Slot]) -> str:
+def _held(slots: list[_Slot], what: str = "positions") -> str:
     parts = []
     for s in slots:
         if s.lead:
             parts.append(f"left padding at local {_range(s.lo, s.local)}")
         if s.size:
             parts.append(
-                f"positions {_range(s.start, s.start + s.size)} at local "
+                f"{what} {_range(s.start, s.start + s.size)} at local "
                 f"{_range(s.local, s.local + s.size)}"
             )
         after = s.hi - s.local - s.size
@@ -241,9 +267,10 @@ def _held(slots: list[_Slot]) -> str:
     return "holds " + " + ".join(parts) if parts else "holds nothing"
 
 
-def _shares(layout: Layout, length: int) -> list[str]:
-    """Per sample, the local rows and positions of its share of the response span."""
-    sel = selection(layout, length, "response")
+def _shares(layout: Layout, length: int, depth: int, spans: list[int]) -> list[str]:
+    """Per sample, the local rows and positions of its share of the response span (at
+    ``depth``; ``spans[i]`` the span's length)."""
+    sel = selection_at(layout, length, "response", depth)
     counts: list[int] = sel.run_count.tolist()
     rows = torch.split(sel.rows, counts)
     positions = torch.split(sel.positions, counts)
@@ -252,7 +279,7 @@ def _shares(layout: Layout, length: int) -> list[str]:
     for j, (i, count) in enumerate(zip(sel.run_sample.tolist(), counts)):
         if count:
             of_sample[i].append(j)
-    for i, r in enumerate(layout.response_lengths):
+    for i, span in enumerate(spans):
         runs_of = of_sample[i]
         if not runs_of:
             out.append("response share none")
@@ -264,32 +291,42 @@ def _shares(layout: Layout, length: int) -> list[str]:
             _range(int(positions[j][0]), int(positions[j][-1]) + 1) for j in runs_of
         )
         out.append(
-            f"response share local {local}, positions {held} ({sel.counts[i]} of {r})"
+            f"response share local {local}, positions {held} ({sel.counts[i]} of {span})"
         )
     return out
 
 
-def _spans(total: tuple[int, ...], response: tuple[int, ...]) -> list[str]:
-    """Each sample's response span, as cp none extracts it."""
+def _spans(total: tuple[int, ...], response: tuple[int, ...], depth: int) -> tuple[list[str], list[int]]:
+    """Each sample's response span at ``depth``, as cp none extracts it, and its length."""
     whole = Layout(total, response)
-    sel = selection(whole, needed_length(whole), "response")
+    sel = selection_at(whole, needed_length(whole), "response", depth)
     out = []
     for piece in torch.split(sel.positions, sel.counts):
         out.append(_range(int(piece[0]), int(piece[-1]) + 1) if piece.numel() else "empty")
-    return out
+    return out, sel.counts
 
 
-def _rank_block(layout: Layout, length: int, colour: bool) -> list[str]:
-    """What one rank holds: its picture, then per sample its positions and its share."""
-    slots = _slots(layout, length)
+def _rank_block(layout: Layout, length: int, colour: bool, depth: int, stars: Layout | None) -> list[str]:
+    """What one rank holds: its picture (with a shared prefix, ``stars``: the stars as
+    samples, and a line per sample), then per sample its positions and its share."""
+    own = _slots(layout, length)
+    slots = own if stars is None else _slots(stars, length)
+    rows = _picture_rows(layout, length, depth)
     strategy = extraction_strategy(layout)
     lines = [
         f"rank {layout.cp_rank} of {layout.cp_size}: T = {length}, strategy {strategy}",
-        "  " + _picture(layout, length, slots, colour),
+        "  " + _picture(rows, length, slots, colour),
     ]
-    for i, share in enumerate(_shares(layout, length)):
-        lines.append(f"  sample {i}: {_held([s for s in slots if s.sample == i])}")
-        lines.append(f"  sample {i}: {share}")
+    if stars is not None:
+        for i, strip in enumerate(strips(layout, length, depth, rows)):
+            lines.append(f"  {_picture(strip, length, slots, colour)}  sample {i}")
+    shares = _shares(layout, length, depth, _spans(layout.total_lengths, layout.response_lengths, depth)[1])
+    for j, group in enumerate(groups(layout)):
+        if stars is not None:
+            lines.append(f"  star {j}: {_held([s for s in slots if s.sample == j], 'star positions')}")
+        for i in group:
+            lines.append(f"  sample {i}: {_held([s for s in own if s.sample == i])}")
+            lines.append(f"  sample {i}: {shares[i]}")
     tail = max((s.hi for s in slots if s.width), default=0)
     if tail < length:
         lines.append(f"  padding at local {_range(tail, length)}")
@@ -320,20 +357,24 @@ def _first_layout(args: argparse.Namespace) -> tuple[Layout, Tensor | None]:
     problem = check_order_arguments(args)
     if problem is not None:
         raise LayoutError(problem)
+    if args.depth < 0:
+        raise LayoutError(f"--depth {args.depth} < 0 (at depth d the logit at position p "
+                          "predicts token p + 1 + d; 0 is the next token)")
     given = cast("int | None", args.local_length)
     total, response = cast(tuple[int, ...], args.total), cast(tuple[int, ...], args.response)
     fmt, seq = cast(QkvFormat, args.format), cast("int | None", args.max_seq_len)
     padded = cast("tuple[int, ...] | None", args.padded_lengths)
     align = cast("int | None", args.align)
     offsets = cast("tuple[int, ...] | None", args.row_offsets)
+    groups = cast("tuple[int, ...] | None", args.shared_prefix)
     if args.order is None and args.balancer is None:
         return Layout(
             total, response, qkv_format=fmt, max_seq_len=seq, cp_mode=cast(CpMode, args.mode or "none"),
             cp_rank=0, cp_size=cast(int, args.cp_size), local_length=given, padded_lengths=padded,
-            align=align, row_offsets=offsets,
+            align=align, row_offsets=offsets, shared_prefix=groups,
         ), None
     base = Layout(total, response, qkv_format=fmt, max_seq_len=seq, padded_lengths=padded,
-                  align=align, row_offsets=offsets)
+                  align=align, row_offsets=offsets, shared_prefix=groups)
     return order_layout(args, base, given)
 
 
@@ -350,6 +391,10 @@ def _header(args: argparse.Namespace, first: Layout, length: int) -> str:
         seq += ", padded lengths given"
     if args.row_offsets is not None:
         seq += ", row offsets given"
+    if first.shared_prefix is not None:
+        seq += f", shared prefix {','.join(map(str, first.shared_prefix))}"
+    if args.depth:
+        seq += f", depth {args.depth}"
     n = first.num_samples
     return (
         f"cpslice plan: {n} sample{'s' if n != 1 else ''}, cp_mode {mode}, "
@@ -359,21 +404,27 @@ def _header(args: argparse.Namespace, first: Layout, length: int) -> str:
 
 
 def _sample_lines(args: argparse.Namespace, first: Layout) -> list[str]:
-    """Per sample, its lengths, its tokens and its response span."""
+    """Per sample, its lengths, its tokens and its response span (with a shared prefix,
+    each star's line before its samples')."""
     lines = []
     total, response = first.total_lengths, first.response_lengths
-    for i, (t, r, p, span, w, o) in enumerate(
-        zip(total, response, first.prompt_lengths, _spans(total, response),
-            first.padded_lengths, first.row_offsets)
-    ):
-        tokens = _range(p, t) if r else "none"
-        width = f", padded to W {w}" if args.align is not None or args.padded_lengths is not None else ""
-        if args.row_offsets is not None:
-            width += f", at columns {_range(o, o + t)} of its row"
-        lines.append(
-            f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
-            f"{_range(0, p)}, response tokens {tokens}, response span {span}"
-        )
+    padded = args.align is not None or args.padded_lengths is not None
+    shared = first.shared_prefix is not None
+    spans = _spans(total, response, cast(int, args.depth))[0]
+    at = f" at depth {args.depth}" if args.depth else ""
+    for j, group in enumerate(groups(first)):
+        if shared:
+            lines.append(star_line(first, j, group, padded))
+        for i in group:
+            t, r, p, o = total[i], response[i], first.prompt_lengths[i], first.row_offsets[i]
+            tokens = _range(p, t) if r else "none"
+            width = f", padded to W {first.padded_lengths[i]}" if padded and not shared else ""
+            if args.row_offsets is not None:
+                width += f", at columns {_range(o, o + t)} of its row"
+            lines.append(
+                f"sample {i}: L {t} = prompt {p} + response {r}{width}; prompt tokens "
+                f"{_range(0, p)}, response tokens {tokens}, response span{at} {spans[i]}"
+            )
     return lines
 
 
@@ -395,17 +446,20 @@ def _plan(args: argparse.Namespace) -> int:
     except TorchBalancerMissing as err:  # not a usage error: this torch lacks it
         one_line("cpslice plan", str(err))
         return EXIT_FAILURE
+    d = cast(int, args.depth)
+    stars = star_layout(first, order, length)
     lines = [_header(args, first, length), *_sample_lines(args, first)]
     shown = None if order is None else order_line(order, _FULL_PICTURE_MAX)
     if shown is not None:
         lines.append(f"{shown} (rank r holds stream positions order[r*T:(r+1)*T])")
-    lines += _legend(colour)
+    lines += _legend(colour, d, stars is not None)
     if first.cp_mode == "order":
         lines.append(_ORDER_NOTE)
     if length > _FULL_PICTURE_MAX:
         lines.append(_COMPACT_NOTE.format(_FULL_PICTURE_MAX))
     for rank in range(cp_size):
-        lines += ["", *_rank_block(first.for_rank(rank).with_local_length(length), length, colour)]
+        star_rank = None if stars is None else stars.for_rank(rank)
+        lines += ["", *_rank_block(first.for_rank(rank).with_local_length(length), length, colour, d, star_rank)]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -65,7 +65,8 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", choices=("zigzag", "allgather", "none", "order", "all"), default="all",
         help="layouts to check (default all: zigzag and allgather with --cp-size > 1, "
-        "none and allgather at --cp-size 1; all adds thd layouts of samples with their "
+        "none and allgather at --cp-size 1; all adds a thd layout of shared prefixes "
+        "(shared_prefix=: stars), thd layouts of samples with their "
         "own padded widths, from Layout.from_cu_seqlens, bshd rows left-padded as Hugging "
         "Face trainers hold them, with --cp-size > 1 none bshd on every CP rank, rows "
         "of odd length, and the order layouts). none is the layout without context "

@@ -27,7 +27,10 @@ token restricted to a random set of kept ids (``Support.from_responses``, entrop
 the set), its errors folded into the same line.
 
 The default set (``cases.select_cases``, ``--mode all``) holds, besides each mode's
-formats and an allgather layout with ``align``, layouts of samples given their own
+formats and an allgather layout with ``align``, a layout of shared prefixes under the
+first mode (``shared_prefix``: groups of samples packed as stars, their prompt once,
+which the oracle reads by the rules: a shared prompt row in every branch's share, its
+gradient the sum over them), layouts of samples given their own
 padded widths through ``Layout.from_cu_seqlens`` (random ``W_i >= L_i``, some several
 chunks longer than needed, the last stretched), bshd rows left-padded as Hugging Face
 trainers hold them (every prompt padded on the left to the longest, the response after

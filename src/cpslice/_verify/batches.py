@@ -5,7 +5,8 @@ the edge cases first) and, under context parallelism, ``sparse_lengths`` (a few 
 samples that leave some CP ranks without any response); a padded case gives each
 sample its own width (``padded_widths``), a left-padded case each bshd row its offset
 (``left_padding``), an order case its token order and the widths it needs
-(``order_of``). A ``Batch`` holds each
+(``order_of``), a shared-prefix case its groups (``shared_lengths``: the samples of a
+group share their prompt's tokens and logits). A ``Batch`` holds each
 sample's whole logits and loss weights and the float64 ``torch.log_softmax``
 reference of its log-probs, entropy and logits' gradient; ``reference`` computes it,
 and the same under per-token top-p / top-k sets (``response_sets``); a teacher's top-k
@@ -39,7 +40,9 @@ class Batch:
     (``reference`` without sets). ``padded``: each sample's width ``W_i`` for a padded
     case (``padded_widths``), else None; ``offsets``: each bshd row's first token for a
     left-padded case (``left_padding``), else None; ``order``: an order case's token
-    order (thd one row over the stream, bshd a row per sample), else None.
+    order (thd one row over the stream, bshd a row per sample), else None; ``groups``: a
+    shared-prefix case's group sizes (each group's samples have equal prompt tokens and
+    prompt logits, as a model computes them once), else None.
     """
 
     total: tuple[int, ...]
@@ -54,6 +57,7 @@ class Batch:
     padded: tuple[int, ...] | None = None
     offsets: tuple[int, ...] | None = None
     order: tuple[tuple[int, ...], ...] | None = None
+    groups: tuple[int, ...] | None = None
 
 
 def edge_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -100,14 +104,67 @@ def sparse_lengths(mode: LayoutMode, cp_size: int) -> tuple[list[int], list[int]
     return [2, 1, 2], [1, 0, 1]
 
 
-def make_batch(total: Sequence[int], response: Sequence[int], vocab: int, seed: int) -> Batch:
-    """Random tokens, logits and loss weights for these lengths, and their reference."""
+def shared_lengths(n: int, cp_size: int, seed: int) -> tuple[list[int], list[int], tuple[int, ...]]:
+    """``n`` (total, response) lengths in shared-prefix groups, and the group sizes. The
+    first groups cover, in order, a star shorter than ``2 * cp_size`` (a prompt of 1, two
+    single-token responses: the prompt's row predicts both), a group whose first response
+    is empty (the next starts where it would have) before a single-token one, a group of
+    4 whose first response crosses every chunk, and a sample alone; then random groups of
+    1 to 4; the last group cut to fit ``n``."""
+    rng = random.Random(seed)
+    long_max = 6 * cp_size + 3
+    total: list[int] = []
+    response: list[int] = []
+    groups: list[int] = []
+    while len(total) < n:
+        kind = len(groups)
+        if kind == 0:
+            prompt, rs = 1, [1, 1]
+        elif kind == 1:
+            prompt, rs = rng.randint(2, 2 * cp_size + 1), [0, 1, rng.randint(2, long_max)]
+        elif kind == 2:
+            prompt = rng.randint(1, long_max)
+            rs = [rng.randint(4 * cp_size, long_max), rng.randint(0, long_max), rng.randint(1, 3), 0]
+        else:
+            prompt = rng.randint(1, long_max)
+            rs = [rng.randint(0, long_max) for _ in range(1 if kind == 3 else rng.randint(1, 4))]
+        rs = rs[: n - len(total)]
+        total += [prompt + r for r in rs]
+        response += rs
+        groups.append(len(rs))
+    return total, response, tuple(groups)
+
+
+SPARSE_SHARED = ([2, 2, 1], [1, 1, 0], (2, 1))
+"""A star of 3 (a prompt of 1, two single-token responses) and a lone token: every
+response is predicted by star position 0, on CP rank 0 (chunks of one position)."""
+
+
+def _share_prompts(groups: Sequence[int], total: Sequence[int], response: Sequence[int],
+                   per_sample: list[Tensor]) -> None:
+    """Each group's prompt rows of ``per_sample`` made its first sample's, in place."""
+    first = 0
+    for g in groups:
+        prompt = total[first] - response[first]
+        for i in range(first + 1, first + g):
+            per_sample[i][:prompt] = per_sample[first][:prompt]
+        first += g
+
+
+def make_batch(total: Sequence[int], response: Sequence[int], vocab: int, seed: int,
+               groups: Sequence[int] | None = None) -> Batch:
+    """Random tokens, logits and loss weights for these lengths (the samples of each of
+    ``groups`` sharing their prompt's tokens and logits), and their reference."""
     gen = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in total]
     logits = [LOGIT_SCALE * torch.randn(t, vocab, generator=gen) for t in total]
     w_lp = [torch.randn(r, generator=gen) for r in response]
     w_ent = [torch.randn(r, generator=gen) for r in response]
-    batch = Batch(tuple(total), tuple(response), tokens, logits, w_lp, w_ent, [], [], [])
+    if groups is not None:
+        _share_prompts(groups, total, response, tokens)
+        _share_prompts(groups, total, response, logits)
+    batch = Batch(tuple(total), tuple(response), tokens, logits, w_lp, w_ent, [], [], [],
+                  groups=None if groups is None else tuple(groups))
     unrestricted: list[list[list[int]]] = [[[] for _ in range(r)] for r in response]
     ref_lp, ref_ent, ref_grad = reference(batch, unrestricted)
     return replace(batch, ref_lp=ref_lp, ref_ent=ref_ent, ref_grad=ref_grad)
@@ -179,12 +236,21 @@ def order_of(case: Case, total: Sequence[int], cp_size: int, seed: int) -> tuple
     return widths, per_document_head_tail_order(widths, cp_size)
 
 
-def _lengths(case: Case, config: Config) -> list[tuple[list[int], list[int]]]:
-    """The batches' (total, response) lengths: the random one, and under CP the sparse
-    one (not for none, where every rank holds every response)."""
-    lengths = [edge_lengths(config.samples, config.cp_size, config.seed)]
+Lengths = tuple[list[int], list[int], tuple[int, ...] | None]
+"""A batch's total and response lengths, and its shared-prefix groups (None: none)."""
+
+
+def _lengths(case: Case, config: Config) -> list[Lengths]:
+    """The batches' lengths: the random one, and under CP the sparse one (not for none,
+    where every rank holds every response); for a shared case, in groups."""
+    if case.shared:
+        lengths: list[Lengths] = [shared_lengths(config.samples, config.cp_size, config.seed)]
+        sparse: Lengths = SPARSE_SHARED
+    else:
+        lengths = [(*edge_lengths(config.samples, config.cp_size, config.seed), None)]
+        sparse = (*sparse_lengths(case.mode, config.cp_size), None)
     if config.cp_size > 1 and case.mode != "none":
-        lengths.append(sparse_lengths(case.mode, config.cp_size))
+        lengths.append(sparse)
     return lengths
 
 
@@ -193,8 +259,8 @@ def batches_for(case: Case, config: Config) -> list[Batch]:
     with the case's padded widths or row offsets."""
     vocab = VOCAB_PER_RANK * config.tp_size
     out = []
-    for k, (t, r) in enumerate(_lengths(case, config)):
-        batch = make_batch(t, r, vocab, config.seed + k)
+    for k, (t, r, groups) in enumerate(_lengths(case, config)):
+        batch = make_batch(t, r, vocab, config.seed + k, groups)
         if case.padded:
             batch = replace(batch, padded=padded_widths(t, case.mode, config.cp_size,
                                                         config.seed + 202 + k))
@@ -211,7 +277,7 @@ def batches_for(case: Case, config: Config) -> list[Batch]:
 
 def batch_samples(case: Case, config: Config) -> int:
     """How many samples ``batches_for`` checks for this case."""
-    return sum(len(t) for t, _ in _lengths(case, config))
+    return sum(len(t) for t, _, _ in _lengths(case, config))
 
 
 MAX_SET = 4
@@ -220,12 +286,20 @@ MAX_SET = 4
 
 def response_sets(batch: Batch, vocab: int, seed: int) -> list[list[list[int]]]:
     """Per sample, per response token, the kept ids: some empty, some a single id,
-    some holding the target, some not."""
+    some holding the target, some not. A shared-prefix group's first response tokens, all
+    predicted by its prompt's last row, keep one set (that row's rollout kept one)."""
     rng = random.Random(seed)
-    return [
+    sets = [
         [rng.sample(range(vocab), rng.randint(0, min(MAX_SET, vocab))) for _ in range(r)]
         for r in batch.response
     ]
+    first = 0
+    for g in batch.groups or ():
+        branches = [i for i in range(first, first + g) if batch.response[i]]
+        for i in branches[1:]:
+            sets[i][0] = list(sets[branches[0]][0])
+        first += g
+    return sets
 
 
 def reference(

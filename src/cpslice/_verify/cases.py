@@ -38,7 +38,8 @@ class Case(NamedTuple):
     given their own random widths ``W_i >= L_i`` through ``Layout.from_cu_seqlens``;
     ``left_padded``: bshd rows as Hugging Face trainers hold them, every prompt
     left-padded to the longest, the response after it (``row_offsets``); ``order``
-    (mode ``"order"``): ``Layout.from_order`` of that kind of token order.
+    (mode ``"order"``): ``Layout.from_order`` of that kind of token order; ``shared``:
+    thd groups of samples sharing one prompt (``shared_prefix``), each packed as a star.
 
     Mode ``"none"`` in a run with ``cp_size > 1`` is the layout without context
     parallelism on every CP rank: each holds the whole batch (TP as in every case).
@@ -50,12 +51,14 @@ class Case(NamedTuple):
     padded: bool = False
     left_padded: bool = False
     order: OrderKind | None = None
+    shared: bool = False
 
     @property
     def name(self) -> str:
         if self.order is not None:
             return f"order {self.order} {self.fmt}"
         extra = f" align {self.align}" if self.align else (" padded" if self.padded else "")
+        extra += " shared-prefix" if self.shared else ""
         return f"{self.mode} {self.fmt}{extra}{' left-padded' if self.left_padded else ''}"
 
 
@@ -81,6 +84,7 @@ def select_cases(
     a multiple of ``align``; without it, ``"all"`` with thd adds one such layout:
     allgather, ``align = 4 * cp_size`` (verl's ``tp * cp * 2`` at tp 2), whose padding
     crosses pieces and is redistributed to zigzag. ``"all"`` also checks (thd) the
+    first mode with shared prefixes (``Case.shared``), the
     first mode and allgather with explicit padded widths (``Case.padded``), (bshd) the
     first mode with left-padded rows (``Case.left_padded``) and, when ``cp_size > 1``,
     none bshd on every CP rank (its rows of odd length: no CP, no rounding of the row).
@@ -148,8 +152,8 @@ def select_cases(
 
 
 def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
-    """What ``--mode all`` checks beyond each mode's formats: padded widths, left-padded
-    rows, the order layouts, none bshd inside a CP world, then torch's order (last:
+    """What ``--mode all`` checks beyond each mode's formats: shared prefixes, padded
+    widths, left-padded rows, the order layouts, none bshd inside a CP world, then torch's order (last:
     ``ORDER_CASES``) (``select_cases``); what ``--mode order`` checks."""
     orders = [c for c in ORDER_CASES if fmt is None or c.fmt == fmt]
     if mode == "order":
@@ -159,7 +163,8 @@ def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:
     first: CpMode = "zigzag" if cp_size > 1 else "none"
     extra = []
     if fmt in (None, "thd"):
-        extra += [Case(first, "thd", padded=True), Case("allgather", "thd", padded=True)]
+        extra += [Case(first, "thd", shared=True), Case(first, "thd", padded=True),
+                  Case("allgather", "thd", padded=True)]
     if fmt in (None, "bshd"):
         extra.append(Case(first, "bshd", left_padded=True))
     extra += orders[:-1] if orders and orders[-1] == ORDER_CASES[-1] else orders

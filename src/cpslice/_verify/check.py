@@ -3,8 +3,9 @@
 ``set_up`` builds what both checks share: the rank's layout (from parallel_state, with
 a left-padded case through ``Layout.from_attention_mask``, checked against
 parallel_state's with the same row offsets; a padded case through ``Layout.from_cu_seqlens``;
-an order case through ``Layout.from_order`` at parallel_state's rank and size;
-none in a CP world without CP, the whole batch on every CP rank) with a local length of one padding row more than the
+an order case through ``Layout.from_order`` at parallel_state's rank and size; a
+shared-prefix case with its groups (``shared_prefix``); none in a CP world without CP,
+the whole batch on every CP rank) with a local length of one padding row more than the
 layout needs (whose gradient must be zero: a function that reads the least length
 instead of the tensor's misplaces rows), the oracle's ``RankView`` of it, and the
 rank's packed rows of its TP vocabulary shard.
@@ -138,7 +139,7 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
     state = Layout.from_parallel_state(
         batch.total, batch.response, qkv_format=case.fmt, max_seq_len=seq,
         cp_mode="allgather" if case.mode == "allgather" else None, align=case.align,
-        row_offsets=batch.offsets,
+        row_offsets=batch.offsets, shared_prefix=batch.groups,
     )
     if batch.order is not None:  # thd: [1, N], as torch's balancers give it
         return Layout.from_order(torch.tensor(batch.order), batch.total, batch.response,
@@ -175,14 +176,16 @@ def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
     """
     seq = row_length(case, batch)
     layout = _layout(case, batch, seq)
-    # one padding row more than the rules need (from the oracle, not from _plan)
+    # one padding row more than the rules need (from the oracle, not from _plan); a
+    # shared-prefix layout's extents are its stars
+    units = batch.total if batch.groups is None else oracle.star_totals(batch.total, batch.response, batch.groups)
     length = oracle.least_length(
-        batch.total, case.mode, case.fmt, seq, layout.cp_size, case.align, batch.padded
+        units, case.mode, case.fmt, seq, layout.cp_size, case.align, batch.padded
     ) + 1
     layout = layout.with_local_length(length)
     view = oracle.RankView(batch.total, batch.response, case.mode, case.fmt, seq,
                            layout.cp_rank, layout.cp_size, length, case.align, batch.padded,
-                           batch.offsets, batch.order)
+                           batch.offsets, batch.order, batch.groups)
     shard = slice(tp_rank * VOCAB_PER_RANK, (tp_rank + 1) * VOCAB_PER_RANK)
     logits = pack([x[:, shard] for x in batch.logits], layout).requires_grad_()
     return RankSetup(layout, view, shard, logits)

@@ -12,10 +12,16 @@ None for padding. A sample's extent holds its tokens, then padding; a left-padde
 row (``offsets``) holds padding before them too. An order layout is read from the order
 itself, row by row: local row ``j`` of rank ``r`` holds stream position
 ``order[r*T + j]`` (bshd: row after row, column ``order[b][r*S/c + k]`` of row ``b``).
+
+A shared-prefix layout (``groups``) lays out *stars* where other layouts lay out samples:
+star ``j`` holds its group's prompt once (star positions ``[0, P_j)``), then each sample's
+response, branch ``g`` at star positions ``[P_j + D_g, P_j + D_g + R_g)``, ``D_g`` the
+responses of the group's earlier samples. A row then *holds* several places: a prompt row,
+position ``p`` of every sample of its group (``holders``); ``places`` gives its first.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -35,7 +41,8 @@ class RankView:
     ``offsets`` (bshd) the column ``o_i`` of its row where sample ``i``'s tokens start
     (None: column 0); ``order`` (mode ``"order"``) the token order: thd one row, a
     permutation of the stream of extents, bshd a row per sample, each a permutation of
-    its ``seq`` columns.
+    its ``seq`` columns; ``groups`` (thd) the shared-prefix group sizes: every rule above
+    then reads the stars' lengths (``star_totals``), ``align`` and ``padded`` pad each star.
     """
 
     total: tuple[int, ...]
@@ -50,6 +57,34 @@ class RankView:
     padded: tuple[int, ...] | None = None
     offsets: tuple[int, ...] | None = None
     order: tuple[tuple[int, ...], ...] | None = None
+    groups: tuple[int, ...] | None = None
+
+
+def star_totals(total: Sequence[int], response: Sequence[int], groups: Sequence[int]) -> tuple[int, ...]:
+    """Each star's length ``L*_j = P_j + sum R_i`` over its group (``P_j`` its first
+    sample's prompt, which every sample of the group has)."""
+    out, first = [], 0
+    for g in groups:
+        out.append(total[first] - response[first] + sum(response[first : first + g]))
+        first += g
+    return tuple(out)
+
+
+def _star_holders(view: RankView) -> list[list[list[tuple[int, int]]]]:
+    """``[j][s]``: what star position ``s`` of star ``j`` holds, every ``(sample,
+    position)``: the prompt position ``s < P_j`` of each sample of the group, else
+    position ``P_j + (s - P_j - D_g)`` of the one branch ``g`` whose response covers it."""
+    assert view.groups is not None
+    stars, first = [], 0
+    for g in view.groups:
+        members = range(first, first + g)
+        prompt = view.total[first] - view.response[first]
+        star = [[(i, s) for i in members] for s in range(prompt)]
+        for i in members:  # each branch's response after the earlier ones'
+            star += [[(i, prompt + k)] for k in range(view.response[i])]
+        stars.append(star)
+        first += g
+    return stars
 
 
 def least_length(
@@ -57,7 +92,8 @@ def least_length(
     align: int | None = None, padded: Sequence[int] | None = None,
 ) -> int:
     """The fewest local rows that hold this rank's positions of every sample (an order
-    layout: the stream's ``N / size``)."""
+    layout: the stream's ``N / size``); for a shared-prefix layout, ``total`` holds the
+    stars' lengths (``star_totals``)."""
     if mode in ("allgather", "order"):
         stream = sum(_extent(i, n, fmt, seq, align, padded) for i, n in enumerate(total))
         return -(-stream // size)
@@ -143,8 +179,24 @@ def _places(
     return rows
 
 
+def holders(view: RankView) -> list[list[tuple[int, int]]]:
+    """Every ``(sample, position)`` each of the rank's ``view.length`` local rows holds:
+    none for padding, one without a shared prefix, each sample of the group for a star's
+    prompt row."""
+    if view.groups is None:
+        return [[] if place is None else [place] for place in places(view)]
+    stars = star_totals(view.total, view.response, view.groups)
+    # the stars laid out as samples of their own, then each star position's holders
+    star_rows = places(replace(view, total=stars, response=(0,) * len(stars), groups=None))
+    table = _star_holders(view)
+    return [[] if place is None else table[place[0]][place[1]] for place in star_rows]
+
+
 def places(view: RankView) -> list[Place]:
-    """What each of the rank's ``view.length`` local rows holds (padding: None)."""
+    """What each of the rank's ``view.length`` local rows holds (padding: None; a shared
+    prompt row: its group's first sample's position, ``holders`` gives them all)."""
+    if view.groups is not None:
+        return [held[0] if held else None for held in holders(view)]
     rows = _order_places(view) if view.mode == "order" else _places(
         view.total, view.mode, view.fmt, view.seq, view.rank, view.size, view.length,
         view.align, view.padded, view.offsets,
@@ -159,13 +211,11 @@ def share_offsets(view: RankView) -> list[list[int]]:
     response-span positions ``p`` that this rank holds, in ascending order (a closed
     form's rows hold them in that order already; an order's rows, in any)."""
     out: list[list[int]] = [[] for _ in view.total]
-    for place in places(view):
-        if place is None:
-            continue
-        i, p = place
-        first = view.total[i] - view.response[i] - 1  # P_i - 1
-        if first <= p < view.total[i] - 1:
-            out[i].append(p - first)
+    for held in holders(view):
+        for i, p in held:  # a shared prompt's last row: in every branch's share
+            first = view.total[i] - view.response[i] - 1  # P_i - 1
+            if first <= p < view.total[i] - 1:
+                out[i].append(p - first)
     for offsets in out:
         assert view.mode == "order" or offsets == sorted(offsets)
         offsets.sort()
@@ -182,10 +232,12 @@ def shares(whole: Sequence[Tensor], view: RankView) -> list[Tensor]:
 
 def rows(per_sample: Sequence[Tensor], view: RankView) -> Tensor:
     """The rank's local ``[length, *rest]`` tensor of whole per-sample ``[L_i, *rest]``
-    tensors: row ``j`` is ``per_sample[i][p]`` where it holds ``(i, p)``, else zero."""
+    tensors: row ``j`` is ``per_sample[i][p]`` where it holds ``(i, p)``, else zero; a row
+    that holds several (a shared prompt row) the sum over them, as a gradient sums over the
+    branches that read the row."""
     first = per_sample[0]
     out = torch.zeros((view.length, *first.shape[1:]), dtype=first.dtype)
-    for j, place in enumerate(places(view)):
-        if place is not None:
-            out[j] = per_sample[place[0]][place[1]]
+    for j, held in enumerate(holders(view)):
+        for i, p in held:
+            out[j] += per_sample[i][p]
     return out

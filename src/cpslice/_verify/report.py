@@ -57,6 +57,11 @@ def header(config: Config) -> str:
         if config.cp_size > 1 else ""
     )
     kinds = ""
+    if any(c.shared for c in config.cases):
+        kinds += ("  shared-prefix: groups of samples with one prompt, each packed once as a star "
+                  "with its responses after it (shared_prefix=), empty and single-token "
+                  "responses, stars shorter than 2*cp; the prompt's last row predicts each "
+                  "branch's first token, its gradient the sum over them;\n")
     if any(c.padded for c in config.cases):
         kinds += ("  padded: each sample its own width W_i >= L_i (Layout.from_cu_seqlens), "
                   "some several chunks longer than needed, the last one stretched;\n")
