@@ -101,10 +101,12 @@ def _packed_hidden(model: LlamaForCausalLM, batch: Rollout, layout: cpslice.Layo
     """The final hidden states ``[T, H]`` of the packed tokens under the layout's mask.
 
     transformers (5.x) passes a 4-D mask to the attention as it is. With
-    ``attn_implementation="sdpa"`` (tiny_llama's default) a bool mask is what
-    ``scaled_dot_product_attention`` takes (True: attend). The "eager" attention adds the
-    mask to the scores: there a bool mask is silently read as 0 / +1, so it needs
-    ``torch.zeros(T, T).masked_fill(~mask, float("-inf"))`` instead.
+    ``attn_implementation="sdpa"`` (transformers' default, which tiny_llama keeps) a bool
+    mask is what ``scaled_dot_product_attention`` takes (True: attend). The "eager"
+    attention adds the mask to the scores: there a bool mask is silently read as 0 / +1
+    (checked: the branches' log-probs then differ by ~1e-2), so it needs
+    ``torch.zeros(T, T).masked_fill(~mask, float("-inf"))`` instead (checked: equal,
+    to eager's float32 softmax).
     """
     assert model.config._attn_implementation == "sdpa", "a bool mask is sdpa's"
     ids = cpslice.pack(batch.tokens, layout, fill=PAD)
