@@ -27,11 +27,13 @@ test: install typecheck
 
 # Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
 # then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states; then
-# GRPO steps of a small Hugging Face Llama on left-padded rows.
+# GRPO steps of a small Hugging Face Llama on left-padded rows, and a shared-prefix
+# batch through it against the same samples unshared.
 demo: install
 	$(BIN)/cpslice verify
 	$(BIN)/python examples/train_tiny_gpt.py
 	$(BIN)/python examples/hf_grpo_step.py
+	$(BIN)/python examples/shared_prefix_grpo.py
 
 bench: install
 	$(BIN)/cpslice bench

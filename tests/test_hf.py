@@ -4,7 +4,8 @@ of different prompt and response lengths: its final hidden states and LM-head we
 through ``response_log_probs_from_hidden`` give the log-probs, entropy and gradient of
 every parameter that ``log_softmax(model(...).logits)`` sliced at the response tokens
 gives, in float32 and float64; GRPO steps train with it, step for step as on the
-logits. The one module that imports transformers (seconds)."""
+logits. With tests/test_hf_shared_prefix.py (shared-prefix stars through the same
+model), the modules that import transformers (seconds)."""
 
 import copy
 
