@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpslice
+from cpslice import Layout
 
 from .stars import Stars, make_data, per_sample, pick, stars
 
@@ -83,3 +84,18 @@ def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
         p = case.prompts[case.group_of(i)]
         lost = max(0, depth + 1 - p)
         assert sorted(s) == list(range(min(lost, case.response[i]), case.response[i]))
+
+
+def test_top_k_from_hidden_states_keeps_an_order_layouts_element_order() -> None:
+    """An order layout's shares need not run in ascending rows: the hidden-state top-k,
+    which runs the head on the distinct rows (ascending), must return them in the
+    elements' order, as the logits path does, with no shared row on the rank too."""
+    layout = Layout.from_order([0, 1, 3, 2, 4], [1, 1, 4], [0, 0, 3], cp_rank=0, cp_size=1,
+                               padded_lengths=[1, 4], shared_prefix=[1, 2])
+    assert layout.cp_mode == "order" and cpslice.response_rows(layout).rows.tolist() == [1, 3, 2]
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 4, generator=gen, dtype=torch.float64), torch.randn(9, 4, generator=gen, dtype=torch.float64)
+    values, ids = cpslice.response_topk_log_probs_from_hidden(h, w, 3, layout)
+    want = torch.topk(torch.log_softmax(h[[1, 3, 2]] @ w.T, -1), 3)
+    assert torch.equal(ids[2], want.indices)
+    torch.testing.assert_close(values[2], want.values, rtol=1e-12, atol=1e-12)
