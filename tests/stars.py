@@ -226,18 +226,22 @@ class Data:
     junk: Tensor = field(default_factory=lambda: torch.zeros(0))  # a padding row's value
 
 
-def make_data(case: Stars, vocab: int, seed: int, hidden: int | None = None, scale: float = 3.0) -> Data:
-    """Random tokens (each branch's first response token different from its siblings'
-    where the vocabulary allows), rows, weights and masks."""
+def make_data(case: Stars, vocab: int, seed: int, hidden: int | None = None, scale: float = 3.0,
+              ids: int | None = None) -> Data:
+    """Random tokens of ``[0, ids)`` (default the whole ``vocab``; each branch's first
+    response token different from its siblings' where that allows), star rows (logits of
+    ``vocab`` columns, or ``hidden`` states and a ``[vocab, hidden]`` head), weights and
+    masks."""
     gen = torch.Generator().manual_seed(seed)
+    top = ids or vocab
     tokens: list[Tensor] = []
     for j, p in enumerate(case.prompts):
-        prompt = torch.randint(0, vocab, (p,), generator=gen)
-        first = int(torch.randint(0, vocab, (), generator=gen))
+        prompt = torch.randint(0, top, (p,), generator=gen)
+        first = int(torch.randint(0, top, (), generator=gen))
         for g, i in enumerate(case.members(j)):
-            reply = torch.randint(0, vocab, (case.response[i],), generator=gen)
+            reply = torch.randint(0, top, (case.response[i],), generator=gen)
             if reply.numel():
-                reply[0] = (first + g) % vocab
+                reply[0] = (first + g) % top
             tokens.append(torch.cat([prompt, reply]))
     width = hidden or vocab
     star_x = [scale * torch.randn(t, width, generator=gen, dtype=torch.float64) for t in case.star_lengths]
@@ -359,3 +363,32 @@ def weighted(ref_or_shares: tuple[list[Tensor], list[Tensor]], data: Data, case:
     for x, y, u, v in zip(lp, ent, a, b, strict=True):
         total = total + (x.double() * u).sum() + (y.double() * v).sum()
     return total
+
+
+def response_sets(case: Stars, seed: int, ids: int, shared: bool) -> Sets:
+    """Random sets of ``[0, ids)`` per response token (some empty). Token 0 of every
+    branch is predicted by the group's shared prompt row: with ``shared`` its set is the
+    group's first branch's (in another order), else empty (sets on unshared rows only)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: Sets = []
+    first: dict[int, list[int]] = {}
+    for i, r in enumerate(case.response):
+        sets = [torch.randperm(ids, generator=gen)[: int(torch.randint(0, 5, (), generator=gen))].tolist()
+                for _ in range(r)]
+        if sets:
+            j = case.group_of(i)
+            if not shared:
+                sets[0] = []
+            elif j in first:
+                sets[0] = first[j][::-1]
+            else:
+                first[j] = sets[0]
+        out.append(sets)
+    return out
+
+
+def csr(sets: Sets) -> tuple[list[Tensor], list[Tensor]]:
+    """``Support.from_responses``' ``(ids, offsets)`` of per-sample sets."""
+    flat = [torch.tensor([k for s in sample for k in s], dtype=torch.int64) for sample in sets]
+    offsets = [torch.tensor([0] + [len(s) for s in sample], dtype=torch.int64).cumsum(0) for sample in sets]
+    return flat, offsets

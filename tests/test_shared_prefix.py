@@ -7,15 +7,35 @@ each branch's first response token). Single process over every rank of random st
 (none, zigzag, allgather, any token order), then one gloo task per world size for the
 collectives (gather_responses, redistribute, the reducers, a TP group)."""
 
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 import cpslice
-from cpslice import Layout
+from cpslice import Layout, Support
 
-from .stars import Stars, make_data, per_sample, pick, stars
+from .distill_reference import divergence
+from .stars import (
+    Data,
+    Ref,
+    Sets,
+    Stars,
+    csr,
+    local_grad,
+    local_input,
+    make_data,
+    per_sample,
+    pick,
+    reference,
+    response_sets,
+    star_grads,
+    stars,
+    weighted,
+)
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -84,6 +104,147 @@ def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
         p = case.prompts[case.group_of(i)]
         lost = max(0, depth + 1 - p)
         assert sorted(s) == list(range(min(lost, case.response[i]), case.response[i]))
+
+
+DRIVERS = ("logits", "hidden", "support", "support-hidden", "topk", "topk-hidden", "distill", "distill-hidden")
+V, IDS, H, K = 9, 7, 4, 3
+
+
+@dataclass
+class Call:
+    """One driver's call: its options, the rollout's sets, the teacher's top-k."""
+
+    driver: str
+    tau: list[float] | None
+    softcap: float | None
+    vocab_size: int | None
+    sets: Sets | None
+    over: Literal["full", "support"]
+    kind: Literal["forward", "reverse", "jsd"]
+    teacher: list[tuple[Tensor, Tensor]]  # per sample [R_i, K] log-probs and ids
+
+    def run(self, x: Tensor, w: Tensor | None, layout: Layout, tokens: list[Tensor]) -> list[list[Tensor]]:
+        """The driver's per-sample results (log-probs and entropy, top-k values, or
+        divergences), asserting the top-k ids against ``self.teacher`` is not its job."""
+        tau: float | list[float] = 1.0 if self.tau is None else self.tau
+        cap, vs = self.softcap, self.vocab_size
+        if self.driver.startswith("topk"):
+            if w is None:
+                values, ids = cpslice.response_topk_log_probs(x, K, layout, temperature=tau, softcap=cap, vocab_size=vs)
+            else:
+                values, ids = cpslice.response_topk_log_probs_from_hidden(x, w, K, layout, temperature=tau,
+                                                                          softcap=cap, vocab_size=vs)
+            return [values, ids]
+        if self.driver.startswith("distill"):
+            t_lp, t_ids = [t[0] for t in self.teacher], [t[1] for t in self.teacher]
+            if w is None:
+                return [cpslice.response_distillation(x, t_lp, t_ids, layout, kind=self.kind, temperature=tau,
+                                                      softcap=cap, vocab_size=vs)]
+            return [cpslice.response_distillation_from_hidden(x, w, t_lp, t_ids, layout, kind=self.kind,
+                                                              temperature=tau, softcap=cap, vocab_size=vs)]
+        support = None if self.sets is None else Support.from_responses(*csr(self.sets), layout)
+        if w is None:
+            lp, ent = cpslice.response_log_probs(x, tokens, layout, with_entropy=True, temperature=tau, softcap=cap,
+                                                 vocab_size=vs, support=support, entropy_over=self.over)
+        else:
+            lp, ent = cpslice.response_log_probs_from_hidden(x, w, tokens, layout, with_entropy=True, temperature=tau,
+                                                             softcap=cap, vocab_size=vs, support=support,
+                                                             entropy_over=self.over)
+        return [lp, ent]
+
+
+def _masked(values: list[Tensor], masks: list[Tensor], mean: bool) -> Tensor:
+    """The reference's sum over samples of masked means (or of the masked sums)."""
+    out = torch.zeros((), dtype=torch.float64)
+    for v, m in zip(values, masks):
+        s = (v * m.double()).sum()
+        if not mean:
+            out = out + s
+        elif bool(m.any()):
+            out = out + s / m.double().sum()
+    return out
+
+
+def _wanted(call: Call, case: Stars, data: Data, ref: Ref, w_k: list[Tensor]) -> tuple[list[list[Tensor]], Tensor]:
+    """The reference's per-sample results (as ``Call.run`` returns them) and its loss."""
+    zero = torch.zeros((), dtype=torch.float64)
+    if call.driver.startswith("topk"):
+        top = [torch.topk(f, K) for f in ref.full]
+        loss = sum(((t.values * w).sum() for t, w in zip(top, w_k)), zero)
+        return [[t.values for t in top], [t.indices for t in top]], loss
+    if call.driver.startswith("distill"):
+        div = [divergence(f.gather(1, t[1]), t[0], call.kind, 0.5, "bin") for f, t in zip(ref.full, call.teacher)]
+        return [div], sum(((d * w).sum() for d, w in zip(div, data.w_lp)), zero)
+    loss = weighted((ref.lp, ref.ent), data, case, None) + _masked(ref.lp, data.masks, True) + _masked(
+        ref.ent, data.masks, False)
+    return [ref.lp, ref.ent], loss
+
+
+def _part(call: Call, got: list[list[Tensor]], case: Stars, data: Data, rank: int, layout: Layout,
+          w_k: list[Tensor]) -> Tensor:
+    """The rank's loss part, the reference's loss read on its shares."""
+    zero = torch.zeros((), dtype=torch.float64)
+    if call.driver.startswith("topk"):
+        return sum(((v * u).sum() for v, u in zip(got[0], pick(w_k, case, rank))), zero)
+    if call.driver.startswith("distill"):
+        return sum(((d * u).sum() for d, u in zip(got[0], pick(data.w_lp, case, rank))), zero)
+    lp, ent = got
+    return weighted((lp, ent), data, case, rank) + cpslice.sum_of_sample_means(lp, data.masks, layout) + (
+        cpslice.sum_of_tokens(ent, data.masks, layout))
+
+
+@settings(SETTINGS, max_examples=40)
+@given(stars(), st.sampled_from(DRIVERS), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+       st.sampled_from(("forward", "reverse", "jsd")), st.integers(0, 2**31))
+def test_results_equal_the_unshared_reference(
+    case: Stars, driver: str, tempered: bool, capped: bool, padded_vocab: bool, shared_set: bool,
+    kind: Literal["forward", "reverse", "jsd"], seed: int,
+) -> None:
+    """Every rank's per-sample results (log-probs and entropy, with a rollout's token sets,
+    the teacher's top-k, a distillation divergence; from logits or from hidden states) are
+    the unshared reference's at the oracle's elements, and its local gradient the star
+    rows' summed one; the loss parts (with ``sum_of_sample_means`` and ``sum_of_tokens``)
+    sum over the ranks to the reference's loss. One temperature per group, a soft cap, a
+    padded vocabulary; sets equal on the shared rows, or only on unshared rows."""
+    ids = IDS if padded_vocab else V
+    data = make_data(case, V, seed, hidden=H if driver.endswith("hidden") else None, ids=ids)
+    gen = torch.Generator().manual_seed(seed)
+    teacher = [torch.topk(torch.log_softmax(torch.randn(r, ids, generator=gen, dtype=torch.float64), -1), K)
+               for r in case.response]
+    sets = response_sets(case, seed, ids, shared_set) if driver.startswith("support") else None
+    call = Call(driver, [0.6 + 0.5 * case.group_of(i) for i in range(case.n)] if tempered else None,
+                4.0 if capped else None, IDS if padded_vocab else None, sets,
+                "support" if sets is not None and seed % 2 else "full", kind, [(t.values, t.indices) for t in teacher])
+    w_k = [torch.randn(r, K, generator=gen, dtype=torch.float64) for r in case.response]
+    ref = reference(case, data, call.tau, call.softcap, call.vocab_size, sets, call.over)
+    want, loss = _wanted(call, case, data, ref, w_k)
+    torch.autograd.backward(loss + sum((leaf.sum() * 0 for leaf in ref.leaves), torch.zeros((), dtype=torch.float64)))
+    grads = star_grads(case, ref)
+    parts = torch.zeros((), dtype=torch.float64)
+    weight_grad = torch.zeros(V, H, dtype=torch.float64)
+    for rank in range(case.cp):
+        layout = case.layout(rank)
+        x = local_input(case, data, rank).requires_grad_(True)
+        w = None if data.weight is None else data.weight.clone().requires_grad_(True)
+        got = call.run(x, w, layout, data.tokens)
+        for got_list, want_list in zip(got, want, strict=True):
+            for mine, expected in zip(got_list, pick([v.detach() for v in want_list], case, rank), strict=True):
+                if mine.dtype == torch.int64:  # the top-k ids
+                    assert torch.equal(mine, expected)
+                else:
+                    torch.testing.assert_close(mine, expected, rtol=1e-10, atol=1e-10)
+        part = _part(call, got, case, data, rank, layout, w_k)
+        torch.autograd.backward(part + x.sum() * 0)
+        parts = parts + part.detach()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, local_grad(case, grads, rank), rtol=1e-9, atol=1e-10)
+        if w is not None:
+            assert w.grad is not None
+            weight_grad += w.grad
+    torch.testing.assert_close(parts, loss.detach(), rtol=1e-10, atol=1e-10)
+    if ref.weight is not None:
+        assert ref.weight.grad is not None
+        torch.testing.assert_close(weight_grad, ref.weight.grad, rtol=1e-9, atol=1e-10)
 
 
 def test_top_k_from_hidden_states_keeps_an_order_layouts_element_order() -> None:
