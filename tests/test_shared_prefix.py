@@ -10,13 +10,14 @@ collectives (gather_responses, redistribute, the reducers, a TP group)."""
 from dataclasses import dataclass
 from typing import Literal
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
 import cpslice
-from cpslice import Layout, Support
+from cpslice import Layout, LayoutError, Support
 
 from .distill_reference import divergence
 from .stars import (
@@ -260,3 +261,82 @@ def test_top_k_from_hidden_states_keeps_an_order_layouts_element_order() -> None
     want = torch.topk(torch.log_softmax(h[[1, 3, 2]] @ w.T, -1), 3)
     assert torch.equal(ids[2], want.indices)
     torch.testing.assert_close(values[2], want.values, rtol=1e-12, atol=1e-12)
+
+
+def _tokens(rows: list[list[int]]) -> list[Tensor]:
+    return [torch.tensor(r) for r in rows]
+
+
+LAYOUT_REFUSALS: list[tuple[dict[str, object], type[Exception], str]] = [
+    ({"shared_prefix": [2]}, LayoutError,
+     r"shared_prefix sums to 2 but there are 3 samples \(the group sizes .* count every sample once"),
+    ({"shared_prefix": [2, 0, 1]}, LayoutError, r"group 1: shared_prefix size 0 < 1 \(a group holds a sample\)"),
+    ({"shared_prefix": [1, 2], "total_lengths": [3, 3, 4]}, LayoutError,
+     r"group 1: sample 2 has prompt length 3 \(total_length 4 - response_length 1\) but sample 1, the "
+     r"group's first, has 2 \(the samples of a shared_prefix group share one prompt\)"),
+    ({"shared_prefix": [3], "qkv_format": "bshd", "max_seq_len": 4}, LayoutError,
+     r"shared_prefix is given with qkv_format 'bshd', whose rows hold one sample each; pass qkv_format='thd'"),
+    ({"shared_prefix": 3}, TypeError, r"shared_prefix must be a sequence of ints, got an int"),
+    ({"shared_prefix": [3], "padded_lengths": [4, 4, 4]}, LayoutError,
+     r"padded_lengths has 3 entries but shared_prefix has 1 groups \(.* one entry per group\)"),
+    ({"shared_prefix": [2, 1], "padded_lengths": [4, 2]}, LayoutError,
+     r"group 1: padded_length 2 < star length 3 \(a padded group holds its tokens, then padding\)"),
+    ({"shared_prefix": [3], "padded_lengths": [6], "cp_mode": "zigzag", "cp_size": 2}, LayoutError,
+     r"group 0: padded_length 6 is not a multiple of 2 \* cp_size = 4"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), LAYOUT_REFUSALS)
+def test_layout_refusals_name_the_group_and_the_rule(kwargs: dict[str, object], error: type[Exception],
+                                                     message: str) -> None:
+    given = {"total_lengths": [3, 3, 3], "response_lengths": [1, 1, 1], **kwargs}
+    with pytest.raises(error, match=message):
+        Layout(**given)  # type: ignore[arg-type]  # refused values
+
+
+def test_refusals() -> None:
+    """Prompts that differ in a group (pack, the log-prob functions), temperatures that
+    differ in a group, token sets that differ on a shared row (empty against not
+    included), from_cu_seqlens of the wrong boundaries, shifted_targets and a CP
+    attention_mask: each a LayoutError naming the sample, the group and the rule."""
+    layout = Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1])
+    good = _tokens([[1, 2, 3], [1, 2, 4], [1, 2, 3, 4]])
+    bad = _tokens([[1, 2, 3], [1, 5, 4], [1, 2, 3, 4]])
+    differ = (r"sample 1: {0}\[1\]\[1\] differs from {0}\[0\]\[1\], the prompt of sample 0, group 0's first "
+              r"\(the samples of a shared_prefix group share one prompt")
+    logits = torch.randn(6, 9)
+    with pytest.raises(LayoutError, match=differ.format("per_sample")):
+        cpslice.pack(bad, layout)
+    with pytest.raises(LayoutError, match=differ.format("per_sample")):
+        cpslice.pack([t.double()[:, None].expand(-1, 2) for t in bad], layout)
+    with pytest.raises(LayoutError, match=differ.format("tokens")):
+        cpslice.response_log_probs(logits, bad, layout)
+    with pytest.raises(LayoutError, match=differ.format("tokens")):
+        cpslice.response_log_probs_from_hidden(torch.randn(6, 4), torch.randn(9, 4), bad, layout)
+    temps = (r"sample 1: temperature 0.5 differs from sample 0's 1.0, group 0's first \(the samples of a "
+             r"shared_prefix group share their prompt's rows, .* one temperature per group\)")
+    for tau in ([1.0, 0.5, 2.0], torch.tensor([1.0, 0.5, 2.0])):
+        with pytest.raises(LayoutError, match=temps):
+            cpslice.response_log_probs(logits, good, layout, temperature=tau)
+        with pytest.raises(LayoutError, match=temps):
+            cpslice.response_topk_log_probs(logits, 2, layout, temperature=tau)
+        with pytest.raises(LayoutError, match=temps):
+            cpslice.response_distillation(logits, [torch.zeros(r, 2) for r in (1, 1, 2)],
+                                          [torch.zeros(r, 2, dtype=torch.int64) for r in (1, 1, 2)], layout,
+                                          temperature=tau)
+    sets = (r"sample 1, response token 0: its set differs from sample 0's on the same shared prompt row "
+            r"\({} ids against {}\); the branches of a shared_prefix group .* give every branch the same set")
+    for first, second in (([1, 2], [3]), ([1, 2], []), ([], [2]), ([1, 2], [1, 3])):
+        with pytest.raises(LayoutError, match=sets.format(len(second), len(first))):
+            Support.from_responses([first, second, [1]], [[0, len(first)], [0, len(second)], [0, 1, 1]], layout)
+    with pytest.raises(LayoutError, match=r"cu_seqlens_padded has 4 entries but there are 2 shared_prefix groups"):
+        Layout.from_cu_seqlens([0, 3, 6, 10], [3, 3, 4], [1, 1, 2], shared_prefix=[2, 1])
+    with pytest.raises(LayoutError, match=r"group 1: cu_seqlens_padded\[2\] - cu_seqlens_padded\[1\] = 7 - 4 = 3 "
+                                          r"< star length 4"):
+        Layout.from_cu_seqlens([0, 4, 7], [3, 3, 4], [1, 1, 2], shared_prefix=[2, 1])
+    with pytest.raises(LayoutError, match=r"shifted_targets gives one target per row, but this layout's "
+                                          r"shared_prefix \[2, 1\] .* call response_log_probs\(logits, tokens, "
+                                          r"layout\) \(or extract_responses\), which picks each branch's targets"):
+        cpslice.shifted_targets(good, layout)
+    with pytest.raises(LayoutError, match=r"attention_mask is the dense mask .* cp_mode is 'zigzag'"):
+        cpslice.attention_mask(Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1], cp_mode="zigzag", cp_size=2))
