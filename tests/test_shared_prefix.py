@@ -7,8 +7,9 @@ each branch's first response token). Single process over every rank of random st
 (none, zigzag, allgather, any token order), then one gloo task per world size for the
 collectives (gather_responses, redistribute, the reducers, a TP group)."""
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ from torch import Tensor
 import cpslice
 from cpslice import Layout, LayoutError, Support
 
+from . import oracle
+from ._dist import run_distributed
 from .distill_reference import divergence
+from .oracle import Config
 from .stars import (
     Data,
     Ref,
@@ -344,3 +348,164 @@ def test_refusals() -> None:
         cpslice.shifted_targets(good, layout)
     with pytest.raises(LayoutError, match=r"attention_mask is the dense mask .* cp_mode is 'zigzag'"):
         cpslice.attention_mask(Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1], cp_mode="zigzag", cp_size=2))
+
+
+# --- the collectives, on the session's gloo worlds: one task per world size
+
+WORLD_CASES = {  # groups of 3, 1 and 2 (P = 1 and an empty response among them)
+    mode: Stars((3, 1, 2), (3, 1, 2), (2, 0, 4, 5, 1, 3), mode) for mode in ("zigzag", "allgather")
+}
+TP_VOCAB = 8
+
+
+def _unshared_cp(case: Stars) -> Config:
+    """The oracle's Config of the same samples unshared, in the same CP mode."""
+    least = -(-sum(case.total) // case.cp) if case.mode == "allgather" else None
+    return Config(case.total, case.response, "thd", None, case.closed, case.cp, least, 0)
+
+
+def _world_step(case: Stars, rank: int, group: Any) -> dict[str, Any]:
+    """One rank's step on a shared CP layout: log-probs and entropy, gathered whole,
+    redistributed to the unshared layout and back, the reducers' complete values, and the
+    gradient of a loss built from all of them."""
+    layout = case.layout(rank)
+    unshared = _unshared_cp(case).layout(rank)
+    data = make_data(case, V, 11)
+    tau = [0.7 + 0.4 * case.group_of(i) for i in range(case.n)]
+    x = local_input(case, data, rank).requires_grad_(True)
+    lp, ent = cpslice.response_log_probs(x, data.tokens, layout, with_entropy=True, temperature=tau)
+    whole = cpslice.gather_responses(lp, layout, cp_group=group)
+    moved_lp, moved_ent = cpslice.redistribute((lp, ent), layout, unshared, cp_group=group)
+    back = cpslice.redistribute(moved_lp, unshared, layout, cp_group=group)
+    assert all(torch.equal(a, b) for a, b in zip(back, lp, strict=True))
+    both = [torch.stack([a, b], 1) for a, b in zip(lp, ent)]
+    means = cpslice.sample_means(both, data.masks, layout, cp_group=group)
+    most = cpslice.sample_max(lp, data.masks, layout, cp_group=group)
+    least = cpslice.sample_min(ent, data.masks, layout, cp_group=group)
+    w = _world_weights(case)
+    mine = oracle.shares(w["moved"], _unshared_cp(case), rank)
+    loss = weighted((lp, ent), data, case, rank) + cpslice.sum_of_sample_means(lp, data.masks, layout) + (
+        (means * w["means"]).sum() + sum((a * b).sum() for a, b in zip(whole, w["whole"]))) / case.cp + sum(
+        ((a * b).sum() for a, b in zip(moved_lp, mine)), x.sum() * 0)
+    torch.autograd.backward(loss)
+    return {"lp": lp, "ent": ent, "whole": whole, "moved": (moved_lp, moved_ent), "means": means,
+            "max": most, "min": least, "grad": x.grad, "loss": loss.detach()}
+
+
+def _world_weights(case: Stars) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    return {"means": torch.randn(case.n, 2, generator=gen, dtype=torch.float64),
+            "whole": [torch.randn(r, generator=gen, dtype=torch.float64) for r in case.response],
+            "moved": [torch.randn(r, generator=gen, dtype=torch.float64) for r in case.response]}
+
+
+def _tp_step(tp: int, tp_rank: int, group: Any) -> dict[str, Any]:
+    """A shared layout without CP on one TP rank: its vocabulary shard of the logits, and
+    of the LM head."""
+    case = WORLD_CASES["zigzag"]
+    flat = Stars(case.groups, case.prompts, case.response)
+    cols = slice(tp_rank * TP_VOCAB // tp, (tp_rank + 1) * TP_VOCAB // tp)
+    data, head = make_data(flat, TP_VOCAB, 12), make_data(flat, TP_VOCAB, 13, hidden=H)
+    x = local_input(flat, data, 0)[:, cols].contiguous().requires_grad_(True)
+    lp, ent = cpslice.response_log_probs(x, data.tokens, flat.layout(0), with_entropy=True, tp_group=group)
+    assert head.weight is not None
+    h = local_input(flat, head, 0).requires_grad_(True)
+    w = head.weight[cols].clone().requires_grad_(True)
+    h_lp, h_ent = cpslice.response_log_probs_from_hidden(h, w, head.tokens, flat.layout(0), with_entropy=True,
+                                                         tp_group=group)
+    torch.autograd.backward(weighted((lp, ent), data, flat, 0) + weighted((h_lp, h_ent), head, flat, 0))
+    return {"tp": tp, "lp": lp, "ent": ent, "grad": x.grad, "h_lp": h_lp, "h_ent": h_ent, "h_grad": h.grad,
+            "w_grad": w.grad}
+
+
+def _detached(value: Any) -> Any:
+    """Results without their graphs: what a rank can send back."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def world_task(rank: int, world: int) -> dict[str, Any]:
+    """Every collective of a shared layout on this rank: the CP steps of both modes over
+    the whole world, then the TP steps over each of the session's TP groups."""
+    import torch.distributed as dist
+
+    from ._dist import tp_groups
+
+    torch.set_num_threads(1)  # the world's ranks share the machine's cores (put back after the task)
+    out: dict[str, Any] = {m: _world_step(replace(c, cp=world), rank, dist.group.WORLD)
+                           for m, c in WORLD_CASES.items()}
+    out["tp"] = [_tp_step(tp, tp_rank, group) for group, tp, tp_rank in tp_groups(rank, world)]
+    sent: dict[str, Any] = _detached(out)
+    return sent
+
+
+def _check_world(results: list[dict[str, Any]], world: int) -> None:
+    for mode, base in WORLD_CASES.items():
+        case = replace(base, cp=world)
+        data = make_data(case, V, 11)
+        tau = [0.7 + 0.4 * case.group_of(i) for i in range(case.n)]
+        ref = reference(case, data, tau)
+        w = _world_weights(case)
+        lp, ent = [x.detach() for x in ref.lp], [x.detach() for x in ref.ent]
+        means = torch.stack([torch.stack([(v * m.double()).sum() / max(float(m.sum()), 1.0) for v in (a, b)])
+                             for a, b, m in zip(ref.lp, ref.ent, data.masks)])
+        loss = weighted((ref.lp, ref.ent), data, case, None) + _masked(ref.lp, data.masks, True) + (
+            means * w["means"]).sum() + sum(((a * b).sum() for a, b in zip(ref.lp, w["whole"])), torch.zeros(())) + sum(
+            ((a * b).sum() for a, b in zip(ref.lp, w["moved"])), torch.zeros(()))
+        torch.autograd.backward(loss)
+        grads = star_grads(case, ref)
+        for rank, got in enumerate(results):
+            step = got[mode]
+            for name, whole in (("lp", lp), ("ent", ent)):
+                for mine, want in zip(step[name], pick(whole, case, rank), strict=True):
+                    torch.testing.assert_close(mine, want, rtol=1e-10, atol=1e-10)
+            for mine, want in zip(step["whole"], lp, strict=True):
+                torch.testing.assert_close(mine, want, rtol=1e-10, atol=1e-10)
+            for k, whole in enumerate((lp, ent)):
+                for mine, want in zip(step["moved"][k], oracle.shares(whole, _unshared_cp(case), rank), strict=True):
+                    torch.testing.assert_close(mine, want, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(step["means"], means.detach(), rtol=1e-10, atol=1e-10)
+            for name, values, fn, empty in (("max", lp, torch.amax, -math.inf), ("min", ent, torch.amin, math.inf)):
+                want_x = torch.tensor([float(fn(v[m])) if bool(m.any()) else empty for v, m in zip(values, data.masks)],
+                                      dtype=torch.float64)
+                torch.testing.assert_close(step[name], want_x, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(step["grad"], local_grad(case, grads, rank), rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(sum(r[mode]["loss"] for r in results), loss.detach(), rtol=1e-10, atol=1e-10)
+    _check_tp(results)
+
+
+def _check_tp(results: list[dict[str, Any]]) -> None:
+    flat = Stars(*[getattr(WORLD_CASES["zigzag"], f) for f in ("groups", "prompts", "response")])
+    data, head = make_data(flat, TP_VOCAB, 12), make_data(flat, TP_VOCAB, 13, hidden=H)
+    refs = [reference(flat, d) for d in (data, head)]
+    for ref, d in zip(refs, (data, head)):
+        torch.autograd.backward(weighted((ref.lp, ref.ent), d, flat, None))
+    grads, h_grads = star_grads(flat, refs[0]), star_grads(flat, refs[1])
+    for rank, got in enumerate(results):
+        for step in got["tp"]:
+            tp = step["tp"]
+            cols = slice((rank % tp) * TP_VOCAB // tp, (rank % tp + 1) * TP_VOCAB // tp)
+            for key, ref in (("", refs[0]), ("h_", refs[1])):
+                for mine, want in zip(step[key + "lp"] + step[key + "ent"], ref.lp + ref.ent, strict=True):
+                    torch.testing.assert_close(mine, want.detach(), rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(step["grad"], local_grad(flat, grads, 0)[:, cols], rtol=1e-9, atol=1e-10)
+            torch.testing.assert_close(step["h_grad"], local_grad(flat, h_grads, 0), rtol=1e-9, atol=1e-10)
+            assert refs[1].weight is not None and refs[1].weight.grad is not None
+            torch.testing.assert_close(step["w_grad"], refs[1].weight.grad[cols], rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_collectives_of_shared_layouts_on_gloo(world: int) -> None:
+    """zigzag and allgather stars over 2 and 4 real gloo ranks: each rank's log-probs and
+    entropy are the unshared reference's at its elements; gather_responses gives the whole
+    responses; redistribute to the unshared layout of the same samples gives that layout's
+    shares and back gives the shared ones; sample_means, sample_max and sample_min are the
+    reference's; each rank's gradient of a loss through all of them is the star rows'
+    summed gradient (the shared row's on the rank that owns it), and the loss parts sum to
+    the reference's. Then a TP group's vocabulary shards of the logits and of the head."""
+    _check_world(run_distributed(world_task, world, timeout=240), world)
