@@ -509,3 +509,59 @@ def test_the_collectives_of_shared_layouts_on_gloo(world: int) -> None:
     summed gradient (the shared row's on the rank that owns it), and the loss parts sum to
     the reference's. Then a TP group's vocabulary shards of the logits and of the head."""
     _check_world(run_distributed(world_task, world, timeout=240), world)
+
+
+def test_a_shared_layouts_identity_and_its_order() -> None:
+    """Groups all of one are no sharing; align equals the padded lengths it stands for, as
+    does from_cu_seqlens of a tensor; the repr names the groups; a closed form's order
+    gives that closed form back through from_order with the same groups."""
+    total, response = [5, 7, 6, 3], [2, 4, 3, 1]
+    plain = Layout(total, response)
+    assert Layout(total, response, shared_prefix=[1, 1, 1, 1]) == plain
+    assert hash(Layout(total, response, shared_prefix=(1, 1, 1, 1))) == hash(plain)
+    shared = Layout(total, response, shared_prefix=[3, 1])
+    assert shared != plain and shared.shared_prefix == (3, 1) and shared.padded_lengths == (12, 3)
+    assert "shared_prefix=[3, 1]" in repr(shared) and "shared_prefix" not in repr(plain)
+    aligned = Layout(total, response, shared_prefix=[3, 1], align=4)
+    assert aligned == Layout(total, response, shared_prefix=[3, 1], padded_lengths=[12, 4])
+    assert aligned == Layout.from_cu_seqlens(torch.tensor([0, 12, 16]), total, response, shared_prefix=[3, 1])
+    for mode, local in (("zigzag", None), ("allgather", 8)):
+        for rank in (0, 1):
+            closed = Layout(total, response, shared_prefix=[3, 1], cp_mode=mode, cp_rank=rank, cp_size=2,  # type: ignore[arg-type]
+                            align=4, local_length=local)
+            again = Layout.from_order(closed.order(), total, response, cp_rank=rank, cp_size=2, align=4,
+                                      shared_prefix=[3, 1])
+            assert again.cp_mode == mode and again.with_local_length(local) == closed
+            assert closed.for_rank(1 - rank).for_rank(rank) == closed
+
+
+def test_reducers_and_moves_without_cp() -> None:
+    """On a shared layout without CP: sample_means, sample_max and sample_min are the
+    unshared reference's; gather_responses and redistribute to the unshared layout (and
+    back) give the whole responses; one temperature per group as a tensor or a list."""
+    case = Stars((3, 1, 2), (3, 1, 2), (2, 0, 4, 5, 1, 3))
+    layout = case.layout(0)
+    data = make_data(case, V, 3)
+    tau = [0.7 + 0.4 * case.group_of(i) for i in range(case.n)]
+    ref = reference(case, data, tau)
+    x = local_input(case, data, 0)
+    lp, ent = cpslice.response_log_probs(x, data.tokens, layout, with_entropy=True, temperature=tau)
+    again, _ = cpslice.response_log_probs(x, data.tokens, layout, temperature=torch.tensor(tau, dtype=torch.float64))
+    for a, b, want in zip(lp, again, ref.lp, strict=True):
+        torch.testing.assert_close(a, want.detach(), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(b, want.detach(), rtol=1e-10, atol=1e-10)
+    both = [torch.stack([a, b], 1) for a, b in zip(lp, ent)]
+    means = cpslice.sample_means(both, data.masks, layout)
+    for i, (a, b, m) in enumerate(zip(ref.lp, ref.ent, data.masks)):
+        den = max(float(m.sum()), 1.0)
+        want_means = torch.stack([(a.detach() * m).sum() / den, (b.detach() * m).sum() / den])
+        torch.testing.assert_close(means[i], want_means, rtol=1e-10, atol=1e-10)
+    most = cpslice.sample_max(lp, data.masks, layout)
+    least = cpslice.sample_min(ent, data.masks, layout)
+    for i, (a, b, m) in enumerate(zip(ref.lp, ref.ent, data.masks)):
+        assert float(most[i]) == pytest.approx(float(a[m].max()) if bool(m.any()) else -math.inf, rel=1e-10)
+        assert float(least[i]) == pytest.approx(float(b[m].min()) if bool(m.any()) else math.inf, rel=1e-10)
+    unshared = case.unshared()
+    for moved in (cpslice.gather_responses(lp, layout), cpslice.redistribute(lp, layout, unshared),
+                  cpslice.redistribute(cpslice.redistribute(lp, layout, unshared), unshared, layout)):
+        assert all(torch.equal(a, b) for a, b in zip(moved, lp, strict=True))
