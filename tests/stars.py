@@ -11,6 +11,7 @@ gradient a shared layout must give a star row is the sum of the copies' gradient
 (``star_grads``): the prompt's last row sums over the branches, each of which predicts
 its own first response token there."""
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -73,16 +74,13 @@ class Stars:
 
     def star_rows(self, i: int) -> list[int]:
         """The star positions of sample ``i``'s positions ``0, 1, ..., L_i - 1``."""
-        j = self.group_of(i)
-        p = self.prompts[j]
-        before = sum(self.response[k] for k in self.members(j) if k < i)
-        return list(range(p)) + [p + before + t for t in range(self.response[i])]
+        return list(_star_rows(self, i))
 
     def holders(self, j: int, s: int) -> list[tuple[int, int]]:
         """Every ``(sample, position)`` that star position ``s`` of group ``j`` holds."""
         if s < self.prompts[j]:
             return [(i, s) for i in self.members(j)]
-        return [(i, rows.index(s)) for i in self.members(j) if s in (rows := self.star_rows(i))]
+        return [(i, rows.index(s)) for i in self.members(j) if s in (rows := _star_rows(self, i))]
 
     @property
     def widths(self) -> list[int]:
@@ -153,15 +151,9 @@ class Stars:
         p = self.prompts[self.group_of(i)]
         return range(max(0, p - 1 - depth), p + self.response[i] - 1 - depth)
 
-    def shares(self, rank: int, depth: int = 0) -> list[list[tuple[int, int]]]:
+    def shares(self, rank: int, depth: int = 0) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per sample, ``(local row, response element)`` of the rank's share, ascending."""
-        held: list[list[tuple[int, int, int]]] = [[] for _ in range(self.n)]
-        for row, entry in enumerate(self.local_map(rank)):
-            if entry is not None:
-                for i, p in self.holders(*entry):
-                    if p in self.span(i, depth):
-                        held[i].append((p, row, p + 1 + depth - self.prompts[self.group_of(i)]))
-        return [[(row, e) for _, row, e in sorted(h)] for h in held]
+        return _shares(self, rank, depth)
 
     def mask(self) -> Tensor:
         """The brute-force attention rule without CP: a token row attends the token rows of
@@ -178,6 +170,25 @@ class Stars:
                 if ek[1] < prompt or {i for i, _ in self.holders(*ek)} == mine:
                     out[q, k] = True
         return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _star_rows(case: Stars, i: int) -> tuple[int, ...]:
+    j = case.group_of(i)
+    p = case.prompts[j]
+    before = sum(case.response[k] for k in case.members(j) if k < i)
+    return (*range(p), *(p + before + t for t in range(case.response[i])))
+
+
+@functools.lru_cache(maxsize=256)
+def _shares(case: Stars, rank: int, depth: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    held: list[list[tuple[int, int, int]]] = [[] for _ in range(case.n)]
+    for row, entry in enumerate(case.local_map(rank)):
+        if entry is not None:
+            for i, p in case.holders(*entry):
+                if p in case.span(i, depth):
+                    held[i].append((p, row, p + 1 + depth - case.prompts[case.group_of(i)]))
+    return tuple(tuple((row, e) for _, row, e in sorted(h)) for h in held)
 
 
 @st.composite

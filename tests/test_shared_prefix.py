@@ -42,7 +42,7 @@ from .stars import (
     weighted,
 )
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 DOCS = Stars((3,), (3,), (2, 4, 3))  # docs/layouts.md's example: L* = 12
 
@@ -198,7 +198,7 @@ def _part(call: Call, got: list[list[Tensor]], case: Stars, data: Data, rank: in
         cpslice.sum_of_tokens(ent, data.masks, layout))
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=30)
 @given(stars(), st.sampled_from(DRIVERS), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
        st.sampled_from(("forward", "reverse", "jsd")), st.integers(0, 2**31))
 def test_results_equal_the_unshared_reference(
