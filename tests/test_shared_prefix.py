@@ -58,6 +58,12 @@ def test_the_docs_example_rows() -> None:
     assert [cpslice.response_rows(z).counts for z in zig] == [[1, 1, 3], [1, 3, 0]]
 
 
+def _position(case: Stars, i: int, s: int) -> int:
+    """Sample ``i``'s position at star position ``s`` (-1: none)."""
+    rows = case.star_rows(i)
+    return rows.index(s) if s in rows else -1
+
+
 @SETTINGS
 @given(stars(), st.integers(0, 2))
 def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
@@ -78,9 +84,18 @@ def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
         holder = [None if e is None else case.holders(*e)[0] for e in entries]
         packed = cpslice.pack(data.tokens, layout, fill=-1)
         assert packed.tolist() == [-1 if h is None else int(data.tokens[h[0]][h[1]]) for h in holder]
-        x = cpslice.pack(per_sample(case, data), layout, fill=0.5)
+        copies = [c.requires_grad_(True) for c in per_sample(case, data)]
+        x = cpslice.pack(copies, layout, fill=0.5)
         assert torch.equal(x, torch.stack([torch.full((7,), 0.5, dtype=torch.float64) if e is None
                                             else data.star_x[e[0]][e[1]] for e in entries]))
+        upstream = torch.randn(t, 7, dtype=torch.float64)
+        torch.autograd.backward(x, upstream)
+        for i, c in enumerate(copies):  # a prompt row's gradient goes to the copy packed: the group's first
+            want_c = torch.zeros_like(c)
+            for row, entry in enumerate(entries):
+                if entry is not None and (i, _position(case, i, entry[1])) == case.holders(*entry)[0]:
+                    want_c[_position(case, i, entry[1])] = upstream[row]
+            assert c.grad is not None and torch.equal(c.grad, want_c)
         assert cpslice.position_ids(layout).tolist() == [0 if h is None else h[1] for h in holder]
         shares = case.shares(rank, depth)
         rows = cpslice.response_rows(layout, depth=depth)
