@@ -308,20 +308,23 @@ def entropy(log_p: Tensor) -> Tensor:
 
 def reference(
     case: Stars, data: Data, tau: list[float] | None = None, softcap: float | None = None,
-    vocab_size: int | None = None, sets: Sets | None = None, over: str = "full",
+    vocab_size: int | None = None, sets: Sets | None = None, over: str = "full", depth: int = 0,
 ) -> Ref:
-    """The unshared samples in float64: each sample's response span rows of its own copy
-    (through the head ``weight`` when the data has one), under its temperature; the
-    log-probs restricted to each non-empty set plus the target, the entropy over the
-    full distribution or (``over="support"``) the same restricted one."""
+    """The unshared samples in float64: each sample's response span rows (at ``depth``: its
+    position ``p`` predicts token ``p + 1 + depth``) of its own copy (through the head
+    ``weight`` when the data has one), under its temperature; the log-probs restricted to
+    each non-empty set plus the target, the entropy over the full distribution or
+    (``over="support"``) the same restricted one. At a depth, the response tokens no
+    position predicts (a prompt shorter than ``depth + 1``) hold 0 in ``lp`` and ``ent``."""
+    assert depth == 0 or sets is None
     weight = None if data.weight is None else data.weight.clone().requires_grad_(True)
     ref = Ref([], [], [], [], weight)
     for i, x in enumerate(per_sample(case, data)):
         leaf = x.requires_grad_(True)
         logits = leaf if weight is None else leaf @ weight.T
-        p = case.prompts[case.group_of(i)]
-        targets = data.tokens[i][p:]
-        z = distribution(logits[p - 1:len(data.tokens[i]) - 1], 1.0 if tau is None else tau[i], softcap, vocab_size)
+        span = torch.tensor(case.span(i, depth), dtype=torch.int64)
+        targets = data.tokens[i][span + 1 + depth]
+        z = distribution(logits[span], 1.0 if tau is None else tau[i], softcap, vocab_size)
         keep = z > -math.inf
         for t, s in enumerate([] if sets is None else sets[i]):
             if s:
@@ -330,8 +333,9 @@ def reference(
                 keep[t] &= row
         restricted = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
         full = torch.log_softmax(z, -1)
-        ref.lp.append(restricted.gather(1, targets[:, None])[:, 0])
-        ref.ent.append(entropy(full if over == "full" else restricted))
+        lost = torch.zeros(case.response[i] - len(span), dtype=torch.float64)
+        ref.lp.append(torch.cat([lost, restricted.gather(1, targets[:, None])[:, 0]]))
+        ref.ent.append(torch.cat([lost, entropy(full if over == "full" else restricted)]))
         ref.full.append(full)
         ref.leaves.append(leaf)
     return ref
@@ -364,12 +368,13 @@ def pick(whole: list[Tensor], case: Stars, rank: int, depth: int = 0) -> list[Te
     return [w[torch.tensor([e for _, e in s], dtype=torch.int64)] for w, s in zip(whole, case.shares(rank, depth))]
 
 
-def weighted(ref_or_shares: tuple[list[Tensor], list[Tensor]], data: Data, case: Stars, rank: int | None) -> Tensor:
+def weighted(ref_or_shares: tuple[list[Tensor], list[Tensor]], data: Data, case: Stars, rank: int | None,
+             depth: int = 0) -> Tensor:
     """``sum w_lp * lp + w_ent * ent``: of whole responses (``rank`` None) or of the rank's
-    shares, with the loss weights picked at its elements."""
+    shares (at ``depth``), with the loss weights picked at its elements."""
     lp, ent = ref_or_shares
-    a = data.w_lp if rank is None else pick(data.w_lp, case, rank)
-    b = data.w_ent if rank is None else pick(data.w_ent, case, rank)
+    a = data.w_lp if rank is None else pick(data.w_lp, case, rank, depth)
+    b = data.w_ent if rank is None else pick(data.w_ent, case, rank, depth)
     total = torch.zeros((), dtype=torch.float64)
     for x, y, u, v in zip(lp, ent, a, b, strict=True):
         total = total + (x.double() * u).sum() + (y.double() * v).sum()
