@@ -236,7 +236,8 @@ def test_results_equal_the_unshared_reference(
     rows' summed one; the loss parts (with ``sum_of_sample_means`` and ``sum_of_tokens``)
     sum over the ranks to the reference's loss. One temperature per group, a soft cap, a
     padded vocabulary; sets equal on the shared rows, or only on unshared rows; chunks of
-    1 and 3 rows; log-probs at depths 0-2 (``depth + 1`` shared rows per group)."""
+    1 and 3 rows; log-probs at depths 0-2 (``depth + 1`` shared rows per group). The
+    caller's tensors are left as they were."""
     ids = IDS if padded_vocab else V
     # (a divergence's tail bin, 1 - sum of the top-k, is ill-conditioned where the top-k
     # hold almost all the mass: milder logits keep it away from the rounding)
@@ -261,7 +262,10 @@ def test_results_equal_the_unshared_reference(
         layout = case.layout(rank)
         x = local_input(case, data, rank).requires_grad_(True)
         w = None if data.weight is None else data.weight.clone().requires_grad_(True)
+        kept = [(a.detach().clone(), a._version) for a in (x, *([] if w is None else [w]), *data.tokens)]
         got = call.run(x, w, layout, data.tokens)
+        for a, (copy, version) in zip((x, *([] if w is None else [w]), *data.tokens), kept, strict=True):
+            assert torch.equal(a, copy) and a._version == version  # the caller's tensors untouched
         for got_list, want_list in zip(got, want, strict=True):
             for mine, expected in zip(got_list, pick([v.detach() for v in want_list], case, rank, call.depth),
                                       strict=True):
