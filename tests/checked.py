@@ -43,6 +43,8 @@ UNCHECKED = (
     "tests/test_row_offsets.py::test_refusals",
     "tests/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
     "tests/test_depth.py::test_refusals",
+    "tests/test_shared_prefix.py::test_refusals",
+    "tests/test_shared_prefix.py::test_layout_refusals_name_the_group_and_the_rule",
 )
 """The tests the unchecked run repeats: every refusal, and the argument kinds every
 entry point accepts (test_arguments), which must be the same with checking on and off."""

@@ -47,11 +47,14 @@ def integer(name: str, value: object) -> int:
     return operator.index(value)  # type: ignore[arg-type]  # has __index__, checked above
 
 
-def lengths(name: str, values: object) -> tuple[int, ...]:
+def lengths(
+    name: str, values: object, unit: str = "sample", rule: str = "lengths are whole token counts"
+) -> tuple[int, ...]:
     """A ``Sequence`` of integers (list, tuple, range, ...) as a tuple of ints.
 
     ``name`` is the plural argument name (``total_lengths``); a bad element is reported
-    as ``sample i: total_length ...``.
+    as ``sample i: total_length ...`` (``unit`` ``"group"``: a shared prefix's groups),
+    ``rule`` in parentheses.
 
     Raises:
         TypeError: not a sequence (a tensor or array: call ``.tolist()`` first), or an
@@ -66,8 +69,7 @@ def lengths(name: str, values: object) -> tuple[int, ...]:
     for i, v in enumerate(values):
         if _is_bool(v) or not hasattr(type(v), "__index__"):
             raise TypeError(
-                f"sample {i}: {name.removesuffix('s')} {v!r} is {kind(v)}, not an int "
-                "(lengths are whole token counts)"
+                f"{unit} {i}: {name.removesuffix('s')} {v!r} is {kind(v)}, not an int ({rule})"
             )
         out.append(operator.index(v))
     return tuple(out)

@@ -439,7 +439,7 @@ def response_topk_log_probs_from_hidden(
                                        vocab_size, tp)
     read = local.reads["response"]
     values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
-    if read.picks.k > 1:  # a shared prefix's prompt row: one per branch
+    if layout.shared_prefix is not None:  # distinct rows, ascending: back to the elements (a shared row per branch)
         values, ids = values[read.picks.element], ids[read.picks.element]
     counts = read.selection.counts
     return list(torch.split(values, counts)), list(torch.split(ids, counts))

@@ -151,7 +151,7 @@ def check_padding(
             raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
         return None, a
     if grouped:
-        given = lengths("padded_lengths", padded_lengths)
+        given = lengths("padded_lengths", padded_lengths, "group")
         if len(given) != len(total):
             raise LayoutError(
                 f"padded_lengths has {len(given)} entries but shared_prefix has {len(total)} "
@@ -260,7 +260,7 @@ def check_shared_prefix(
     ``P_j``; thd only (a bshd row holds one sample)."""
     if groups is None:
         return None
-    sizes = lengths("shared_prefix", groups)
+    sizes = lengths("shared_prefix", groups, "group", "a group size counts samples")
     n = len(total)
     for j, g in enumerate(sizes):
         if g < 1:
