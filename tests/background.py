@@ -3,9 +3,10 @@ are collected (``tests/conftest.py``), at a lower CPU priority.
 
 A few tests run commands that take many seconds of CPU and need nothing from the
 session: the planted ``cpslice verify`` runs (``planted.py``), the error tests rerun
-with run-time checking off (``checked.py``) and the compiled steps
-(``compile_job.py``); each group is ``register``-ed by
-the helper module that defines it. Started at once and niced, they use the cores the
+with run-time checking off (``checked.py``), the compiled steps (``compile_job.py``),
+and fresh interpreters that import cpslice, run its command line or build its
+packages (registered by their test modules); each group is ``register``-ed by the
+module that defines it. Started at once and niced, they use the cores the
 session's own tests leave idle (a single-process test keeps one of the two busy; the
 session waits on a subprocess) instead of running in line; a test that needs one's
 result waits for it (``result``), which starts it if the session did not (a test run
@@ -44,12 +45,14 @@ class Done(NamedTuple):
     err: str
 
 
-_GROUPS: dict[str, tuple[str, Callable[[], dict[str, Job]]]] = {}
+_GROUPS: dict[str, tuple[str | tuple[str, ...], Callable[[], dict[str, Job]]]] = {}
 
 
-def register(group: str, waits: str, jobs: Callable[[], dict[str, Job]]) -> None:
-    """Name a group of jobs: the tests that wait for it (a node id prefix), and the
-    function that makes its jobs (called once, when the group starts)."""
+def register(group: str, waits: str | tuple[str, ...], jobs: Callable[[], dict[str, Job]]) -> None:
+    """Name a group of jobs: the tests that wait for it (a node id prefix, or several),
+    and the function that makes its jobs (called once, when the group starts). A
+    helper module registers when conftest.py imports it, a test module when pytest
+    collects it: either way before the session orders and starts anything."""
     _GROUPS[group] = (waits, jobs)
 
 

@@ -35,10 +35,11 @@ PLANTS = {
     ),
     # redistribute cuts the allgather pieces at the least local length, not the tensor's
     "redistribute reads the least length": Plant(
-        (("_redistribute.py", "from ._plan import resolve, response_base, select, selection",
-          "from ._plan import needed_length, resolve, response_base, select, selection"),
-         ("_redistribute.py", "route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device)",
-          "route = _device_route(src, needed_length(src), dst, needed_length(dst), size, nlists, stacked.device)")),
+        (("_redistribute.py", "from ._plan import resolve, response_base, select, selection_at",
+          "from ._plan import needed_length, resolve, response_base, select, selection_at"),
+         ("_redistribute.py",
+          "route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device, d)",
+          "route = _device_route(src, needed_length(src), dst, needed_length(dst), size, nlists, stacked.device, d)")),
         ("--cp-size", "2", "--mode", "allgather"),
     ),
     # every sample one position wider than its cu_seqlens_padded say; and, in the same

@@ -5,8 +5,8 @@ imported and its ``torch.compiler.disable`` version from then on (tests/test_com
 compiles through it)."""
 
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,6 +15,9 @@ from cpslice import Layout, extract_responses, pack, shard_responses, shifted_ta
 from cpslice._cache import _CACHES, cache_info, cache_sizes
 from cpslice._plan import _read, selection
 from cpslice._redistribute import _route
+
+from . import background
+from .background import Job
 
 
 def _step(layout: Layout, tokens: list[torch.Tensor]) -> None:
@@ -75,12 +78,19 @@ print(before, after[0], cache_info(plan).hits)
 """
 
 
-def test_a_boundary_calls_the_function_until_the_compiler_is_imported() -> None:
+def _boundary() -> dict[str, Job]:
+    """``BOUNDARY`` in a fresh interpreter, as a background job (tests/background.py)."""
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
-    proc = subprocess.run([sys.executable, "-c", BOUNDARY], env=env, capture_output=True,
-                          text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    before, after, hits = proc.stdout.split()
+    return {"boundary": Job((sys.executable, "-c", BOUNDARY), env, Path(__file__).resolve().parents[1])}
+
+
+background.register("boundary", "tests/test_caches.py::test_a_boundary_calls", _boundary)
+
+
+def test_a_boundary_calls_the_function_until_the_compiler_is_imported() -> None:
+    proc = background.result("boundary", timeout=200)["boundary"]
+    assert proc.code == 0, proc.err[-4000:]
+    before, after, hits = proc.out.split()
     # lru_cache is C: the cached function's caller is the wrapper, then dynamo's
     assert before.endswith(os.path.join("cpslice", "_cache.py")), before
     assert after.endswith(os.path.join("_dynamo", "eval_frame.py")), after

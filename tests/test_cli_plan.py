@@ -15,6 +15,9 @@ from cpslice import Layout, extract_responses
 from cpslice._cli import main
 from cpslice._types import CpMode, QkvFormat
 
+from . import background
+from .background import Job
+
 ZIGZAG_EXAMPLE = ["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "zigzag"]
 
 # docs/layouts.md's example: c = 2, L = 10, R = 4, so W = 12 and C = 3.
@@ -422,29 +425,42 @@ def test_broken_pipe_is_quiet(
     assert capsys.readouterr().err == ""
 
 
-def test_command_line_without_megatron(tmp_path: Path) -> None:
-    """``python -m cpslice`` (which imports no megatron) and the console script."""
+def _script() -> str | None:
+    """The installed ``cpslice`` console script, if any."""
+    beside = Path(sys.executable).parent / "cpslice"
+    return str(beside) if beside.exists() else shutil.which("cpslice")
+
+
+def _command_lines() -> dict[str, Job]:
+    """``python -m cpslice plan`` (timing its imports) and the console script given a
+    mistake, in a folder of their own: background jobs (tests/background.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "CPSLICE_DEBUG")}
-    module = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "cpslice", *ZIGZAG_EXAMPLE],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False,
-    )
-    assert module.returncode == 0, module.stderr[-2000:]
-    assert module.stdout == ZIGZAG_EXAMPLE_OUT
-    imported = [line.rsplit("|", 1)[-1].strip() for line in module.stderr.splitlines()]
+    here = background.folder()
+    jobs = {"module": Job((sys.executable, "-X", "importtime", "-m", "cpslice", *ZIGZAG_EXAMPLE), env, here)}
+    script = _script()
+    if script is not None:
+        jobs["script"] = Job((script, "plan", "--total", "3", "--response", "3"), env, here)
+    return jobs
+
+
+background.register("plan-command-line", "tests/test_cli_plan.py::test_command_line_without", _command_lines)
+
+
+def test_command_line_without_megatron() -> None:
+    """``python -m cpslice`` (which imports no megatron) and the console script."""
+    done = background.result("plan-command-line", timeout=200)
+    module = done["module"]
+    assert module.code == 0, module.err[-2000:]
+    assert module.out == ZIGZAG_EXAMPLE_OUT
+    imported = [line.rsplit("|", 1)[-1].strip() for line in module.err.splitlines()]
     assert "cpslice._cli" in imported
     assert not [name for name in imported if name.split(".")[0] == "megatron"]
-    beside = Path(sys.executable).parent / "cpslice"
-    script = str(beside) if beside.exists() else shutil.which("cpslice")
-    if script is None:
+    if "script" not in done:
         pytest.skip("the cpslice console script is not installed (pip install -e .)")
     # the console script, with a mistake: one line and exit 2 (the good output is -m's)
-    bad = subprocess.run(
-        [script, "plan", "--total", "3", "--response", "3"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False,
-    )
-    assert (bad.returncode, bad.stdout) == (2, "")
-    assert bad.stderr == (
+    bad = done["script"]
+    assert (bad.code, bad.out) == (2, "")
+    assert bad.err == (
         "cpslice plan: error: sample 0: response_length 3 > total_length - 1 = 2 "
         "(a response needs at least one prompt token before it)\n"
     )

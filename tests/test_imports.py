@@ -21,11 +21,13 @@ edge: an ``__init__`` that imports its submodules is no cycle.
 
 import ast
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from . import background
+from .background import Job
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -241,19 +243,34 @@ def test_a_path_across_the_halves_is_found(tmp_path: Path) -> None:
     ]
 
 
+DEBUGS = (None, "0", "1")
+
+
+def _imports() -> dict[str, Job]:
+    """``import cpslice`` in a fresh interpreter per ``CPSLICE_DEBUG`` (unset, each value)."""
+    jobs = {}
+    for debug in DEBUGS:
+        env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
+        if debug is not None:
+            env["CPSLICE_DEBUG"] = debug
+        jobs[str(debug)] = Job((sys.executable, "-c", LOADED), env, SRC.parent)
+    return jobs
+
+
+# seconds of imports each, run in the background beside the session (tests/background.py)
+background.register("imports", ("tests/test_imports.py::test_the_import_loads",
+                                "tests/test_imports.py::test_debug_mode_loads"), _imports)
+
+
 def loaded_by_import(debug: str | None) -> set[str]:
     """The ``HEAVY`` modules in ``sys.modules`` after ``import cpslice`` in a fresh
     interpreter with ``CPSLICE_DEBUG`` unset or ``debug``."""
-    env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
-    if debug is not None:
-        env["CPSLICE_DEBUG"] = debug
-    proc = subprocess.run([sys.executable, "-c", LOADED], env=env, capture_output=True,
-                          text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return set(proc.stdout.split())
+    proc = background.result("imports", timeout=200)[str(debug)]
+    assert proc.code == 0, proc.err[-4000:]
+    return set(proc.out.split())
 
 
-@pytest.mark.parametrize("debug", [None, "0"])
+@pytest.mark.parametrize("debug", DEBUGS[:2])
 def test_the_import_loads_no_compiler_megatron_or_checker(debug: str | None) -> None:
     assert loaded_by_import(debug) == set()
 

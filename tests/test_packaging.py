@@ -4,7 +4,6 @@ with setuptools, no network), the optional extras, the version, the README's ope
 import email.parser
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,27 +17,69 @@ import pytest
 import cpslice
 from cpslice import _cli
 
+from . import background
+from .background import Job
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
-SKIP = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".mypy_cache",
-                              ".pytest_cache", ".hypothesis", "build", "dist")
+
+
+# The build and the collection of the unpacked sdist's tests take seconds of CPU and
+# nothing from the session: one background job (tests/background.py) does both, on a
+# copy of this tree in a folder of its own.
+PACKAGE = r"""
+import contextlib, os, shutil, subprocess, sys, tarfile
+from pathlib import Path
+from setuptools import build_meta
+
+root, folder = Path(sys.argv[1]), Path(sys.argv[2])
+skip = shutil.ignore_patterns(*sys.argv[3:])
+tree, out, unpacked = folder / "tree", folder / "out", folder / "sdist"
+shutil.copytree(root, tree, ignore=skip)
+os.chdir(tree)
+with contextlib.redirect_stdout(sys.stderr):  # setuptools' log: stdout is the result
+    build_meta.build_sdist(str(out))
+    build_meta.build_wheel(str(out))
+(sdist,) = out.glob("*.tar.gz")
+with tarfile.open(sdist) as tar:
+    tar.extractall(unpacked, filter="data")
+(top,) = unpacked.iterdir()
+# pytest on the unpacked sdist collects every test (nothing fails at import); without
+# the run-time checker's plugin, which would spend seconds wrapping the package
+env = {**os.environ, "PYTHONPATH": str(top / "src")}
+done = subprocess.run(
+    [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "tests/test_end_to_end.py",
+     "tests/test_cli_verify.py", "tests/test_pack.py", "tests/test_docs.py"],  # every helper
+    cwd=top, env=env, capture_output=True, text=True, timeout=300, check=False,
+)
+print(f"collect-only exit {done.returncode}")
+print(done.stdout[-3000:] + done.stderr[-3000:])
+"""
+SKIPPED = (".git", ".venv", "__pycache__", "*.egg-info", ".mypy_cache", ".pytest_cache", ".hypothesis",
+           "build", "dist")
+
+
+def _package() -> dict[str, Job]:
+    folder = background.folder() / "package"
+    return {"package": Job((sys.executable, "-c", PACKAGE, str(ROOT), str(folder), *SKIPPED), dict(os.environ),
+                           ROOT)}
+
+
+background.register("package", ("tests/test_packaging.py::test_wheel", "tests/test_packaging.py::test_sdist"),
+                    _package)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(wheel, sdist) of a copy of this tree, built by setuptools' PEP 517 backend."""
-    tmp = tmp_path_factory.mktemp("build")
-    tree, out = tmp / "tree", tmp / "out"
-    shutil.copytree(ROOT, tree, ignore=SKIP)
-    code = (f"from setuptools import build_meta as b; b.build_sdist({str(out)!r}); "
-            f"b.build_wheel({str(out)!r})")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+def built() -> tuple[Path, Path, str]:
+    """(wheel, sdist) of a copy of this tree, built by setuptools' PEP 517 backend, and
+    what pytest's collection of the unpacked sdist's tests printed."""
+    done = background.result("package", timeout=400)["package"]
+    assert done.code == 0, done.err[-3000:]
+    out = background.folder() / "package" / "out"
     (wheel,) = out.glob("*.whl")
     (sdist,) = out.glob("*.tar.gz")
-    return wheel, sdist
+    return wheel, sdist, done.out
 
 
 def test_license_is_the_apache_2_text() -> None:
@@ -51,8 +92,8 @@ def test_license_is_the_apache_2_text() -> None:
     assert PROJECT["license-files"] == ["LICENSE"]
 
 
-def test_wheel_metadata_and_contents(built: tuple[Path, Path]) -> None:
-    wheel, _ = built
+def test_wheel_metadata_and_contents(built: tuple[Path, Path, str]) -> None:
+    wheel, _, _ = built
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         info = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -76,9 +117,9 @@ def test_wheel_metadata_and_contents(built: tuple[Path, Path]) -> None:
 
 
 def test_sdist_holds_its_tests_and_what_they_need(
-    built: tuple[Path, Path], tmp_path: Path
+    built: tuple[Path, Path, str], tmp_path: Path
 ) -> None:
-    _, sdist = built
+    _, sdist, collected = built
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp_path, filter="data")
     (top,) = tmp_path.iterdir()
@@ -92,16 +133,9 @@ def test_sdist_holds_its_tests_and_what_they_need(
                 if "__pycache__" not in p.parts}
         there = {p.relative_to(top) for p in (top / folder).rglob(files)}
         assert here <= there, sorted(map(str, here - there))
-    # pytest on the unpacked sdist collects every test (nothing fails at import); without
-    # the run-time checker's plugin, which would spend seconds wrapping the package
-    env = {**os.environ, "PYTHONPATH": str(top / "src")}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "tests/test_end_to_end.py",
-         "tests/test_cli_verify.py", "tests/test_pack.py", "tests/test_docs.py"],  # every helper
-        cwd=top, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " error" not in done.stdout
+    # pytest on the unpacked sdist collected every test (PACKAGE: nothing failed at import)
+    assert collected.startswith("collect-only exit 0\n"), collected
+    assert " error" not in collected
 
 
 def test_one_version(capsys: pytest.CaptureFixture[str]) -> None:

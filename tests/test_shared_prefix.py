@@ -594,8 +594,8 @@ def test_reducers_and_moves_without_cp() -> None:
     most = cpslice.sample_max(lp, data.masks, layout)
     least = cpslice.sample_min(ent, data.masks, layout)
     for i, (a, b, m) in enumerate(zip(ref.lp, ref.ent, data.masks)):
-        assert float(most[i]) == pytest.approx(float(a[m].max()) if bool(m.any()) else -math.inf, rel=1e-10)
-        assert float(least[i]) == pytest.approx(float(b[m].min()) if bool(m.any()) else math.inf, rel=1e-10)
+        assert float(most[i]) == pytest.approx(float(a.detach()[m].max()) if bool(m.any()) else -math.inf, rel=1e-10)
+        assert float(least[i]) == pytest.approx(float(b.detach()[m].min()) if bool(m.any()) else math.inf, rel=1e-10)
     unshared = case.unshared()
     for moved in (cpslice.gather_responses(lp, layout), cpslice.redistribute(lp, layout, unshared),
                   cpslice.redistribute(cpslice.redistribute(lp, layout, unshared), unshared, layout)):
