@@ -122,6 +122,9 @@ def _serve(rank: int, size: int, port: int, inbox: Any, outbox: Any) -> None:
     """One rank of a world: join it, then run tasks until told to stop (``None``) or
     the session's process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's to handle: it kills us
+    # one intra-op thread: a world's ranks outnumber the machine's cores, and idle
+    # OpenMP workers spinning between a rank's small ops would take them from the others
+    torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     baseline = _Baseline()

@@ -2,7 +2,8 @@
 soon as they are collected: the planted ``cpslice verify`` runs, the unchecked rerun of
 the error tests and the compiled steps take many seconds of CPU each, and run, niced,
 beside the tests instead of in line with them. The tests that wait for them run last,
-so that the jobs have the whole session to finish in."""
+so that the jobs have the whole session to finish in; before them, the tests marked
+``discards_world``, which kill a shared gloo world that later tests would start anew."""
 
 import pytest
 
@@ -12,7 +13,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # hook must see first (so that the session runs checked)
     from . import background, checked, compile_job, planted  # noqa: F401  (they register jobs)
 
-    items.sort(key=lambda item: background.waits(item.nodeid))  # stable: waiters last
+    # stable: the tests that discard a shared world after every other (the next user of
+    # that world would start a new one), then those that wait for background jobs
+    items.sort(key=lambda item: (background.waits(item.nodeid),
+                                 item.get_closest_marker("discards_world") is not None))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -30,8 +30,7 @@ from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult
 from cpslice._verify.runner import host_store, verify_main
 
-from . import _verify_ranks, background, planted
-from .background import Job
+from . import _verify_ranks, planted
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -232,21 +231,10 @@ def test_the_shared_batches_share_their_prompts_and_their_first_sets(cp: int) ->
                 assert (held > 0) == (rank == 0), (rank, held)
 
 
-SMALL_RUN = ("verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4")
-
-
-def _small_run() -> dict[str, Job]:
-    """``python -m cpslice verify`` of every layout on 2 ranks: a background job
-    (tests/background.py), its ranks' start-up beside the session's tests."""
-    return {"small": Job((sys.executable, "-m", "cpslice", *SMALL_RUN), dict(os.environ),
-                         Path(__file__).resolve().parents[1])}
-
-
-background.register("verify-small", "tests/test_cli_verify.py::test_a_small_run", _small_run)
-
-
-def test_a_small_run_passes_and_prints_the_table() -> None:
-    code, out, err = background.result("verify-small", timeout=400)["small"]
+def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    # in line, not in the background: its start-up needs the cores the session holds
+    code, out, err = run(["verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4"],
+                         capsys)
     assert code == 0, out + err
     lines = out.splitlines()
     assert lines[0].startswith("cpslice verify: 2 gloo processes (cp 2 x tp 1)")

@@ -47,7 +47,7 @@ def _leaky(rank: int, world: int) -> None:
     from cpslice._vocab import stats as _logprob  # imported by _state before: the world restores its globals
 
     torch.manual_seed(1234 + rank)
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch.get_num_threads() + 1)
     dist.all_reduce = lambda *args, **kwargs: None
     _logprob._all_gather = None  # type: ignore[assignment]
     os.environ["CPSLICE_TEST_LEAK"] = "1"
@@ -133,6 +133,7 @@ def _miscounts_groups(rank: int, world: int) -> None:
     c10d._world.group_count += rank  # as a rank whose new_group failed halfway would
 
 
+@pytest.mark.discards_world  # run after every other test of the shared world of 2
 def test_ranks_that_disagree_on_their_groups_fail_the_task_and_leave_the_world() -> None:
     first = run_distributed(_pid, 2)
     with pytest.raises(RuntimeError, match=r"different numbers of process groups \(\{0: \d+, 1: \d+\}\)"):
