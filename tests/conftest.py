@@ -8,6 +8,15 @@ so that the jobs have the whole session to finish in; before them, the tests mar
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # one intra-op thread, as each gloo rank has (tests/_dist.py): the session's small
+    # ops gain nothing from a second one, whose OpenMP worker would spin between them on
+    # the core the ranks and the background jobs need
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # imported here, after collection: they import cpslice, which the jaxtyping plugin's
     # hook must see first (so that the session runs checked)
