@@ -156,6 +156,11 @@ def from_parallel_state_setup(tp: int, cp: int) -> Got:
     given = Layout.from_parallel_state([10, 7], [4, 3], cp_mode="allgather",
                                        padded_lengths=[11, 9])
     assert given.padded_lengths == (11, 9) and given.cp_mode == "allgather"
+    # a shared prefix: two responses on one prompt of 6 tokens, packed as one star
+    star = Layout.from_parallel_state([10, 8], [4, 2], shared_prefix=[2])
+    assert star == Layout([10, 8], [4, 2], cp_mode=read, cp_rank=got[0][1], cp_size=cp, shared_prefix=[2])
+    width = 12 if cp == 1 else -(-12 // (2 * cp)) * 2 * cp  # the star: 6 + 4 + 2 tokens
+    assert star.shared_prefix == (2,) and star.padded_lengths == (width,), star
     dist.barrier()
     return got
 
