@@ -314,7 +314,7 @@ def select(layout: Layout, length: int, span: Span, rank: int | None = None, dep
     total, response = _lengths(layout)
     zero = torch.zeros_like(total)
     if span == "response":
-        lo, hi = (total - response - 1 - depth).clamp_min(0), total - 1 - depth
+        lo, hi = _response_span(total, response, depth)
     elif span == "sample":
         lo, hi = zero, total
         if layout.shared_prefix is not None:
@@ -322,6 +322,22 @@ def select(layout: Layout, length: int, span: Span, rank: int | None = None, dep
     else:
         lo, hi = zero, total - 1 - depth
     return _select(layout, length, lo, hi, rank)
+
+
+def _response_span(total: Tensor, response: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    """Per sample, the positions ``[lo, hi)`` whose depth-``d`` targets are response tokens."""
+    return (total - response - 1 - depth).clamp_min(0), total - 1 - depth
+
+
+def predicted(layout: Layout, depth: int) -> Tensor:
+    """The bool ``[R]`` mask, over all whole responses back to back, of the tokens that a
+    position of the response span predicts at ``depth``: all but the first
+    ``d + 1 - P_i`` of a sample whose prompt is shorter than ``d + 1``."""
+    total, response = _lengths(layout)
+    first = _response_span(total, response, depth)[0] + response_base(layout, concatenated=True, depth=depth)
+    count = int(response.sum())
+    sample = torch.repeat_interleave(torch.arange(response.numel(), dtype=_I64), response, output_size=count)
+    return torch.arange(count, dtype=_I64) >= first[sample]
 
 
 @cached(maxsize=8)

@@ -24,7 +24,7 @@ from . import _checks as checks
 from ._cache import cached
 from ._errors import LayoutError
 from ._layout import Layout
-from ._plan import Local, resolve, response_base, selection_at
+from ._plan import Local, predicted, resolve, response_base, selection_at
 from ._types import Denominators, IntArg, Masks, Shares, compute_dtype
 
 _I64 = torch.int64
@@ -41,7 +41,7 @@ class _Index(NamedTuple):
     local: Tensor  # [m] each share element's index in all whole responses back to back
     local_sample: Tensor  # [m] each share element's sample
     whole_sample: Tensor  # [R] each whole-response element's sample
-    predicted: Tensor  # [R] 1 where an element has a predicting position at the depth, else 0
+    predicted: Tensor | None  # [R] at depth d > 0: True where a position predicts the element
 
 
 # A few (layout, device, depth) triples: one step reduces the same layout several times.
@@ -52,17 +52,14 @@ def _index(layout: Layout, length: int, device: torch.device, depth: int) -> _In
     # (output_size: no summing pass, which under load costs milliseconds on 2 threads)
     local_sample = torch.repeat_interleave(samples, torch.tensor(sel.counts, dtype=_I64),
                                            output_size=sum(sel.counts))
-    response = torch.tensor(layout.response_lengths, dtype=_I64)
-    whole_sample = torch.repeat_interleave(samples, response, output_size=sum(layout.response_lengths))
-    # at depth d the first d + 1 - P_i tokens of a sample have no predicting position
-    # (docs/layouts.md, "Depth-d targets"): they are in no share and weigh nothing
-    prompt = torch.tensor(layout.total_lengths, dtype=_I64) - response
-    within = torch.arange(whole_sample.numel(), dtype=_I64) - (torch.cumsum(response, 0) - response)[whole_sample]
-    predicted = (within >= (1 + depth - prompt).clamp_min(0)[whole_sample]).to(torch.float64)
+    whole_sample = torch.repeat_interleave(
+        samples, torch.tensor(layout.response_lengths, dtype=_I64), output_size=sum(layout.response_lengths)
+    )
     local = sel.sources(response_base(layout, concatenated=True, depth=depth))
+    # at depth d the tokens no position predicts are in no share and weigh nothing
+    keep = predicted(layout, depth).to(device) if depth else None
     return _Index(
-        list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device),
-        predicted.to(device),
+        list(sel.counts), local.to(device), local_sample.to(device), whole_sample.to(device), keep
     )
 
 
@@ -174,8 +171,8 @@ def _sums(values: object, loss_masks: object, layout: Layout, *, columns: bool, 
     # where, not a bare product: a masked -inf or NaN must not poison the sum (or its grad)
     masked = torch.where(mask != 0, flat * mask, torch.zeros_like(flat))
     local = flat.new_zeros((n, *flat.shape[1:])).index_add(0, index.local_sample, masked)
-    if at.depth:
-        whole_mask = whole_mask * index.predicted.to(acc)
+    if index.predicted is not None:
+        whole_mask = torch.where(index.predicted, whole_mask, 0)
     whole = torch.zeros(n, dtype=acc, device=device).index_add(
         0, index.whole_sample, whole_mask
     )
