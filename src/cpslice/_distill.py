@@ -439,7 +439,7 @@ def response_topk_log_probs_from_hidden(
                                        vocab_size, tp)
     read = local.reads["response"]
     values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
-    if layout.shared_prefix is not None:  # distinct rows, ascending: back to the elements (a shared row per branch)
-        values, ids = values[read.picks.element], ids[read.picks.element]
+    # the distinct rows' results, back to the elements (a shared row's to each of its branches)
+    values, ids = values.index_select(0, read.picks.element), ids.index_select(0, read.picks.element)
     counts = read.selection.counts
     return list(torch.split(values, counts)), list(torch.split(ids, counts))
