@@ -306,9 +306,12 @@ def _spans(total: tuple[int, ...], response: tuple[int, ...], depth: int) -> tup
     return out, sel.counts
 
 
-def _rank_block(layout: Layout, length: int, colour: bool, depth: int, stars: Layout | None) -> list[str]:
+def _rank_block(
+    layout: Layout, length: int, colour: bool, depth: int, stars: Layout | None, spans: list[int]
+) -> list[str]:
     """What one rank holds: its picture (with a shared prefix, ``stars``: the stars as
-    samples, and a line per sample), then per sample its positions and its share."""
+    samples, and a line per sample), then per sample its positions and its share
+    (``spans[i]``: the length of sample ``i``'s response span at ``depth``)."""
     own = _slots(layout, length)
     slots = own if stars is None else _slots(stars, length)
     rows = _picture_rows(layout, length, depth)
@@ -320,7 +323,7 @@ def _rank_block(layout: Layout, length: int, colour: bool, depth: int, stars: La
     if stars is not None:
         for i, strip in enumerate(strips(layout, length, depth, rows)):
             lines.append(f"  {_picture(strip, length, slots, colour)}  sample {i}")
-    shares = _shares(layout, length, depth, _spans(layout.total_lengths, layout.response_lengths, depth)[1])
+    shares = _shares(layout, length, depth, spans)
     for j, group in enumerate(groups(layout)):
         if stars is not None:
             lines.append(f"  star {j}: {_held([s for s in slots if s.sample == j], 'star positions')}")
@@ -403,14 +406,13 @@ def _header(args: argparse.Namespace, first: Layout, length: int) -> str:
     )
 
 
-def _sample_lines(args: argparse.Namespace, first: Layout) -> list[str]:
-    """Per sample, its lengths, its tokens and its response span (with a shared prefix,
-    each star's line before its samples')."""
+def _sample_lines(args: argparse.Namespace, first: Layout, spans: list[str]) -> list[str]:
+    """Per sample, its lengths, its tokens and its response span (``spans``, from
+    ``_spans``; with a shared prefix, each star's line before its samples')."""
     lines = []
     total, response = first.total_lengths, first.response_lengths
     padded = args.align is not None or args.padded_lengths is not None
     shared = first.shared_prefix is not None
-    spans = _spans(total, response, cast(int, args.depth))[0]
     at = f" at depth {args.depth}" if args.depth else ""
     for j, group in enumerate(groups(first)):
         if shared:
@@ -448,7 +450,8 @@ def _plan(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     d = cast(int, args.depth)
     stars = star_layout(first, order, length)
-    lines = [_header(args, first, length), *_sample_lines(args, first)]
+    spans, span_lengths = _spans(first.total_lengths, first.response_lengths, d)  # once: every rank's
+    lines = [_header(args, first, length), *_sample_lines(args, first, spans)]
     shown = None if order is None else order_line(order, _FULL_PICTURE_MAX)
     if shown is not None:
         lines.append(f"{shown} (rank r holds stream positions order[r*T:(r+1)*T])")
@@ -459,7 +462,8 @@ def _plan(args: argparse.Namespace) -> int:
         lines.append(_COMPACT_NOTE.format(_FULL_PICTURE_MAX))
     for rank in range(cp_size):
         star_rank = None if stars is None else stars.for_rank(rank)
-        lines += ["", *_rank_block(first.for_rank(rank).with_local_length(length), length, colour, d, star_rank)]
+        lines += ["", *_rank_block(first.for_rank(rank).with_local_length(length), length, colour, d, star_rank,
+                                   span_lengths)]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
