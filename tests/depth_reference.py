@@ -14,6 +14,7 @@ tensors), ``check`` compares its result with the reference and returns the failu
 
 from dataclasses import dataclass, field
 from functools import cache
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -27,6 +28,10 @@ from cpslice import (
     shard_responses,
     shifted_targets,
 )
+from cpslice._types import CpMode, QkvFormat
+
+from .oracle import Config
+from .oracle import widths as oracle_widths
 
 Entry = tuple[tuple[int, int], ...]
 """What one local row holds: the ``(sample, position)`` pairs (none: padding; several: a
@@ -85,10 +90,6 @@ def _list(x: tuple[int, ...] | None) -> list[int] | None:
     return None if x is None else list(x)
 
 
-def _up(value: int, step: int) -> int:
-    return -(-value // step) * step
-
-
 def groups(case: Case) -> list[list[int]]:
     """The samples of each extent: one each, or a shared prefix's groups."""
     sizes = case.shared if case.shared is not None else (1,) * len(case.total)
@@ -113,22 +114,12 @@ def _star(case: Case, members: list[int]) -> list[Entry]:
 
 
 def widths(case: Case) -> list[int]:
-    """Each extent's ``W`` (docs/layouts.md, "The extent W_i of a sample")."""
-    out = []
-    for j, members in enumerate(groups(case)):
-        tokens = len(_star(case, members))
-        if case.padded is not None:
-            out.append(case.padded[j])
-        elif case.align is not None:
-            out.append(_up(tokens, case.align))
-        elif case.fmt == "bshd":
-            assert case.seq is not None
-            out.append(_up(case.seq, 2 * case.cp) if case.mode == "zigzag" else case.seq)
-        elif case.mode == "zigzag":
-            out.append(_up(tokens, 2 * case.cp))
-        else:
-            out.append(tokens)
-    return out
+    """Each extent's ``W`` (docs/layouts.md, "The extent W_i of a sample"): the oracle's
+    rule (tests/oracle.py) over the extents' tokens, a star's for a shared prefix."""
+    tokens = tuple(len(_star(case, members)) for members in groups(case))
+    rule = Config(tokens, (0,) * len(tokens), cast(QkvFormat, case.fmt), case.seq, cast(CpMode, case.mode),
+                  case.cp, None, 0, case.padded, case.align)
+    return oracle_widths(rule)
 
 
 def extents(case: Case) -> list[list[Entry]]:
