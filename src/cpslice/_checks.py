@@ -30,7 +30,7 @@ def kind(value: object) -> str:
     return f"{article} {name}"
 
 
-def _is_bool(value: object) -> bool:
+def is_bool(value: object) -> bool:
     # numpy's bool is `bool_` (numpy 1) or `bool` (numpy 2) and has no __index__ in
     # numpy 2, but older numpy gave it one.
     return isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")
@@ -42,7 +42,7 @@ def integer(name: str, value: object) -> int:
     Raises:
         TypeError: a bool, a float, or anything else without ``__index__``.
     """
-    if _is_bool(value) or not hasattr(type(value), "__index__"):
+    if is_bool(value) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name} {value!r} is {kind(value)}, not an int")
     return operator.index(value)  # type: ignore[arg-type]  # has __index__, checked above
 
@@ -67,7 +67,7 @@ def lengths(
         return tuple(values)  # plain ints, the common case: a fifth of the loop below
     out: list[int] = []
     for i, v in enumerate(values):
-        if _is_bool(v) or not hasattr(type(v), "__index__"):
+        if is_bool(v) or not hasattr(type(v), "__index__"):
             raise TypeError(
                 f"{unit} {i}: {name.removesuffix('s')} {v!r} is {kind(v)}, not an int ({rule})"
             )
@@ -81,7 +81,7 @@ def real(name: str, value: object) -> float:
     Raises:
         TypeError: anything else.
     """
-    if _is_bool(value) or not isinstance(value, numbers.Real):
+    if is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {kind(value)} {value!r}")
     return float(value)
 
@@ -301,7 +301,7 @@ def fill_value(fill: object, dtype: torch.dtype) -> float | int | bool:
             outside the dtype's range; anything but 0/1 for bool.
     """
     if dtype == torch.bool:
-        if _is_bool(fill):
+        if is_bool(fill):
             return bool(fill)
         value = real("fill", fill)
         if value not in (0.0, 1.0):
@@ -309,7 +309,7 @@ def fill_value(fill: object, dtype: torch.dtype) -> float | int | bool:
         return bool(value)
     if dtype.is_floating_point or dtype.is_complex:
         return real("fill", fill)
-    if hasattr(type(fill), "__index__") and not _is_bool(fill):
+    if hasattr(type(fill), "__index__") and not is_bool(fill):
         whole = operator.index(fill)  # type: ignore[arg-type]  # has __index__
     else:
         value = real("fill", fill)

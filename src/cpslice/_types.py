@@ -104,6 +104,7 @@ class LogProbKeywords(TypedDict, Generic[TemperatureT, SupportT], total=False):
     entropy_over: EntropyOverArg
     softcap: RealArg | None
     vocab_size: IntArg | None
+    invariant: bool
 
 
 class SampleKeywords(LogProbKeywords[TemperatureT, SupportT], total=False):

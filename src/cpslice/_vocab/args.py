@@ -46,8 +46,8 @@ def options(
     (``[T]`` targets, ``[T, k]`` ids, or None for a top-k) and the raw keywords, a keyword
     not given taking its public default. In this order: the temperature, ``chunk_size``
     (None: ``default_chunk``), ``softcap``, ``vocab_size`` (and ``tp_group``'s
-    membership), the ids inside the vocabulary (on the CPU), ``entropy_over`` and the
-    ``support``. Nothing here enters a collective."""
+    membership), the ids inside the vocabulary (on the CPU), ``entropy_over``, the
+    ``support`` and ``invariant``. Nothing here enters a collective."""
     tp_group = keywords.get("tp_group")
     tau = temperature(keywords.get("temperature", 1.0), x.shape[0], x)
     chunk = chunk_size(keywords.get("chunk_size"))
@@ -57,6 +57,7 @@ def options(
         in_vocabulary(ids, vocab, "targets" if ids.dim() == 1 else "ids")
     entropy_over = keywords.get("entropy_over", "full")
     support = sets(keywords.get("support"), entropy_over, x.shape[0], vocab, what)
+    invariant = flag("invariant", keywords.get("invariant", False))
     return Options(
         with_entropy=with_entropy,
         entropy_grad=keywords.get("entropy_grad", True),
@@ -67,7 +68,15 @@ def options(
         over_support=entropy_over == "support",
         cap=cap,
         vocab_size=vocab,
+        invariant=invariant,
     )
+
+
+def flag(name: str, value: object) -> bool:
+    """A ``bool`` keyword (numpy's too), never a truthy stand-in."""
+    if not checks.is_bool(value):
+        raise TypeError(f"{name}={value!r} is {checks.kind(value)}; pass True or False")
+    return bool(value)
 
 
 def chunk_size(value: object) -> int | None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .sparse import Elements, Restricted, Split, split
-from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
+from .stats import TILE, RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
 from .support import Support
 
 
@@ -26,7 +26,8 @@ class Options(NamedTuple):
     ``[T]`` tensor of one per row); ``chunk_size`` rows per chunk (None: the driver's
     default); ``support`` per-row sets, with ``over_support`` the entropy of rows with a
     set taken over the set; ``rows`` the rows to compute; ``cap`` the soft-cap of the
-    logits; ``vocab_size`` the ids of the distribution (None: the whole vocabulary)."""
+    logits; ``vocab_size`` the ids of the distribution (None: the whole vocabulary);
+    ``invariant`` the bitwise-invariant reduction."""
 
     with_entropy: bool
     entropy_grad: bool
@@ -40,6 +41,9 @@ class Options(NamedTuple):
     results that are not to be read, and no gradient."""
     cap: float | None = None
     vocab_size: int | None = None
+    invariant: bool = False
+    """Invariant mode (``invariant``): per-tile statistics merged in a fixed order, the
+    eager kernels only."""
 
     @property
     def softmax(self) -> Softmax:
@@ -77,6 +81,11 @@ class Saved:
     dense_rows: list[tuple[int, int]] | None
 
 
+def tile_count(shard: Shard, options: Options) -> int | None:
+    """The distribution's tiles in invariant mode (``stats.combine``'s ``tiles``), else None."""
+    return -(-shard.vocab // TILE) if options.invariant else None
+
+
 def finish(
     dense: RowStats,
     sets: Sets | None,
@@ -91,7 +100,7 @@ def finish(
     computed over the set), NaN where an id (or a set's) is outside the vocabulary; and
     the ``Saved`` record."""
     parts = [dense] if sets is None else [dense, sets.stats]
-    totals, _ = combine(parts, options.tau, shard.group)
+    totals, _ = combine(parts, options.tau, shard.group, tiles=tile_count(shard, options))
     log_p, entropy = totals[0].log_probs, totals[0].entropy
     valid = (ids >= 0) & (ids < shard.vocab)
     restricted = None

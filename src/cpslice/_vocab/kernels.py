@@ -498,17 +498,20 @@ def grad(
     chunks: Chunks,
     runs: Runs = None,
     work: Workspace | None = None,
+    compiled: bool = True,
 ) -> None:
     """Write the gradient w.r.t. the raw logits of the rows of ``runs`` of the tile ``x``
     into ``out`` (``[n, V]`` with contiguous rows, its dtype; rows outside ``runs`` are
     left as they are): ``p * (a log p + b)`` with ``M``, ``log S`` the rows' totals, plus
     the one-hot terms of ``row``, through the cap's ``tanh``. Each run of rows is a tile
-    of its own for the compiled kernels, as in ``stats``."""
+    of its own for the compiled kernels, as in ``stats``; ``compiled=False`` (invariant
+    mode) runs the eager loop alone."""
     eager = []
     for s, e in [(0, x.shape[0])] if runs is None else runs:
         part = x[s:e]
-        if not (use_compiled(part) and _compiled_grad(part, big_m[s:e], log_s[s:e], softmax.rows(slice(s, e)),
-                                                      _row_slice(row, s, e), chunks.compiled, out[s:e])):
+        if not (compiled and use_compiled(part)
+                and _compiled_grad(part, big_m[s:e], log_s[s:e], softmax.rows(slice(s, e)),
+                                   _row_slice(row, s, e), chunks.compiled, out[s:e])):
             eager.append((s, e))
     _eager_grad(x, big_m, log_s, softmax, row, chunks.eager, eager, work or Workspace(), out)
 

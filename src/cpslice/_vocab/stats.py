@@ -161,6 +161,43 @@ def merge(parts: RowStats, tau: Tau) -> RowStats:
     return RowStats(big, (scale * parts.sum).sum(0), parts.picked.sum(0), ent)
 
 
+TILE = 128
+"""Columns per tile of invariant mode (``invariant``): megatron pads the LM head to a
+multiple of 128 per TP rank (``make_vocab_size_divisible_by``), so every padded shard
+holds whole tiles."""
+
+
+def tree(x: Tensor) -> Tensor:
+    """The sum over the last dimension by pairwise halving: zero-padded to a power of two
+    ``w``, then ``x[..., :w/2] + x[..., w/2:]`` until one element is left (in place on
+    ``x`` where its width is a power of two, else on a padded copy). Every step is an
+    elementwise add, so the order is fixed whatever the backend's reduction kernels."""
+    n = x.shape[-1]
+    width = 1 << (n - 1).bit_length() if n > 1 else 1
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x[..., :width].add_(x[..., width : 2 * width])
+    return x[..., 0]
+
+
+def merge_tiles(parts: RowStats, tau: Tau) -> RowStats:
+    """``merge`` in invariant mode: the statistics of the whole distribution from every
+    tile's (the fields' leading dimension, in global order; ``picked``'s the shards'), in
+    the spec's fixed order: ``M`` the max, each tile rescaled by ``exp(delta_j)``, the
+    tiles' sums by ``tree``."""
+    big = parts.max.amax(0)
+    delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
+    scale = torch.exp(delta)
+    total = tree((scale * parts.sum).t().contiguous())
+    ent = None
+    if parts.ent is not None:
+        terms = torch.where(parts.sum > 0, scale * (parts.ent + delta * parts.sum), 0.0)
+        ent = tree(terms.t().contiguous())
+    return RowStats(big, total, parts.picked.sum(0), ent)
+
+
 class Totals(NamedTuple):
     """A row's results over the whole vocabulary (or its restricted set): ``max`` ``M``,
     ``log_sum`` ``log S``, ``log_probs`` ``[T, k]`` of the picked ids, ``entropy`` ``[T]``
@@ -182,10 +219,13 @@ def totals(stats: RowStats, tau: Tau) -> Totals:
 
 def _rows(stats: RowStats, with_picked: bool) -> list[Tensor]:
     """The ``[T]`` rows of ``stats`` that travel in the all-gather."""
-    rows = [stats.max, stats.sum]
+    def of(field: Tensor) -> list[Tensor]:
+        return [field] if field.dim() == 1 else list(field.t())
+
+    rows = [*of(stats.max), *of(stats.sum)]
     if with_picked:
         rows += list(stats.picked.t())
-    return rows + ([] if stats.ent is None else [stats.ent])
+    return rows + ([] if stats.ent is None else of(stats.ent))
 
 
 def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -205,26 +245,42 @@ def combine(
     tau: Tau,
     group: dist.ProcessGroup | None,
     extra: Tensor | None = None,
+    tiles: int | None = None,
 ) -> tuple[list[Totals], Tensor | None]:
     """``Totals`` of each of ``parts`` (this shard's statistics of the same rows, e.g. the
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
     Every part after the first shares the first's picked logits (they are not sent
     again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
-    ``[W, r, T]``. Collectives: one ``all_gather`` with ``group``, else none."""
+    ``[W, r, T]``. With ``tiles`` (invariant mode) the parts' ``max``, ``sum`` and ``ent``
+    are ``[T, n]`` per tile, and the first ``tiles`` of all shards' tiles, in global
+    order, merge by ``merge_tiles``. Collectives: one ``all_gather`` with ``group``, else
+    none."""
     first = parts[0]
     k = first.picked.shape[1]
     rows = [r for i, p in enumerate(parts) for r in _rows(p, i == 0)]
     local = torch.stack(rows if extra is None else [*rows, *extra.to(first.max.dtype)])
     gathered = all_gather_rows(local, group)
-    picked = gathered[:, 2 : 2 + k].transpose(1, 2)
+    world, t = gathered.shape[0], gathered.shape[2]
+
+    def field(at: int, n: int) -> Tensor:
+        if tiles is None:
+            return gathered[:, at]
+        return gathered[:, at : at + n].reshape(world * n, t)[:tiles]
+
     out, at = [], 0
+    picked = None
     for i, p in enumerate(parts):
-        m, s = gathered[:, at], gathered[:, at + 1]
-        at += 2 + (k if i == 0 else 0)
+        n = 1 if p.max.dim() == 1 else p.max.shape[1]
+        m, s = field(at, n), field(at + n, n)
+        at += 2 * n
+        if i == 0:
+            picked, at = gathered[:, at : at + k].transpose(1, 2), at + k
         ent = None
         if p.ent is not None:
-            ent, at = gathered[:, at], at + 1
-        out.append(totals(merge(RowStats(m, s, picked, ent), tau), tau))
+            ent, at = field(at, n), at + n
+        assert picked is not None
+        stats = RowStats(m, s, picked, ent)
+        out.append(totals(merge(stats, tau) if tiles is None else merge_tiles(stats, tau), tau))
     return out, None if extra is None else gathered[:, at:]
 
 
