@@ -45,12 +45,48 @@ def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) ->
     return Candidates(values.to(dtype), columns + first_id)
 
 
-def merge(a: Candidates, b: Candidates, k: int) -> Candidates:
-    """The best ``k`` of two rows of candidates each (as many as there are, up to ``k``)."""
+def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_id: int) -> Candidates:
+    """``of_tile`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
+    broken by the smaller id (NaN counted as the largest), so the ids are a function of
+    the row's values alone; padded to ``width`` with ``(-inf, pad_id)``, an id past every
+    real one, so that a tie at -inf never picks a pad (a ``width`` below ``min(k, V)``
+    pads nothing)."""
+    rows, vocab = x.shape
+    kk = min(k, vocab)
+    width = max(width, kk)
+    values = torch.full((rows, width), -math.inf, dtype=dtype, device=x.device)
+    ids = torch.full((rows, width), pad_id, dtype=torch.int64, device=x.device)
+    if kk == 0 or rows == 0:
+        return Candidates(values, ids)
+    y = x.to(dtype).nan_to_num(nan=math.inf)
+    kth = torch.topk(y, kk, dim=1).values[:, -1:]
+    tie = y == kth
+    take = (y > kth) | (tie & (tie.cumsum(1) <= kk - (y > kth).sum(1, keepdim=True)))
+    columns = take.nonzero()[:, 1].view(rows, kk)
+    chosen = best(Candidates(y.gather(1, columns), columns), kk)
+    values[:, :kk] = x.gather(1, chosen.ids).to(dtype)
+    ids[:, :kk] = chosen.ids + first_id
+    return Candidates(values, ids)
+
+
+def best(c: Candidates, k: int) -> Candidates:
+    """The first ``k`` of ``c`` by value, descending, ties by the smaller id (a stable sort
+    by id, then a stable sort by value): invariant mode's choice among candidates."""
+    by_id = torch.sort(c.ids, dim=1, stable=True).indices
+    values, ids = c.values.gather(1, by_id), c.ids.gather(1, by_id)
+    order = torch.sort(values.nan_to_num(nan=math.inf), dim=1, descending=True, stable=True).indices[:, :k]
+    return Candidates(values.gather(1, order), ids.gather(1, order))
+
+
+def merge(a: Candidates, b: Candidates, k: int, invariant: bool = False) -> Candidates:
+    """The best ``k`` of two rows of candidates each (as many as there are, up to ``k``);
+    in invariant mode by ``best``."""
     values = torch.cat([a.values, b.values], 1)
     ids = torch.cat([a.ids, b.ids], 1)
-    best, at = torch.topk(values, min(k, values.shape[1]), dim=1)
-    return Candidates(best, ids.gather(1, at))
+    if invariant:
+        return best(Candidates(values, ids), min(k, values.shape[1]))
+    top, at = torch.topk(values, min(k, values.shape[1]), dim=1)
+    return Candidates(top, ids.gather(1, at))
 
 
 def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
@@ -68,20 +104,26 @@ def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
 
 
 def choose(
-    dense: RowStats, local: Candidates, k: int, shard: Shard, softmax: Softmax
+    dense: RowStats, local: Candidates, k: int, shard: Shard, softmax: Softmax, tiles: int | None = None
 ) -> tuple[Tensor, Tensor, Totals]:
     """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates
     (raw logits: the cap is monotone), descending, after one all-gather of this shard's
-    ``dense`` statistics (without picked ids) and its candidates."""
+    ``dense`` statistics (without picked ids) and its candidates. With ``tiles``
+    (invariant mode: ``dense`` per tile) the tiles merge in the fixed order and the
+    candidates by ``best``."""
     rows, c = local.values.shape
     tau = softmax.tau
     extra = torch.cat([local.values.t(), local.ids.t().to(local.values.dtype)])
-    (totals,), gathered = combine([dense], tau, shard.group, extra)
+    (totals,), gathered = combine([dense], tau, shard.group, extra, tiles)
     assert gathered is not None
     # [W, c, T] per shard -> [T, W * c]
     width = gathered.shape[0] * c  # not -1: T = 0 (a rank of no rows) has no size to infer
     values = gathered[:, :c].permute(2, 0, 1).reshape(rows, width)
     ids = gathered[:, c:].permute(2, 0, 1).reshape(rows, width)
-    best, at = torch.topk(values, k, dim=1)
-    log_p = (softmax.logits(best) - totals.max[:, None]) / per_row(tau) - totals.log_sum[:, None]
-    return log_p, ids.gather(1, at).to(torch.int64), totals
+    if tiles is None:
+        top, at = torch.topk(values, k, dim=1)
+        chosen = ids.gather(1, at)
+    else:
+        top, chosen = best(Candidates(values, ids), k)
+    log_p = (softmax.logits(top) - totals.max[:, None]) / per_row(tau) - totals.log_sum[:, None]
+    return log_p, chosen.to(torch.int64), totals
