@@ -45,10 +45,10 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, kernels, topk
-from .engine import Options, Saved, Sets, finish, row_terms
+from . import args, invariant, kernels, topk
+from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .sparse import Elements, element_grad, elements, set_stats
-from .stats import placeholders, shard_of
+from .stats import RowStats, Shard, placeholders, shard_of
 from .support import SupportArg
 from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, row_slice, spans
 
@@ -77,7 +77,7 @@ def forward(
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
     column, held = shard.columns(ids[:, None] if ids.dim() == 1 else ids)
-    dense = placeholders(rows, column.shape[1], cdt, hidden.device, options.with_entropy)
+    dense = _placeholders(rows, vocab, column.shape[1], cdt, hidden.device, shard, options)
     sets = None
     runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
     if options.support is not None:
@@ -90,7 +90,12 @@ def forward(
             runs = kernels.runs_of(need if options.rows is None else need & options.rows, options.chunk_size)
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
-        sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h))
+        if options.invariant:
+            set_part = invariant.set_stats(x_el, el.row, el.col, el.member, rows, dense.max.shape[1], options.tau,
+                                           with_set_h)
+        else:
+            set_part = set_stats(x_el, el, dense.picked, options.tau, with_set_h)
+        sets = Sets(el, x_el, set_part)
     dense_pass(hidden, weight, column, held, dense, runs, shard, options)
     return finish(dense, sets, ids, shard, options, runs)
 
@@ -104,12 +109,24 @@ def topk_forward(
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
     none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
-    dense = placeholders(rows, 0, cdt, hidden.device, with_entropy=False)
+    options = options._replace(with_entropy=False)
+    dense = _placeholders(rows, vocab, 0, cdt, hidden.device, shard, options)
     everything = [(0, rows)]
     found = dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
     assert found is not None
-    log_p, ids, totals = topk.choose(dense, found, k, shard, options.softmax)
+    log_p, ids, totals = topk.choose(dense, found, k, shard, options.softmax, tile_count(shard, options))
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, everything)
+
+
+def _placeholders(
+    rows: int, vocab: int, k: int, cdt: torch.dtype, device: torch.device, shard: Shard, options: Options
+) -> RowStats:
+    """The dense statistics' placeholders: ``[T]`` fields, or per tile in invariant mode
+    (whose shard must hold whole tiles)."""
+    if not options.invariant:
+        return placeholders(rows, k, cdt, device, options.with_entropy)
+    invariant.check(shard)
+    return invariant.placeholders(rows, invariant.tiles(vocab), k, cdt, device, options.with_entropy)
 
 
 class _Sum:
@@ -179,7 +196,7 @@ def backward(
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, opts.chunk_size)
     held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
     valid = saved.shard.valid
-    tiles = Tiles.of(rows, vocab, opts.chunk_size)
+    tiles = Tiles.of(rows, vocab, opts.chunk_size, opts.invariant)
     # forward's tiles that hold a row needing the dense pass
     need = [(0, rows)] if parts.runs is None else parts.runs
     pieces = [
@@ -207,14 +224,16 @@ def backward(
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
         row_b = in_block(row, held, v0, v1)
         for s, e in pieces:
-            x = torch.mm(hidden[s:e], w_b.t())
+            x = tiles.logits(hidden[s:e], w_b, opts.invariant)
             g = g_buf[: x.numel()].view(x.shape)
             kernels.grad(
                 x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), row_slice(row_b, s, e), g,
-                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
+                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work, compiled=not opts.invariant,
             )
             del x
-            if acc_h is not None:
+            if acc_h is not None and opts.invariant:
+                acc_h.acc[s:e].add_(tiles.product(g, w_b, fixed=True))  # a row's sum whatever the others
+            elif acc_h is not None:
                 acc_h.add_mm(s, e, g, w_b)
             if acc_w is not None:
                 acc_w.add_mm(0, v1 - v0, g.t(), hidden[s:e])
@@ -314,7 +333,7 @@ def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
     entropy_grad: bool = True, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None, vocab_size: IntArg | None = None,
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
@@ -337,6 +356,12 @@ def log_probs_and_entropy_from_hidden(
             rows are the ``T`` rows of ``hidden``; each set element's logit is
             ``hidden[t] . weight[id]``; a padded vocabulary's rows of ``weight`` are never
             multiplied out and get zero gradient).
+        invariant: as ``log_probs_and_entropy``: a row's log-prob and entropy are the
+            same bits whatever the other rows and the TP size, its logits computed by
+            matmuls of one fixed shape (``invariant.BLOCK_ROWS`` rows, zero-padded, by
+            ``BLOCK_TILES * 128`` columns) whatever ``chunk_size``. The gradients w.r.t.
+            ``hidden`` and ``weight`` sum over the vocabulary and the rows (and the TP
+            shards' all-reduce): not TP-invariant (docs/invariance.md).
         chunk_size: sizes the tiles, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
             ``tiles.TILE_ROWS`` rows (all rows if fewer). None picks
@@ -377,6 +402,7 @@ def log_probs_and_entropy_from_hidden(
         hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+        invariant=invariant,
     )
     return apply(hidden_, weight_, targets_, options)
 
@@ -391,6 +417,7 @@ def log_probs_at_from_hidden(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> Tensor:
     """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
     V_local]`` logits: the hidden-state path's tiles, forward and backward.
@@ -417,6 +444,7 @@ def log_probs_at_from_hidden(
     options = args.options(
         hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+        invariant=invariant,
     )
     log_p, _ = apply(hidden_, weight_, ids_, options)
     return log_p
@@ -432,6 +460,7 @@ def topk_log_probs_from_hidden(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
     V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
@@ -457,6 +486,7 @@ def topk_log_probs_from_hidden(
     options = args.options(
         hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
         temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+        invariant=invariant,
     )
     assert options.vocab_size is not None
     topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))

@@ -27,11 +27,11 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, kernels, topk
-from .engine import Options, Saved, Sets, finish, row_terms
+from . import args, invariant, kernels, topk
+from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .sparse import element_grad, elements, scatter_grad, set_stats
-from .stats import placeholders, shard_of
+from .stats import RowStats, Shard, placeholders, shard_of
 from .support import SupportArg
 
 
@@ -50,18 +50,38 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
         # rows with a set need no full pass: their log-prob (and entropy) is sparse
         need = ~el.host_has_set
         runs = kernels.runs_of(need if options.rows is None else need & options.rows, chunks.eager)
-    cdt = compute_dtype(logits.dtype)
-    dense = placeholders(rows, column.shape[1], cdt, logits.device, options.with_entropy)
-    # the distribution's columns only: a padded vocabulary's rows are no ids of it
-    kernels.stats(logits[:, : shard.valid], softmax, dense, chunks=chunks, runs=runs)
-    picked = softmax.logits(logits.gather(1, column).to(cdt))
+    dense = _dense(logits, shard, options, chunks, runs, column.shape[1])
+    picked = softmax.logits(logits.gather(1, column).to(dense.max.dtype))
     dense = dense._replace(picked=torch.where(held, picked, 0.0))
     sets = None
     if el is not None:
-        x = softmax.logits(logits[el.row, el.col].to(cdt))
+        x = softmax.logits(logits[el.row, el.col].to(dense.max.dtype))
         with_h = options.with_entropy and options.over_support
-        sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h))
+        if options.invariant:
+            set_part = invariant.set_stats(x, el.row, el.col, el.member, rows, dense.max.shape[1], softmax.tau,
+                                           with_h)
+        else:
+            set_part = set_stats(x, el, dense.picked, softmax.tau, with_h)
+        sets = Sets(el, x, set_part)
     return finish(dense, sets, ids, shard, options, runs)
+
+
+def _dense(
+    logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, runs: kernels.Runs, k: int
+) -> RowStats:
+    """This shard's dense statistics of the rows of ``runs`` (placeholders elsewhere) over
+    the distribution's columns only (a padded vocabulary's rows are no ids of it), with
+    room for ``k`` picked logits: ``[T]`` fields, or per tile in invariant mode."""
+    rows, vocab = logits.shape
+    cdt = compute_dtype(logits.dtype)
+    if not options.invariant:
+        dense = placeholders(rows, k, cdt, logits.device, options.with_entropy)
+        kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, runs=runs)
+        return dense
+    invariant.check(shard)
+    dense = invariant.placeholders(rows, invariant.tiles(vocab), k, cdt, logits.device, options.with_entropy)
+    invariant.stats(logits, options.softmax, shard.valid, dense, [(0, rows)] if runs is None else runs, chunks.eager)
+    return dense
 
 
 def backward(
@@ -82,7 +102,7 @@ def backward(
         grad[:, valid:].zero_()
     kernels.grad(
         logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid],
-        chunks=chunks, runs=runs,
+        chunks=chunks, runs=runs, compiled=not opts.invariant,
     )
     if saved.restricted is not None:
         assert parts.set_lp is not None
@@ -98,19 +118,21 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(logits.dtype)
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
-    dense = placeholders(rows, 0, cdt, logits.device, with_entropy=False)
     x = logits[:, : shard.valid]
     runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
-    kernels.stats(x, options.softmax, dense, chunks=chunks, runs=runs)
+    dense = _dense(logits, shard, options._replace(with_entropy=False), chunks, runs, 0)
     width = min(k, vocab)
-    if runs is None:
+    if runs is None and not options.invariant:
         local = topk.of_tile(x, shard.offset, k, cdt, width=width)
     else:  # the rows of the runs only; the others' candidates are -inf, never read
         local = topk.Candidates(torch.full((rows, width), -math.inf, dtype=cdt, device=logits.device),
-                                torch.zeros((rows, width), dtype=torch.int64, device=logits.device))
-        for lo, hi in runs:
-            local.values[lo:hi], local.ids[lo:hi] = topk.of_tile(x[lo:hi], shard.offset, k, cdt, width=width)
-    log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax)
+                                torch.full((rows, width), shard.total, dtype=torch.int64, device=logits.device))
+        for lo, hi in kernels.pieces([(0, rows)] if runs is None else runs, chunks.eager):
+            local.values[lo:hi], local.ids[lo:hi] = (
+                topk.exact(x[lo:hi], shard.offset, k, cdt, width, shard.total) if options.invariant
+                else topk.of_tile(x[lo:hi], shard.offset, k, cdt, width=width)
+            )
+    log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax, tile_count(shard, options))
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, runs)
 
 
@@ -185,7 +207,7 @@ def log_probs_and_entropy(
     logits: TensorArg, targets: TensorArg, *, with_entropy: bool = False, entropy_grad: bool = True,
     temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
     support: SupportArg = None, entropy_over: EntropyOverArg = "full", softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> tuple[PerRow, PerRow | None]:
     """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
     temperature)`` over the full (possibly tensor-parallel) vocabulary.
@@ -204,30 +226,29 @@ def log_probs_and_entropy(
             tensor gives one per row (rollouts sampled at different temperatures), each
             checked where it is on the CPU (on a device a bad one gives its row NaN).
         tp_group: the tensor-parallel group the vocabulary is split over (None: all local).
-        chunk_size: rows per chunk of work; None picks ``default_chunk_rows``: two
-            ``[rows, V_local]`` float32 work buffers within 8 MiB on the CPU (cache
-            resident), 64 MiB elsewhere. With the compiled kernels (``CPSLICE_COMPILE``,
-            see ``_vocab.kernels``) it is their fixed chunk's rows; None picks ``[C,
-            V_local]`` within 32 MiB on the CPU, 1 GiB elsewhere.
+        chunk_size: rows per chunk of work; None picks ``default_chunk_rows`` (two
+            ``[rows, V_local]`` float32 buffers within 8 MiB on the CPU, 64 MiB elsewhere;
+            the compiled kernels', ``CPSLICE_COMPILE``: 32 MiB and 1 GiB).
         support: per-row token sets (top-p / top-k replay), the same on every rank of
             ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under the
-            softmax restricted to ``S_t`` plus its target (a target outside the set still
-            gets a finite log-prob); its gradient is zero outside that set. A row with an
-            empty set is unrestricted. ``O(K)`` work on those rows: the logits are
-            gathered at the set's ids, never masked or copied.
+            softmax restricted to ``S_t`` plus its target (even outside the set: finite),
+            its gradient zero outside; an empty set is unrestricted. ``O(K)`` work on
+            those rows: the logits are gathered at the set's ids, never masked or copied.
         entropy_over: ``"full"`` (default): the entropy over the whole vocabulary, one
             full pass over every row. ``"support"``: rows with a set take the entropy of
             their restricted distribution, with no full pass over them.
         softcap: ``c`` (finite, > 0) for a model whose output is soft-capped (Gemma 2 and
             3's ``final_logit_softcapping``): the softmax reads ``c * tanh(x / c) /
-            temperature``, applied inside the chunk kernels (no capped copy of the
-            logits), the gradient through the ``tanh``. None: the logits as given.
+            temperature`` inside the chunk kernels, the gradient through the ``tanh``.
         vocab_size: the ids of the distribution, ``[0, vocab_size)`` of a padded vocabulary
             (megatron pads the LM head to a multiple of ``make_vocab_size_divisible_by *
             tp``; the inference engine samples only the tokenizer's ids): the padded ids,
             on whichever shard, are excluded from the softmax, the entropy and any top-k,
             and get zero gradient; a target or set id ``>= vocab_size`` is refused like one
             outside the vocabulary. At most the full vocabulary (all shards); None: all.
+        invariant: True: each row's results and its logits' gradient are a function of
+            that row's logits and these options alone, bit for bit (docs/invariance.md,
+            the spec); under TP, ``V_local`` a multiple of 128. False: the fastest order.
 
     Returns:
         ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits, which
@@ -239,8 +260,8 @@ def log_probs_and_entropy(
 
     Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[k, T]`` tensor in
     forward (``k`` = 4 with entropy, else 3; with a support 2 more, 3 more with
-    ``entropy_over="support"``), entered by every rank whatever its inputs or sets (T = 0
-    too); ``T``, ``with_entropy``, ``entropy_over`` and whether a support is given must
+    ``entropy_over="support"``; invariant: each statistic once per local tile), entered
+    by every rank whatever its inputs or sets (T = 0 too); ``T`` and the options must
     agree across the group. Backward enters none; without ``tp_group``, nothing does.
 
     Raises:
@@ -253,12 +274,14 @@ def log_probs_and_entropy(
             the full vocabulary, ``entropy_over`` not ``"full"`` or ``"support"``, a
             support over another number of rows; on the CPU (where it costs no device
             sync; on a device such a row's log-prob is NaN) a target or a support id
-            outside ``[0, vocab_size)``; a DTensor placed otherwise. Before any collective.
+            outside ``[0, vocab_size)``; a DTensor placed otherwise; invariant mode's TP
+            shard not whole tiles. Before any collective.
     """
     logits_, targets_, tp = args.logits_and_targets(logits, targets, tp_group=tp_group)
     options = args.options(logits_, logits_.shape[1], targets_, with_entropy=with_entropy, entropy_grad=entropy_grad,
                            temperature=temperature, tp_group=tp, chunk_size=chunk_size, support=support,
-                           entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size)
+                           entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+                           invariant=invariant)
     return apply(logits_, targets_, options)
 
 
@@ -271,6 +294,7 @@ def log_probs_at(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> Tensor:
     """``log_softmax(logits / temperature)`` over the full (possibly tensor-parallel)
     vocabulary, at ``k`` given ids per row: a student's log-probs at its teacher's top-k.
@@ -282,7 +306,7 @@ def log_probs_at(
         ids: ``[T, k]`` int64 *global* token ids, any ``k >= 1``, repeats allowed; an id in
             another rank's shard takes its logit from that rank (a replicated DTensor: its
             local tensor).
-        temperature, tp_group, chunk_size, softcap, vocab_size: as
+        temperature, tp_group, chunk_size, softcap, vocab_size, invariant: as
             ``log_probs_and_entropy`` (an id ``>= vocab_size`` is refused).
 
     Returns:
@@ -307,7 +331,7 @@ def log_probs_at(
     logits_, ids_, tp = args.logits_and_targets(logits, ids, "ids", tp_group=tp_group)
     options = args.options(
         logits_, logits_.shape[1], ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
-        softcap=softcap, vocab_size=vocab_size,
+        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
     )
     log_p, _ = apply(logits_, ids_, options)
     return log_p
@@ -322,6 +346,7 @@ def topk_log_probs(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``k`` most likely ids over the full (possibly tensor-parallel)
     vocabulary and their log-probs: the teacher's side of top-k distillation.
@@ -335,6 +360,7 @@ def topk_log_probs(
             (DTensor logits sharded ``Shard(-1)`` over the TP mesh dimension included).
         k: ids per row, ``1 <= k <=`` the vocabulary (``vocab_size``).
         vocab_size: as ``log_probs_and_entropy``: no padded id is ever chosen.
+        invariant: as ``log_probs_and_entropy``; ties are broken by the smaller id.
 
     Returns:
         ``(log_probs, ids)``: ``[T, k]`` float32 (float64 for float64 logits), descending,
@@ -354,7 +380,7 @@ def topk_log_probs(
     k_ = args.k_best(k)
     options = args.options(
         logits_, logits_.shape[1], None, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
-        softcap=softcap, vocab_size=vocab_size,
+        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
     )
     assert options.vocab_size is not None
     topk.check_k(k_, options.vocab_size, compute_dtype(logits_.dtype))

@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from .._types import HeadWeight, Hidden
-from . import kernels, topk
+from . import invariant, kernels, topk
 from .engine import Options
+from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .sparse import Elements
-from .stats import RowGrad, RowStats, Shard, merge
+from .stats import TILE, RowGrad, RowStats, Shard, merge
 
 TILE_ROWS = 2048
 """Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
@@ -38,9 +39,39 @@ class Tiles(NamedTuple):
     columns: int
 
     @classmethod
-    def of(cls, rows: int, vocab: int, chunk: int) -> "Tiles":
+    def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Tiles":
+        """The tiles of ``rows`` rows of a ``vocab``-column shard; ``fixed`` (invariant
+        mode): always ``BLOCK_ROWS x BLOCK_TILES * TILE``, whatever the rows (``logits``
+        pads a smaller one)."""
+        if fixed:
+            return cls(BLOCK_ROWS, BLOCK_TILES * TILE)
         tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
         return cls(tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows))))
+
+    def logits(self, hidden: Tensor, weight: Tensor, fixed: bool) -> Tensor:
+        """``hidden @ weight.T`` of one tile (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
+        by a matmul of exactly this tile's shape, zero rows padding both (a BLAS picks
+        its kernel by shape, and a row's bits with it)."""
+        if not fixed:
+            return torch.mm(hidden, weight.t())
+        n, v = hidden.shape[0], weight.shape[0]
+        if n < self.rows:
+            hidden = torch.cat([hidden, hidden.new_zeros((self.rows - n, hidden.shape[1]))])
+        if v < self.columns:
+            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
+        return torch.mm(hidden, weight.t())[:n, :v]
+
+    def product(self, grad: Tensor, weight: Tensor, fixed: bool) -> Tensor:
+        """``grad @ weight`` of one tile (``[n, v]`` logit gradients, ``[v, H]`` columns),
+        ``[n, H]``; ``fixed``: by a matmul of the tile's shape, as ``logits``."""
+        if not fixed:
+            return torch.mm(grad, weight)
+        n, v = grad.shape
+        padded = grad.new_zeros((self.rows, self.columns))
+        padded[:n, :v] = grad
+        if v < self.columns:
+            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
+        return torch.mm(padded, weight)[:n]
 
     def blocks(self, vocab: int) -> list[tuple[int, int]]:
         """The vocabulary blocks ``[v0, v1)``."""
@@ -101,43 +132,54 @@ def dense_pass(
     assert options.chunk_size is not None
     rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = dense.max.dtype
-    tiles = Tiles.of(rows, vocab, options.chunk_size)
+    fixed = options.invariant
+    tiles = Tiles.of(rows, vocab, options.chunk_size, fixed)
     blocks = tiles.blocks(shard.valid)
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
         torch.full((rows, width), -math.inf, dtype=cdt, device=hidden.device),
-        torch.zeros((rows, width), dtype=torch.int64, device=hidden.device),
+        torch.full((rows, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
     work = kernels.Workspace()
     for s, e in kernels.pieces(runs, tiles.rows):
-        if not blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
+        if not blocks and not fixed:  # a shard of padded ids only: no mass, nothing to merge wrong
             dense.max[s:e], dense.sum[s:e] = -math.inf, 0.0
             if dense.ent is not None:
                 dense.ent[s:e] = 0.0
             continue
         chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
         softmax = options.softmax.rows(slice(s, e))
-        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block)
-        parts = _two_slots(dense, e - s)
+        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block);
+        # invariant mode writes each block's tiles in place
+        parts = dense.map(operator.itemgetter(slice(s, e))) if fixed else _two_slots(dense, e - s)
         running: topk.Candidates | None = None
         for b, (v0, v1) in enumerate(blocks):
             # the same [rows, V_block] tiles, by the same matmuls, as backward: its
             # recomputed logits are these bit for bit, so the gradient's p and the
             # forward's max and sum agree (a row sure of its target gets exactly 0)
-            x = torch.mm(hidden[s:e], weight[v0:v1].t())
+            x = tiles.logits(hidden[s:e], weight[v0:v1], fixed)
             slot = min(b, 1)
-            part = parts.map(operator.itemgetter(slot))
-            kernels.stats(x, softmax, part, chunks=chunks, work=work)
+            part = parts if fixed else parts.map(operator.itemgetter(slot))
+            if fixed:
+                invariant.stats(x, softmax, v1 - v0, part, [(0, e - s)], e - s, first=v0 // TILE)
+            else:
+                kernels.stats(x, softmax, part, chunks=chunks, work=work)
             inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
             at = torch.where(inside, column[s:e] - v0, 0)
-            part.picked.copy_(torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0))
+            picked = torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0)
+            if fixed:
+                part.picked.add_(picked)  # placeholders hold 0; one block holds each id
+            else:
+                part.picked.copy_(picked)
             if best is not None:
-                tile = topk.of_tile(x, shard.offset + v0, best, cdt, width=0)  # padded below
-                running = tile if running is None else topk.merge(running, tile, best)
+                tile = (topk.exact(x, shard.offset + v0, best, cdt, 0, shard.total) if fixed
+                        else topk.of_tile(x, shard.offset + v0, best, cdt, width=0))  # padded below
+                running = tile if running is None else topk.merge(running, tile, best, fixed)
             del x
-            if slot:
+            if slot and not fixed:
                 _write(parts, 0, merge(parts, softmax.tau))
-        _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
+        if not fixed:
+            _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
         if running is not None:
             c = running.values.shape[1]
             found.values[s:e, :c], found.ids[s:e, :c] = running
