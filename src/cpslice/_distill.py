@@ -241,12 +241,14 @@ def _prepare(
     x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: ChunkArg,
     softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
     teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
+    invariant: bool = False,
 ) -> _Step:
     """Every check of a distillation step, in order, before any collective."""
     local, tau = _resolved(x, what, layout, temperature)
     default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
     options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
-                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+                           invariant=invariant)
     assert options.vocab_size is not None
     lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, options.vocab_size)
     _check_divergence(kind, beta, tail)
@@ -274,6 +276,7 @@ def response_distillation(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> list[Share1D]:
     """This rank's share of each sample's per-token divergence from its teacher's top-k.
 
@@ -288,8 +291,9 @@ def response_distillation(
     ``sum_of_sample_means(div, masks, layout)``.
 
     ``temperature`` (one real, or one per sample: ``n`` reals or an ``[n]`` tensor),
-    ``softcap`` and ``vocab_size`` are the student's, as ``response_log_probs``'s; a
-    teacher id ``>= vocab_size`` is refused (the teacher's vocabulary is the student's).
+    ``softcap``, ``vocab_size`` and ``invariant`` are the student's, as
+    ``response_log_probs``'s; a teacher id ``>= vocab_size`` is refused (the teacher's
+    vocabulary is the student's).
 
     Returns:
         One ``[r_i]`` float32 share per sample (float64 for float64 logits), aligned
@@ -308,7 +312,7 @@ def response_distillation(
     """
     x, tp = args.logits(logits, tp_group)
     step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp,
-                    teacher_log_probs, teacher_ids, kind, beta, tail)
+                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
     read = step.local.reads["response"]
     # each element's k teacher ids, a shared row's branches side by side (``picked_ids``)
     picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, x.device), x.shape[0])
@@ -333,6 +337,7 @@ def response_distillation_from_hidden(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
@@ -345,7 +350,7 @@ def response_distillation_from_hidden(
     """
     h, w, tp = args.head(hidden, weight, tp_group)
     step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp,
-                    teacher_log_probs, teacher_ids, kind, beta, tail)
+                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
     read = step.local.reads["response"]
     picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, h.device))
     student, _ = hidden_driver.apply(h[read.picks.rows], w, picked, _response_rows(step.options, read))
@@ -357,6 +362,7 @@ def response_distillation_from_hidden(
 def _teacher_step(
     x: Tensor, vocab_local: int, what: str, k: object, layout: Layout, temperature: object,
     chunk_size: ChunkArg, softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
+    invariant: bool = False,
 ) -> tuple[Local, int, Options]:
     """Every check of a per-sample top-k, in order, before any collective: the layout
     resolved once, ``k``, and the engine's ``Options`` over every local row."""
@@ -364,7 +370,8 @@ def _teacher_step(
     local, tau = _resolved(x, what, layout, temperature)
     default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
     options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
-                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size)
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+                           invariant=invariant)
     assert options.vocab_size is not None
     topk.check_k(k_, options.vocab_size, compute_dtype(x.dtype))
     return local, k_, options
@@ -380,6 +387,7 @@ def response_topk_log_probs(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> tuple[list[TopK], list[TopK]]:
     """The teacher's side of ``response_distillation``, per sample: each response
     token's ``k`` most likely ids over the whole (tensor-parallel) vocabulary and their
@@ -388,8 +396,9 @@ def response_topk_log_probs(
     ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard),
     or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as ``topk_log_probs``
     takes it); only the response rows are computed (``topk_log_probs`` of those rows, no copy of
-    the logits selects them). ``temperature`` (one real, or one per sample), ``softcap``
-    and ``vocab_size`` as ``response_log_probs``'s: no padded id is ever chosen.
+    the logits selects them). ``temperature`` (one real, or one per sample), ``softcap``,
+    ``vocab_size`` and ``invariant`` as ``response_log_probs``'s: no padded id is ever
+    chosen (in invariant mode ties go to the smaller id).
 
     Returns:
         ``(log_probs, ids)``: per sample, ``[r_i, k]`` float32 log-probs (float64 for
@@ -409,7 +418,7 @@ def response_topk_log_probs(
     """
     x, tp = args.logits(logits, tp_group)
     local, k_, options = _teacher_step(x, x.shape[1], "logits", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp)
+                                       vocab_size, tp, invariant)
     values, ids = logits_driver.apply_topk(x, k_, options._replace(rows=local.reads["response"].mask))
     return split(local, values)[0], split(local, ids)[0]
 
@@ -425,6 +434,7 @@ def response_topk_log_probs_from_hidden(
     chunk_size: ChunkArg = None,
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
+    invariant: bool = False,
 ) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
@@ -436,7 +446,7 @@ def response_topk_log_probs_from_hidden(
     """
     h, w, tp = args.head(hidden, weight, tp_group)
     local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp)
+                                       vocab_size, tp, invariant)
     read = local.reads["response"]
     values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
     # the distinct rows' results, back to the elements (a shared row's to each of its branches)

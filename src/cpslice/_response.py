@@ -65,6 +65,7 @@ def response_log_probs(
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
     depth: IntArg = 0,
+    invariant: bool = False,
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -79,7 +80,9 @@ def response_log_probs(
     ``support`` (e.g. ``Support.from_responses(ids, offsets, layout)``, over the ``T``
     local rows) and ``entropy_over`` restrict the log-probs (and entropy) to the
     rollout's top-p / top-k sets, and ``softcap`` and ``vocab_size`` match the rollout's
-    distribution, as in ``log_probs_and_entropy``. ``temperature`` is one real, or one
+    distribution, as in ``log_probs_and_entropy``; ``invariant=True`` gives each response
+    token the same bits whatever the layout, CP rank, batch, chunking or TP size that
+    computes it (``log_probs_and_entropy``'s ``invariant``, docs/invariance.md). ``temperature`` is one real, or one
     per sample (``n`` reals or an ``[n]`` tensor: rollouts sampled at different
     temperatures), each sample's applied to its rows. ``depth`` ``d`` (an MTP head's
     logits): position ``p`` predicts token ``p + 1 + d``, the shares as
@@ -105,7 +108,7 @@ def response_log_probs(
     options = args.options(
         x, x.shape[1], ids, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
         tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size, invariant=invariant,
     )
     # only the response rows get the softmax's statistics; the others' gradient is zero
     return _computed(lambda t, i, o: logits_driver.apply(t, i, o), x, read, targets, ids,
@@ -219,6 +222,7 @@ def response_log_probs_from_hidden(
     softcap: RealArg | None = None,
     vocab_size: IntArg | None = None,
     depth: IntArg = 0,
+    invariant: bool = False,
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -235,8 +239,8 @@ def response_log_probs_from_hidden(
     graph) and the entropy shares aligned with them (None unless ``with_entropy``).
     ``support`` is over the ``T`` rows of ``hidden``, as ``response_log_probs`` takes it
     (``Support.from_responses``); the response rows' sets are taken from it, and its
-    errors name its own rows. ``depth`` and a shared prefix as ``response_log_probs``
-    (a shared row's hidden state goes through the head once).
+    errors name its own rows. ``depth``, a shared prefix and ``invariant`` as
+    ``response_log_probs`` (a shared row's hidden state goes through the head once).
 
     Collectives: those of ``log_probs_and_entropy_from_hidden`` (one all-gather over
     ``tp_group`` forward, one all-reduce backward); no CP communication.
@@ -255,7 +259,7 @@ def response_log_probs_from_hidden(
         h, w.shape[0], picked_ids(read, targets, local.length), what="hidden",
         default_chunk=default_hidden_chunk_rows(w.shape[0]), with_entropy=with_entropy, entropy_grad=entropy_grad,
         temperature=tau, tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over,
-        softcap=softcap, vocab_size=vocab_size,
+        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
     )
     rows = read.picks.rows
     options = whole._replace(
