@@ -58,6 +58,10 @@ def options(
     entropy_over = keywords.get("entropy_over", "full")
     support = sets(keywords.get("support"), entropy_over, x.shape[0], vocab, what)
     invariant = flag("invariant", keywords.get("invariant", False))
+    if invariant and isinstance(tau, float):
+        # a per-row tensor: every division by it is a true one (CUDA multiplies by the
+        # reciprocal of a Python-number divisor), as the spec's (docs/invariance.md)
+        tau = torch.full((x.shape[0],), tau, dtype=compute_dtype(x.dtype), device=x.device)
     return Options(
         with_entropy=with_entropy,
         entropy_grad=keywords.get("entropy_grad", True),

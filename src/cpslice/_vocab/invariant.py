@@ -99,15 +99,20 @@ def stats(
     n_tiles = tiles(x.shape[1])
     cdt = out.sum.dtype
     cols = slice(first, first + n_tiles)
-    for lo, hi in [(s, min(s + chunk, e)) for s, e in runs for s in range(s, e, chunk)]:
-        buf = torch.empty((hi - lo, n_tiles * TILE), dtype=cdt, device=x.device)
+    pieces = [(s, min(s + chunk, e)) for s, e in runs for s in range(s, e, chunk)]
+    most = max((hi - lo for lo, hi in pieces), default=0)
+    # two work buffers for the whole call (fresh ones per chunk cost a page fault a page)
+    work = torch.empty((2, most * n_tiles * TILE), dtype=cdt, device=x.device)
+    for lo, hi in pieces:
+        buf = work[0, : (hi - lo) * n_tiles * TILE].view(hi - lo, n_tiles * TILE)
         buf[:, :valid].copy_(x[lo:hi, :valid])
         if softmax.cap is not None:
             buf[:, :valid].div_(softmax.cap).tanh_().mul_(softmax.cap)
         buf[:, valid:] = -math.inf
         y = buf.view(hi - lo, n_tiles, TILE)
         tau = softmax.tau if isinstance(softmax.tau, float) else softmax.tau[lo:hi]
-        m, s, a = reduce_tiles(y, tau, out.ent is not None, torch.empty_like(y))
+        spare = work[1, : y.numel()].view(y.shape)
+        m, s, a = reduce_tiles(y, tau, out.ent is not None, spare)
         out.max[lo:hi, cols], out.sum[lo:hi, cols] = m, s
         if out.ent is not None:
             assert a is not None

@@ -176,10 +176,15 @@ def tree(x: Tensor) -> Tensor:
     width = 1 << (n - 1).bit_length() if n > 1 else 1
     if width != n:
         x = torch.nn.functional.pad(x, (0, width - n))
-    while width > 1:
+    while width > 8:
         width //= 2
         x[..., :width].add_(x[..., width : 2 * width])
-    return x[..., 0]
+    # the last levels on the transposed 8 (the same adds, contiguous rather than strided)
+    x = x[..., :width].movedim(-1, 0).contiguous()
+    while width > 1:
+        width //= 2
+        x[:width].add_(x[width : 2 * width])
+    return x[0]
 
 
 def merge_tiles(parts: RowStats, tau: Tau) -> RowStats:
