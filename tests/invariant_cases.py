@@ -1,0 +1,213 @@
+"""Invariant mode's cases: rows with the edges of the reduction, the spec as a rollout
+engine writes it (the function of docs/invariance.md's block, taken from the page), the
+decode-time reference (cpslice one row per call, TP 1, no layout) and the gloo worker
+that checks every layout, CP and TP size against it with ``torch.equal``."""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from cpslice import Layout, LayoutError, log_probs_and_entropy, pack, response_log_probs, shard_responses
+from cpslice._vocab import stats as _stats
+
+from ._dist import tp_groups
+from ._docs import DOCS, blocks, run_block
+
+Spec = Callable[..., tuple[Tensor, Tensor]]
+
+
+def spec() -> Spec:
+    """``rollout_log_probs`` of docs/invariance.md (its block run as a reader would)."""
+    (source,) = blocks(DOCS / "invariance.md", "python")
+    fn: Spec = run_block(source, "invariance.md")["rollout_log_probs"]
+    return fn
+
+
+def edge_rows(targets: Tensor, v: int, dtype: torch.dtype, seed: int) -> Tensor:
+    """``[t, v]`` logits for rows whose targets are ``targets``, with a peaked row, a
+    masked token, a row with whole tiles masked, one with every tile but its target's
+    masked, and one of exact ties (never a target masked: its log-prob would be -inf)."""
+    t = targets.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, v, generator=gen) * 4
+    tiles = -(-v // 128)
+    if t >= 5 and tiles >= 3:
+        x[0, (int(targets[0]) + 1) % v] += 60.0
+        x[1, (int(targets[1]) + 5) % v] = -math.inf
+        own = int(targets[2]) // 128
+        for k in ((own + 1) % tiles, (own + 2) % tiles):
+            x[2, k * 128 : (k + 1) * 128] = -math.inf
+        own = int(targets[3]) // 128
+        x[3, : own * 128] = -math.inf
+        x[3, (own + 1) * 128 :] = -math.inf
+        x[4, :] = x[4, 0]  # every logit tied
+    return x.to(dtype)
+
+
+def peaked(t: int, v: int, seed: int) -> tuple[Tensor, Tensor]:
+    """``[t, v]`` float32 logits, each row with one dominant logit (``S`` near 1, so that
+    ``log S`` shows a change in the sums' last bit), and targets."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, v, generator=gen) * 2
+    x[torch.arange(t), torch.randint(0, v, (t,), generator=gen)] += 9.0
+    return x, torch.randint(0, v, (t,), generator=gen)
+
+
+def decode(logits: Tensor, targets: Tensor, g_lp: Tensor, g_h: Tensor, **options: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Decode-time log-probs, entropies and logits' gradients: one row per call, TP 1."""
+    lps, hs = [logits.new_zeros(0, dtype=torch.float32)], [logits.new_zeros(0, dtype=torch.float32)]
+    grads = [logits.new_zeros((0, logits.shape[1]))]
+    for t in range(logits.shape[0]):
+        x = logits[t : t + 1].detach().requires_grad_(True)
+        lp, h = log_probs_and_entropy(x, targets[t : t + 1], with_entropy=True, invariant=True, **options)
+        torch.autograd.backward((lp * g_lp[t]).sum() + (h * g_h[t]).sum())
+        assert x.grad is not None
+        lps.append(lp.detach())
+        hs.append(h.detach())
+        grads.append(x.grad)
+    return torch.cat(lps), torch.cat(hs), torch.cat(grads)
+
+
+def shard_first(parts: _stats.RowStats, tau: _stats.Tau) -> _stats.RowStats:
+    """A planted merge order: each half of the tiles summed first, then the halves (the
+    order a per-shard merge gives at TP 2): the bits now depend on where shards end."""
+    half = (parts.max.shape[0] + 1) // 2
+    big = parts.max.amax(0)
+    delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
+    terms = torch.exp(delta) * parts.sum
+    total = terms[:half].sum(0) + terms[half:].sum(0)
+    ent = None
+    if parts.ent is not None:
+        e = torch.where(parts.sum > 0, torch.exp(delta) * (parts.ent + delta * parts.sum), 0.0)
+        ent = e[:half].sum(0) + e[half:].sum(0)
+    return _stats.RowStats(big, total, parts.picked.sum(0), ent)
+
+
+# --- the gloo worker: every layout, CP 1 / 2 / 4, TP 1 / 2 / 4, against decode time
+
+TOTAL = (1, 3, 9, 17, 6, 12)  # a single token, samples shorter than 2 * cp, a long one
+RESPONSE = (0, 2, 5, 10, 0, 7)  # empty responses too
+VOCAB = 512  # 4 tiles: TP 4 holds one each
+SEQ = 24  # bshd rows (a multiple of 2 * cp for zigzag)
+# float32 with a cap and a padded vocabulary; bfloat16 plain
+OPTIONS: dict[str, dict[str, Any]] = {"float32": {"softcap": 20.0, "vocab_size": 500}, "bfloat16": {}}
+
+
+def _batch(dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor], list[float], list[Tensor], list[Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, 500, (t,), generator=gen) for t in TOTAL]
+    # row p predicts token p + 1 (the last row's target is never read)
+    logits = [edge_rows(torch.cat([tok[1:], tok[:1]]), VOCAB, dtype, 100 + i) for i, tok in enumerate(tokens)]
+    temps = [0.7 + 0.1 * i for i in range(len(TOTAL))]
+    g_lp = [torch.randn(r, generator=gen) for r in RESPONSE]
+    g_h = [torch.randn(r, generator=gen) for r in RESPONSE]
+    return logits, tokens, temps, g_lp, g_h
+
+
+def layouts(cp_rank: int, cp: int) -> list[tuple[str, Layout]]:
+    """Every layout kind at this CP size, for this rank."""
+    perm = torch.randperm(sum(TOTAL), generator=torch.Generator().manual_seed(3))
+    kw: dict[str, Any] = {"cp_rank": cp_rank, "cp_size": cp}
+    offsets = [SEQ - t for t in TOTAL]
+    out = [("from_order", Layout.from_order(perm, TOTAL, RESPONSE, **kw)),
+           ("padded", Layout(TOTAL, RESPONSE, align=8, cp_mode="zigzag" if cp > 1 else "none", **kw))]
+    if cp == 1:
+        out += [("none-thd", Layout(TOTAL, RESPONSE)),
+                ("none-bshd", Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=SEQ)),
+                ("row-offsets", Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=SEQ, row_offsets=offsets))]
+    else:
+        width = pack([torch.zeros(t) for t in TOTAL], Layout(TOTAL, RESPONSE, cp_mode="allgather", **kw)).shape[0]
+        out += [("zigzag-thd", Layout(TOTAL, RESPONSE, cp_mode="zigzag", **kw)),
+                ("zigzag-bshd", Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=SEQ, cp_mode="zigzag", **kw)),
+                ("row-offsets", Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=SEQ, cp_mode="zigzag",
+                                       row_offsets=offsets, **kw)),
+                ("allgather", Layout(TOTAL, RESPONSE, cp_mode="allgather", local_length=width, **kw))]
+    return out
+
+
+def _check(layout: Layout, group: Any, tp: int, tp_rank: int, dtype_name: str, refs: dict[str, Any]) -> int:
+    """One layout on this rank: each share and each local logits row equal decode time's,
+    bit for bit; the number of values compared."""
+    logits, tokens, temps, g_lp, g_h = refs["batch"]
+    v_local = VOCAB // tp
+    cols = slice(tp_rank * v_local, (tp_rank + 1) * v_local)
+    full = pack(logits, layout)
+    x = full[:, cols].clone().requires_grad_(True)
+    lp, h = response_log_probs(x, tokens, layout, with_entropy=True, tp_group=group, temperature=temps,
+                               invariant=True, **OPTIONS[dtype_name])
+    index = shard_responses([torch.arange(r) for r in RESPONSE], layout)
+    loss = sum((a * b).sum() for a, b in zip(lp, shard_responses(g_lp, layout)))
+    loss = loss + sum((a * b).sum() for a, b in zip(h, shard_responses(g_h, layout)))
+    torch.autograd.backward(loss)
+    compared = 0
+    for i, (j, lp_i, h_i) in enumerate(zip(index, lp, h)):
+        want_lp, want_h, want_spec = refs["lp"][i][j], refs["h"][i][j], refs["spec"][i][j]
+        assert torch.equal(lp_i, want_lp) and torch.equal(h_i, want_h), (i, lp_i - want_lp, h_i - want_h)
+        assert torch.equal(lp_i, want_spec), (i, lp_i - want_spec)
+        compared += 2 * len(j)
+    sample = pack([torch.full((t,), i) for i, t in enumerate(TOTAL)], layout, fill=-1)
+    position = pack([torch.arange(t) for t in TOTAL], layout, fill=-1)
+    assert x.grad is not None
+    for row, (s, p) in enumerate(zip(sample.tolist(), position.tolist())):
+        k = p - (TOTAL[s] - RESPONSE[s] - 1) if s >= 0 else -1
+        want = refs["grad"][s][k, cols] if 0 <= k < RESPONSE[s] else torch.zeros_like(x.grad[row])
+        assert torch.equal(x.grad[row], want), (s, p, (x.grad[row].float() - want.float()).abs().max())
+        compared += 1
+    return compared
+
+
+def _references(dtype_name: str) -> dict[str, Any]:
+    """Decode time for every response token: cpslice one row per call and the spec."""
+    batch = _batch(getattr(torch, dtype_name))
+    logits, tokens, temps, g_lp, g_h = batch
+    rollout = spec()
+    out: dict[str, Any] = {"batch": batch, "lp": [], "h": [], "grad": [], "spec": []}
+    for x, tok, temp, a, b, t, r in zip(logits, tokens, temps, g_lp, g_h, TOTAL, RESPONSE):
+        rows, targets = x[t - r - 1 : t - 1], tok[t - r :]
+        lp, h, grad = decode(rows, targets, a, b, temperature=temp, **OPTIONS[dtype_name])
+        out["lp"].append(lp)
+        out["h"].append(h)
+        out["grad"].append(grad)
+        out["spec"].append(torch.cat([lp[:0], *(rollout(rows[k : k + 1], targets[k : k + 1], temp,
+                                                         **OPTIONS[dtype_name])[0] for k in range(r))]))
+    return out
+
+
+def worker(rank: int, world: int) -> dict[str, Any]:
+    """Every (CP, TP) setup of a world of 4 and every layout of it, both dtypes; then a
+    planted merge order at TP 4 and TP 2 must differ somewhere; then the refusal of a
+    shard that does not hold whole tiles."""
+    assert world == 4
+    (whole, _, _), (pair, _, pair_rank) = tp_groups(rank, world)
+    # (cp, cp rank, tp group, tp, tp rank)
+    setups = [(1, 0, whole, 4, rank), (1, 0, pair, 2, pair_rank), (2, rank // 2, pair, 2, pair_rank),
+              (4, rank, None, 1, 0)]
+    seen: dict[str, int] = {}
+    for dtype_name in OPTIONS:
+        refs = _references(dtype_name)
+        for cp, cp_rank, group, tp, tp_rank in setups:
+            for name, layout in layouts(cp_rank, cp):
+                key = f"cp{cp} tp{tp} {name} {dtype_name}"
+                seen[key] = _check(layout, group, tp, tp_rank, dtype_name, refs)
+    x, targets = peaked(256, VOCAB, 11)
+    want = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True)
+    planted = {}
+    real = _stats.merge_tiles
+    for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
+        shard = x[:, tp_rank * (VOCAB // tp) : (tp_rank + 1) * (VOCAB // tp)]
+        got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        _stats.merge_tiles = shard_first  # the baseline would put it back after the task too
+        try:
+            got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
+        finally:
+            _stats.merge_tiles = real
+        planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
+    with pytest.raises(LayoutError, match=r"V_local = 96 is not a multiple of 128 \(TP size 4\)"):
+        log_probs_and_entropy(torch.zeros(2, 96), torch.zeros(2, dtype=torch.int64), tp_group=whole,
+                              invariant=True)
+    return {"seen": seen, "planted": planted}
