@@ -30,7 +30,7 @@ def ready_then_stall(rank: int, port: int, config: Config, out: Outbox) -> None:
     No gloo and no megatron-core: this checks the parent's clock only."""
     out.put(Report(rank, rank, -1, None, (), None))
     if rank == 0:
-        out.put(Report(rank, rank, 0, check.Errors(0.0, 0.0, 0.0, 0.0), (False,), None))
+        out.put(Report(rank, rank, 0, check.Errors(0.0, 0.0, 0.0, 0.0, 0.0), (False,), None))
     time.sleep(600)
 
 

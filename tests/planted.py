@@ -108,14 +108,14 @@ background.register("planted", "tests/test_verify_planted.py", jobs)
 
 def rows(stdout: str) -> dict[str, list[str]]:
     """The result table: layout name -> its columns (ranks, samples, empty ranks, the
-    four errors, result)."""
+    five errors, result)."""
     lines = stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
     rows = {}
     for line in lines[head + 1 :]:
         if line.startswith("errors: "):
             break
-        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=9)
+        name, rest = line[: line.index("  ")], line[line.index("  ") :].split(maxsplit=10)
         rows[name] = [" ".join(rest[:3]), *rest[3:]]  # "2 x 1", samples, ..., result
     return rows
 

@@ -249,7 +249,7 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
     head = lines.index(next(line for line in lines if line.startswith("layout")))
     assert lines[head].split() == [
         "layout", "ranks", "(cp", "x", "tp)", "samples", "empty", "ranks", "log-prob", "err",
-        "entropy", "err", "grad", "err", "distill", "err", "result",
+        "entropy", "err", "grad", "err", "distill", "err", "invariance", "result",
     ]
     rows = planted.rows(out)
     names = ["zigzag thd", "zigzag bshd", "allgather thd", "allgather thd align 8",
@@ -265,7 +265,8 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
             assert r[1:3] == ["7", "1"], (name, r)
         else:  # the sparse batch left a CP rank without a response
             assert int(r[2]) >= 1, (name, r)
-        assert all(float(e) <= TOLERANCE for e in r[3:6]), (name, r)
+        assert all(float(e) <= TOLERANCE for e in r[3:7]), (name, r)
+        assert r[7] == "0", (name, r)  # invariance: the same bits as decode time
     assert "pass when each is <= 1e-05" in out
     assert lines[-1] == "13 layouts: all pass"
     # progress: a line per layout on stderr, as each finishes
@@ -284,9 +285,13 @@ def test_the_error_measure_turns_nan_into_a_failure() -> None:
         assert max_error(want, got) == math.inf, bad
     assert max_error([torch.tensor([-1.0, -2.0, math.inf])], want[:1]) == math.inf
     # and the layout fails: inf is worse than every error, and above the tolerance
-    errors = Errors(1e-6, 0.0, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0, 0.0))
+    errors = Errors(1e-6, 0.0, 0.0, 0.0, 0.0).worst(Errors(math.inf, 0.0, 0.0, 0.0, 0.0))
     result = CaseResult(Case("none", "thd"), 1, 1, 4, 0, errors, TOLERANCE, 0.1)
     assert (errors.log_prob, result.passed, result.verdict) == (math.inf, False, "FAIL")
+    # the invariance column passes at 0 only: one last bit off fails, however small
+    off = CaseResult(Case("none", "thd"), 1, 1, 4, 0, Errors(0.0, 0.0, 0.0, 0.0, 1e-9), TOLERANCE, 0.1)
+    assert (off.passed, off.verdict) == (False, "FAIL")
+    assert CaseResult(Case("none", "thd"), 1, 1, 4, 0, Errors(1e-6, 0.0, 0.0, 0.0, 0.0), TOLERANCE, 0.1).passed
 
 
 def test_bshd_rows_without_cp_are_odd() -> None:
@@ -312,8 +317,8 @@ def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     assert list(rows) == ["zigzag thd", "zigzag bshd", "allgather thd"], out
     assert rows["zigzag thd"][-1] == "pass"
     assert rows["zigzag bshd"][2:] == [
-        "-", "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
-    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "-", "not run"]
+        "-", "-", "-", "-", "-", "-", "FAIL  rank 1 raised: RuntimeError: fault injected: rank 1 raises"]
+    assert rows["allgather thd"][2:] == ["-", "-", "-", "-", "-", "-", "not run"]
     assert out.splitlines()[-1] == "1 of 3 layouts FAIL, 1 not run"
 
 

@@ -39,6 +39,7 @@ from .._pack import pack
 from .._redistribute import redistribute
 from .._response import response_log_probs
 from .._support import Support
+from .._vocab.logits import log_probs_and_entropy
 from . import oracle
 from .batches import (
     TEMPERATURE,
@@ -63,6 +64,7 @@ class Errors(NamedTuple):
     entropy: float
     grad: float
     distill: float
+    invariance: float  # invariant=True here against decode time: 0 when the bits agree
 
     def worst(self, other: "Errors") -> "Errors":
         return Errors(*(max(a, b) for a, b in zip(self, other)))
@@ -235,7 +237,7 @@ def check_batch(
         err_lp = max(err_lp, max_error(lp, oracle.shares(batch.ref_lp, where)))
         err_ent = max(err_ent, max_error(ent, oracle.shares(batch.ref_ent, where)))
     err_grad = _grad_error(s, batch, lp, ent, where, batch.ref_grad)
-    return Errors(err_lp, err_ent, err_grad, 0.0), empty
+    return Errors(err_lp, err_ent, err_grad, 0.0, 0.0), empty
 
 
 def check_support_batch(
@@ -263,6 +265,7 @@ def check_support_batch(
         max_error(ent, oracle.shares(ref_ent, s.view)),
         _grad_error(s, batch, lp, ent, s.view, ref_grad),
         0.0,
+        0.0,
     )
 
 
@@ -284,7 +287,59 @@ def check_distill_batch(
     anchor = s.logits.sum() * 0  # a rank holding no response still runs backward
     (grad,) = torch.autograd.grad(weighted(oracle.shares(batch.w_lp, s.view), div, anchor), s.logits)
     want = oracle.rows([g[:, s.shard] for g in ref_grad], s.view)
-    return Errors(0.0, 0.0, max_error([grad], [want]), max_error(div, oracle.shares(ref_div, s.view)))
+    return Errors(0.0, 0.0, max_error([grad], [want]), max_error(div, oracle.shares(ref_div, s.view)), 0.0)
+
+
+TILE_COLUMNS = 128
+"""Invariant mode's tile: for its check each TP rank's ``VOCAB_PER_RANK`` columns are
+widened to one tile, the rest ``-inf`` (masked tokens)."""
+
+
+def _widen(x: Tensor) -> Tensor:
+    """``[..., k * VOCAB_PER_RANK]`` logits with each shard's columns followed by ``-inf``
+    to ``TILE_COLUMNS``."""
+    lead, shards = x.shape[:-1], x.shape[-1] // VOCAB_PER_RANK
+    pad = x.new_full((*lead, shards, TILE_COLUMNS - VOCAB_PER_RANK), -math.inf)
+    return torch.cat([x.reshape(*lead, shards, VOCAB_PER_RANK), pad], -1).reshape(*lead, shards * TILE_COLUMNS)
+
+
+def check_invariance_batch(case: Case, batch: Batch, tp_rank: int, tp_group: dist.ProcessGroup) -> float:
+    """The largest difference between ``invariant=True`` log-probs, entropies and logits'
+    gradient rows in the case's layout at this CP and TP size and decode time's: one
+    call over every response row, TP 1, no layout (the vocabulary widened to whole
+    tiles, ``_widen``). 0 when every bit agrees; the gradient is left out for shared
+    prefixes (a shared prompt's last row sums its branches' terms).
+
+    Collectives: the TP all-gather of ``response_log_probs``; every rank enters it.
+    """
+    s = set_up(case, batch, tp_rank)
+    tokens = [t // VOCAB_PER_RANK * TILE_COLUMNS + t % VOCAB_PER_RANK for t in batch.tokens]
+    x = _widen(s.logits.detach()).requires_grad_()
+    lp, ent = response_log_probs(x, tokens, s.layout, with_entropy=True, temperature=TEMPERATURE,
+                                 tp_group=tp_group, chunk_size=CHUNK_ROWS, invariant=True)
+    spans = [slice(t - r - 1, t - 1) for t, r in zip(batch.total, batch.response)]
+    rows = torch.cat([_widen(g[span]) for g, span in zip(batch.logits, spans)]).requires_grad_()
+    targets = torch.cat([tok[span.start + 1 : span.stop + 1] for tok, span in zip(tokens, spans)])
+    want_lp, want_ent = log_probs_and_entropy(rows, targets, with_entropy=True, temperature=TEMPERATURE,
+                                              invariant=True)
+    torch.autograd.backward((want_lp * torch.cat(batch.w_lp)).sum() + (want_ent * torch.cat(batch.w_ent)).sum())
+    sizes = list(batch.response)
+    error = max(max_error(lp, oracle.shares(list(torch.split(want_lp.detach(), sizes)), s.view)),
+                max_error(ent, oracle.shares(list(torch.split(want_ent.detach(), sizes)), s.view)))
+    if batch.groups is not None:
+        return error
+    anchor = x.sum() * 0  # a rank holding no response still runs backward
+    loss = weighted(oracle.shares(batch.w_lp, s.view), lp, anchor) + weighted(
+        oracle.shares(batch.w_ent, s.view), ent, anchor)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert rows.grad is not None
+    shard = slice(tp_rank * TILE_COLUMNS, (tp_rank + 1) * TILE_COLUMNS)
+    full = []
+    for t, span, part in zip(batch.total, spans, torch.split(rows.grad, sizes)):
+        whole = part.new_zeros((t, part.shape[1]))
+        whole[span] = part
+        full.append(whole[:, shard])
+    return max(error, max_error([grad], [oracle.rows(full, s.view)]))
 
 
 def check_case(
@@ -294,12 +349,14 @@ def check_case(
     """This rank's worst errors over the case's batches, each checked plain, under
     per-token sets and as distillation, and per batch whether this rank held no
     response."""
-    errors = Errors(0.0, 0.0, 0.0, 0.0)
+    errors = Errors(0.0, 0.0, 0.0, 0.0, 0.0)
     empty = []
     for batch in batches_for(case, config):
         e, none_held = check_batch(case, batch, tp_rank, tp_group, cp_group)
         errors = errors.worst(e).worst(
             check_support_batch(case, batch, config, tp_rank, tp_group)
         ).worst(check_distill_batch(case, batch, config, tp_rank, tp_group))
+        invariance = check_invariance_batch(case, batch, tp_rank, tp_group)
+        errors = errors.worst(Errors(0.0, 0.0, 0.0, 0.0, invariance))
         empty.append(none_held)
     return errors, tuple(empty)

@@ -32,8 +32,9 @@ class CaseResult:
 
     @property
     def passed(self) -> bool:
-        # NaN-free: max_error stands inf for it
-        return self.errors is not None and all(e <= self.tolerance for e in self.errors)
+        # NaN-free: max_error stands inf for it; invariance passes at 0 only (the same bits)
+        return (self.errors is not None and all(e <= self.tolerance for e in self.errors)
+                and self.errors.invariance == 0.0)
 
     @property
     def ran(self) -> bool:
@@ -84,7 +85,8 @@ def header(config: Config) -> str:
         f"{kinds}"
         "  log-probs, entropy and the logits' gradient of a weighted loss against "
         "float64 torch.log_softmax; the same under per-token top-p sets (Support) and as "
-        "the divergence from a teacher's top-k (response_distillation)"
+        "the divergence from a teacher's top-k (response_distillation); and invariant=True "
+        "(each rank's 8 ids widened to a 128-id tile) against one call at TP 1 without a layout"
         + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
     )
 
@@ -111,7 +113,7 @@ def plural(n: int, one: str, many: str | None = None) -> str:
 
 
 def _fmt(error: float | None) -> str:
-    return "-" if error is None else f"{error:.1e}"
+    return "-" if error is None else "0" if error == 0.0 else f"{error:.1e}"
 
 
 def table(results: Sequence[CaseResult], tolerance: float) -> str:
@@ -119,15 +121,16 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
     width = max([15, *(len(r.case.name) + 1 for r in results)])
     head = (
         f"{'layout':<{width}}{'ranks (cp x tp)':>16}{'samples':>9}{'empty ranks':>13}"
-        f"{'log-prob err':>14}{'entropy err':>13}{'grad err':>10}{'distill err':>13}  result"
+        f"{'log-prob err':>14}{'entropy err':>13}{'grad err':>10}{'distill err':>13}{'invariance':>12}  result"
     )
     lines = [head]
     for r in results:
-        lp, ent, grad, distill = (None, None, None, None) if r.errors is None else r.errors
+        lp, ent, grad, distill, inv = (None,) * 5 if r.errors is None else r.errors
         empty = "-" if r.empty_ranks is None else r.empty_ranks
         lines.append(
             f"{r.case.name:<{width}}{f'{r.cp_size} x {r.tp_size}':>16}{r.samples:>9}"
-            f"{empty:>13}{_fmt(lp):>14}{_fmt(ent):>13}{_fmt(grad):>10}{_fmt(distill):>13}  {r.verdict}"
+            f"{empty:>13}{_fmt(lp):>14}{_fmt(ent):>13}{_fmt(grad):>10}{_fmt(distill):>13}{_fmt(inv):>12}"
+            f"  {r.verdict}"
         )
     failed = sum(r.ran and not r.passed for r in results)
     not_run = sum(not r.ran for r in results)
@@ -138,6 +141,10 @@ def table(results: Sequence[CaseResult], tolerance: float) -> str:
     lines.append(
         "empty ranks: (batch, CP rank) pairs where that rank held no response, yet "
         "entered every collective"
+    )
+    lines.append(
+        "invariance: invariant=True log-probs, entropy and gradient here against decode time "
+        "(TP 1, no layout); pass at 0 only, the same bits"
     )
     if not failed and not not_run:
         lines.append(f"{plural(len(results), 'layout')}: all pass")

@@ -252,7 +252,7 @@ def _drain(
 
 
 def _combine(config: Config, index: int, reports: list[Report], seconds: float) -> CaseResult:
-    errors = Errors(0.0, 0.0, 0.0, 0.0)
+    errors = Errors(0.0, 0.0, 0.0, 0.0, 0.0)
     empty: set[tuple[int, int]] = set()
     for r in reports:
         assert r.errors is not None
