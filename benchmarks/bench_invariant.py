@@ -1,0 +1,137 @@
+"""Invariant mode (``invariant=True``) against the default, log-probs + entropy, forward and
+backward, side by side in one run.
+
+Methods, all ``log_probs_and_entropy(..., with_entropy=True, temperature=0.9)``
+back-propagating a random upstream gradient:
+
+- ``default``: ``invariant=False`` as a user gets it (``CPSLICE_COMPILE`` unset: the
+  compiled kernels at this size, compiled in the warm-up step);
+- ``eager``: ``invariant=False`` with the eager kernels (``CPSLICE_COMPILE=0``);
+- ``invariant``: ``invariant=True`` (eager kernels only, whatever ``CPSLICE_COMPILE``).
+
+Each method and dtype runs in a fresh subprocess (torch's default threads). After one
+warm-up step, the peak memory is the growth of the peak RSS during one more step
+beyond the RSS before it (``harness.peak_growth``), in ``[T, V]`` buffers of the
+logits' dtype (the gradient, one such buffer, included); time is the median (and the
+best) of a few further steps, ``cpu ms`` the median process CPU time of a step.
+
+Run: ``.venv/bin/python benchmarks/bench_invariant.py [--quick] [--dtypes float32,bfloat16]``
+(or ``python -m benchmarks.bench_invariant``).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import peak_growth  # noqa: E402
+
+METHODS = ("default", "eager", "invariant")
+DTYPES = ("float32", "bfloat16")
+TEMPERATURE = 0.9
+
+
+@dataclass
+class Result:
+    method: str
+    dtype: str
+    t: int
+    v: int
+    peak_buffers: float
+    median_ms: float
+    best_ms: float
+    cpu_ms: float
+
+
+def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
+    from cpslice import log_probs_and_entropy
+
+    torch.manual_seed(0)
+    logits = (torch.randn(t, v) * 2).to(getattr(torch, dtype_name)).requires_grad_(True)
+    targets = torch.randint(0, v, (t,))
+    g_lp, g_h = torch.randn(t), torch.randn(t)
+    invariant = method == "invariant"
+
+    def step() -> None:
+        lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, temperature=TEMPERATURE,
+                                      invariant=invariant)
+        torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
+        logits.grad = None
+
+    step()  # warm-up (the compile, for default)
+    peak = peak_growth(step)
+    times, cpu = [], []
+    for _ in range(repeat):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        step()
+        cpu.append(time.process_time() - start_cpu)
+        times.append(time.perf_counter() - start)
+    buffer = t * v * logits.element_size()
+    return Result(method, dtype_name, t, v, peak / buffer, 1e3 * statistics.median(times), 1e3 * min(times),
+                  1e3 * statistics.median(cpu))
+
+
+def _in_subprocess(method: str, dtype: str, t: int, v: int, repeat: int) -> Result:
+    env = dict(os.environ)
+    env.pop("CPSLICE_COMPILE", None)
+    if method == "eager":
+        env["CPSLICE_COMPILE"] = "0"
+    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(v), str(repeat)]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def run(quick: bool = False, dtypes: Sequence[str] = ("float32",)) -> list[Result]:
+    """One Result per method and dtype, each measured in a fresh subprocess."""
+    t, v, repeat = (512, 8192, 3) if quick else (4096, 32768, 5)
+    return [_in_subprocess(m, d, t, v, repeat) for d in dtypes for m in METHODS]
+
+
+def report(results: Sequence[Result], say: Callable[[str], None] = print) -> None:
+    first = results[0]
+    say(f"T={first.t} V={first.v} temperature={TEMPERATURE}, forward + backward of log-probs and "
+        f"entropy, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    say(f"{'method':<11}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}{'cpu ms':>9}")
+    for r in results:
+        say(f"{r.method:<11}{r.dtype:<10}{r.peak_buffers:>16.2f}{r.median_ms:>11.1f}{r.best_ms:>9.1f}"
+            f"{r.cpu_ms:>9.1f}")
+    for dtype in dict.fromkeys(r.dtype for r in results):
+        by = {r.method: r for r in results if r.dtype == dtype}
+        for other in ("default", "eager"):
+            a, b = by["invariant"], by[other]
+            say(f"{dtype}: invariant/{other}: time {a.median_ms / b.median_ms:.2f}x "
+                f"(best {a.best_ms / b.best_ms:.2f}x, cpu {a.cpu_ms / b.cpu_ms:.2f}x), "
+                f"memory {a.peak_buffers / b.peak_buffers:.2f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    parser.add_argument("--dtypes", default="float32",
+                        help=f"comma-separated, of {','.join(DTYPES)} (default float32)")
+    parser.add_argument("--child", nargs=5, metavar=("METHOD", "DTYPE", "T", "V", "REPEAT"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        method, dtype, t, v, repeat = args.child
+        print(json.dumps(_child(method, dtype, int(t), int(v), int(repeat)).__dict__))
+        return 0
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        parser.error(f"unknown dtype {bad[0]!r}; one of {', '.join(DTYPES)}")
+    report(run(args.quick, dtypes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
