@@ -11,7 +11,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from cpslice import Layout, LayoutError, log_probs_and_entropy, pack, response_log_probs, shard_responses
+from cpslice import (
+    Layout,
+    LayoutError,
+    log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
+    pack,
+    response_log_probs,
+    shard_responses,
+    topk_log_probs_from_hidden,
+)
 from cpslice._vocab import stats as _stats
 
 from ._dist import tp_groups
@@ -177,6 +186,30 @@ def _references(dtype_name: str) -> dict[str, Any]:
     return out
 
 
+def _hidden_tp(whole: Any, rank: int, pair: Any, pair_rank: int) -> dict[str, int]:
+    """The hidden-state path with the LM head split over TP 4 and TP 2: each row's
+    log-prob, entropy and top-k the bits of one-row calls at TP 1."""
+    gen = torch.Generator().manual_seed(12)
+    hidden, weight = torch.randn(70, 16, generator=gen), torch.randn(VOCAB, 16, generator=gen) / 2
+    targets = torch.randint(0, VOCAB, (70,), generator=gen)
+
+    def call(h: Tensor, w: Tensor, t: Tensor, group: Any = None) -> list[Tensor]:
+        lp, ent = log_probs_and_entropy_from_hidden(h, w, t, with_entropy=True, temperature=0.8, tp_group=group,
+                                                    invariant=True)
+        top, ids = topk_log_probs_from_hidden(h, w, 3, temperature=0.8, tp_group=group, invariant=True)
+        return [lp, ent, top, ids]
+
+    rows = [call(hidden[t : t + 1], weight, targets[t : t + 1]) for t in range(70)]
+    want = [torch.cat([r[k] for r in rows]) for k in range(4)]
+    seen = {}
+    for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
+        v = VOCAB // tp
+        got = call(hidden, weight[tp_rank * v : (tp_rank + 1) * v], targets, group)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), tp
+        seen[f"hidden tp{tp}"] = 70
+    return seen
+
+
 def worker(rank: int, world: int) -> dict[str, Any]:
     """Every (CP, TP) setup of a world of 4 and every layout of it, both dtypes; then a
     planted merge order at TP 4 and TP 2 must differ somewhere; then the refusal of a
@@ -193,6 +226,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             for name, layout in layouts(cp_rank, cp):
                 key = f"cp{cp} tp{tp} {name} {dtype_name}"
                 seen[key] = _check(layout, group, tp, tp_rank, dtype_name, refs)
+    seen.update(_hidden_tp(whole, rank, pair, pair_rank))
     x, targets = peaked(256, VOCAB, 11)
     want = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True)
     planted = {}

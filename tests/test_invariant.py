@@ -22,7 +22,10 @@ from cpslice import (
     log_probs_at_from_hidden,
     pack,
     response_distillation,
+    response_distillation_from_hidden,
+    response_log_probs_from_hidden,
     response_topk_log_probs,
+    response_topk_log_probs_from_hidden,
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
@@ -194,6 +197,32 @@ def test_distillation_gives_a_sample_its_own_bits_in_any_batch() -> None:
                 assert torch.equal(part[k], want[i]), (order, i)
 
 
+def test_the_response_functions_from_hidden_give_a_sample_its_own_bits() -> None:
+    gen = torch.Generator().manual_seed(8)
+    total, response = [9, 4, 12], [5, 0, 6]
+    hidden = [torch.randn(t, 16, generator=gen) for t in total]
+    tokens = [torch.randint(0, 300, (t,), generator=gen) for t in total]
+    weight = torch.randn(300, 16, generator=gen) / 2
+
+    def call(order: list[int]) -> dict[int, list[Tensor]]:
+        layout = Layout([total[i] for i in order], [response[i] for i in order])
+        h = pack([hidden[i] for i in order], layout).requires_grad_(True)
+        lp, ent = response_log_probs_from_hidden(h, weight, [tokens[i] for i in order], layout, with_entropy=True,
+                                                 temperature=0.9, invariant=True)
+        top, ids = response_topk_log_probs_from_hidden(h.detach(), weight, 3, layout, invariant=True)
+        div = response_distillation_from_hidden(h, weight, [t.detach() for t in top], ids, layout, invariant=True)
+        torch.autograd.backward(sum((a.sum() + b.sum() + d.sum() for a, b, d in zip(lp, ent, div)), h.sum() * 0))
+        assert h.grad is not None
+        starts = [0, *torch.tensor([total[i] for i in order]).cumsum(0).tolist()]
+        return {i: [lp[k].detach(), ent[k].detach(), top[k], ids[k], div[k].detach(),
+                    h.grad[starts[k] : starts[k + 1]]] for k, i in enumerate(order)}
+
+    whole = call([0, 1, 2])
+    for order in ([2, 0], [1, 2]):
+        for i, parts in call(order).items():
+            assert all(torch.equal(a, b) for a, b in zip(parts, whole[i])), (order, i)
+
+
 def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     # rows whose S is near 1, where a change in the sums' last bit shows in log S
     logits, targets = peaked(256, V, 9)
@@ -230,6 +259,6 @@ def test_every_layout_cp_and_tp_size_gives_decode_times_bits() -> None:
     # against one-row calls at TP 1 and the spec's function; then a planted merge order
     results = run_distributed(worker, 4, timeout=240)
     seen = results[0]["seen"]
-    assert len(seen) == 2 * (5 + 5 + 6 + 6) and all(n > 0 for n in seen.values()), seen
+    assert len(seen) == 2 * (5 + 5 + 6 + 6) + 2 and all(n > 0 for n in seen.values()), seen
     assert all(r["planted"] == {4: "caught", 2: "caught"} for r in results), [r["planted"] for r in results]
     assert math.isfinite(sum(seen.values()))
