@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .invariant import tiles
 from .sparse import Elements, Restricted, Split, split
-from .stats import TILE, RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
+from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
 from .support import Support
 
 
@@ -83,7 +84,7 @@ class Saved:
 
 def tile_count(shard: Shard, options: Options) -> int | None:
     """The distribution's tiles in invariant mode (``stats.combine``'s ``tiles``), else None."""
-    return -(-shard.vocab // TILE) if options.invariant else None
+    return tiles(shard.vocab) if options.invariant else None
 
 
 def finish(

@@ -77,7 +77,7 @@ def forward(
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
     column, held = shard.columns(ids[:, None] if ids.dim() == 1 else ids)
-    dense = _placeholders(rows, vocab, column.shape[1], cdt, hidden.device, shard, options)
+    dense = _placeholders(rows, column.shape[1], cdt, hidden.device, shard, options)
     sets = None
     runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
     if options.support is not None:
@@ -90,12 +90,8 @@ def forward(
             runs = kernels.runs_of(need if options.rows is None else need & options.rows, options.chunk_size)
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
-        if options.invariant:
-            set_part = invariant.set_stats(x_el, el.row, el.col, el.member, rows, dense.max.shape[1], options.tau,
-                                           with_set_h)
-        else:
-            set_part = set_stats(x_el, el, dense.picked, options.tau, with_set_h)
-        sets = Sets(el, x_el, set_part)
+        tiles = dense.max.shape[1] if options.invariant else None
+        sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
     dense_pass(hidden, weight, column, held, dense, runs, shard, options)
     return finish(dense, sets, ids, shard, options, runs)
 
@@ -110,7 +106,7 @@ def topk_forward(
     cdt = compute_dtype(hidden.dtype)
     none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
     options = options._replace(with_entropy=False)
-    dense = _placeholders(rows, vocab, 0, cdt, hidden.device, shard, options)
+    dense = _placeholders(rows, 0, cdt, hidden.device, shard, options)
     everything = [(0, rows)]
     found = dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
     assert found is not None
@@ -119,14 +115,13 @@ def topk_forward(
 
 
 def _placeholders(
-    rows: int, vocab: int, k: int, cdt: torch.dtype, device: torch.device, shard: Shard, options: Options
+    rows: int, k: int, cdt: torch.dtype, device: torch.device, shard: Shard, options: Options
 ) -> RowStats:
     """The dense statistics' placeholders: ``[T]`` fields, or per tile in invariant mode
     (whose shard must hold whole tiles)."""
     if not options.invariant:
         return placeholders(rows, k, cdt, device, options.with_entropy)
-    invariant.check(shard)
-    return invariant.placeholders(rows, invariant.tiles(vocab), k, cdt, device, options.with_entropy)
+    return invariant.placeholders(shard, rows, k, cdt, device, options.with_entropy)
 
 
 class _Sum:

@@ -61,9 +61,14 @@ def check(shard: Shard) -> None:
         )
 
 
-def placeholders(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool) -> RowStats:
-    """Per-tile statistics of ``rows`` rows of ``n`` tiles holding ``(0, 1, ., 0)`` (rows
-    whose pass is skipped: finite, the same on every shard)."""
+def placeholders(
+    shard: Shard, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
+) -> RowStats:
+    """Per-tile statistics of ``rows`` rows of the shard's tiles holding ``(0, 1, ., 0)``
+    (rows whose pass is skipped: finite, the same on every shard); a shard that does not
+    hold whole tiles is refused (``check``)."""
+    check(shard)
+    n = tiles(shard.size)
     return RowStats(
         torch.zeros((rows, n), dtype=dtype, device=device),
         torch.ones((rows, n), dtype=dtype, device=device),

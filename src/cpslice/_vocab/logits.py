@@ -57,12 +57,8 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     if el is not None:
         x = softmax.logits(logits[el.row, el.col].to(dense.max.dtype))
         with_h = options.with_entropy and options.over_support
-        if options.invariant:
-            set_part = invariant.set_stats(x, el.row, el.col, el.member, rows, dense.max.shape[1], softmax.tau,
-                                           with_h)
-        else:
-            set_part = set_stats(x, el, dense.picked, softmax.tau, with_h)
-        sets = Sets(el, x, set_part)
+        tiles = dense.max.shape[1] if options.invariant else None
+        sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h, tiles))
     return finish(dense, sets, ids, shard, options, runs)
 
 
@@ -72,14 +68,13 @@ def _dense(
     """This shard's dense statistics of the rows of ``runs`` (placeholders elsewhere) over
     the distribution's columns only (a padded vocabulary's rows are no ids of it), with
     room for ``k`` picked logits: ``[T]`` fields, or per tile in invariant mode."""
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     cdt = compute_dtype(logits.dtype)
     if not options.invariant:
         dense = placeholders(rows, k, cdt, logits.device, options.with_entropy)
         kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, runs=runs)
         return dense
-    invariant.check(shard)
-    dense = invariant.placeholders(rows, invariant.tiles(vocab), k, cdt, logits.device, options.with_entropy)
+    dense = invariant.placeholders(shard, rows, k, cdt, logits.device, options.with_entropy)
     invariant.stats(logits, options.softmax, shard.valid, dense, [(0, rows)] if runs is None else runs, chunks.eager)
     return dense
 

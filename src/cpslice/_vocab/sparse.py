@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import invariant
 from .kernels import runs_of
 from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
 from .support import Support, host_offsets
@@ -76,12 +77,17 @@ def elements(support: Support, targets: Tensor, shard: Shard) -> Elements:
     )
 
 
-def set_stats(x: Tensor, el: Elements, picked: Tensor, tau: Tau, with_entropy: bool) -> RowStats:
+def set_stats(
+    x: Tensor, el: Elements, picked: Tensor, tau: Tau, with_entropy: bool, tiles: int | None = None
+) -> RowStats:
     """This shard's restricted statistics from the ``[E]`` logits ``x`` of the elements
     (compute dtype, as the softmax reads them: capped), ``picked`` ``[T, 1]`` the dense
     statistics' target logits. Rows
-    without a set get ``stats.placeholders``, the same on every shard."""
+    without a set get ``stats.placeholders``, the same on every shard. With ``tiles``
+    (invariant mode: the shard's tiles) per tile, by ``invariant.set_stats``."""
     rows = picked.shape[0]
+    if tiles is not None:
+        return invariant.set_stats(x, el.row, el.col, el.member, rows, tiles, tau, with_entropy)
     xm = torch.where(el.member, x, -math.inf)
     m = torch.full((rows,), -math.inf, dtype=x.dtype, device=x.device)
     m = m.scatter_reduce(0, el.row, xm, "amax")
