@@ -34,6 +34,7 @@ from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
 from .invariant_cases import decode, edge_rows, peaked, shard_first, spec, worker
+from .reference import grad_close, tolerance
 from .supports import csr
 
 T, V = 20, 700  # 6 tiles, the last one partial
@@ -71,6 +72,38 @@ def _options(name: str, temps: Tensor, rows: Tensor) -> dict[str, Any]:
             "entropy_over": "support" if name == "support-entropy" else "full"}
 
 
+def _float64(logits: Tensor, targets: Tensor, name: str, temps: Tensor, g_lp: Tensor,
+             g_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The float64 reference of ``_options(name)``: log-probs, entropies, logits' gradient
+    by ``log_softmax`` through autograd (-inf as 1e4 below a row's least logit, so that
+    exp gives 0 and no 0 * inf)."""
+    options = _options(name, temps, torch.arange(T))
+    x = logits.double().requires_grad_(True)
+    cap = options.get("softcap")
+    y = x if cap is None else torch.tanh(x / cap) * cap
+    tau = torch.as_tensor(options.get("temperature", 1.0), dtype=torch.float64).expand(T)
+    z = y / tau[:, None]
+    keep = torch.isfinite(z) & (torch.arange(V) < options.get("vocab_size", V))
+    kept = keep.clone()  # the log-prob's distribution: a row's set and its target
+    for t, ids in enumerate(SETS[:T] if "support" in name else []):
+        if ids:
+            inside = torch.zeros(V, dtype=torch.bool)
+            inside[ids + [int(targets[t])]] = True
+            kept[t] &= inside
+    low = torch.where(keep, z, math.inf).amin(1, keepdim=True) - 1e4
+
+    def log_softmax(mask: Tensor) -> Tensor:
+        return torch.log_softmax(torch.where(mask, z, low), -1)
+
+    lp = log_softmax(kept)
+    over = log_softmax(kept if name == "support-entropy" else keep)
+    logp = lp.gather(1, targets[:, None])[:, 0]
+    entropy = -(over.exp() * over).sum(-1)
+    torch.autograd.backward((logp * g_lp.double()).sum() + (entropy * g_h.double()).sum())
+    assert x.grad is not None
+    return logp.detach(), entropy.detach(), x.grad
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["plain", "temperature-softcap", "vocab_size", "support", "support-entropy"])
 def test_a_rows_log_prob_entropy_and_gradient_are_its_own(dtype: torch.dtype, name: str) -> None:
@@ -79,6 +112,11 @@ def test_a_rows_log_prob_entropy_and_gradient_are_its_own(dtype: torch.dtype, na
     want = [decode(logits[t : t + 1], targets[t : t + 1], g_lp[t : t + 1], g_h[t : t + 1], **per_row[t])
             for t in range(T)]
     want_lp, want_h, want_grad = (torch.cat([w[k] for w in want]) for k in range(3))
+    ref_lp, ref_h, ref_grad = _float64(logits, targets, name, temps, g_lp, g_h)  # and right, within rounding
+    atol = tolerance(logits.float(), 0.5)
+    torch.testing.assert_close(want_lp.double(), ref_lp, rtol=0.0, atol=atol)
+    torch.testing.assert_close(want_h.double(), ref_h, rtol=0.0, atol=atol)
+    grad_close(want_grad, ref_grad, 1e-5 if dtype == torch.float32 else 1e-2)
     if name in ("plain", "temperature-softcap", "vocab_size"):  # the spec's function, whole batch
         options = _options(name, temps, torch.arange(T))
         lp, h = spec()(logits, targets, options.get("temperature", 1.0), options.get("softcap"),
