@@ -34,7 +34,7 @@ from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
 from .invariant_cases import decode, edge_rows, peaked, shard_first, spec, worker
-from .reference import grad_close, tolerance
+from .reference import grad_close, reference, tolerance, value_atol
 from .supports import csr
 
 T, V = 20, 700  # 6 tiles, the last one partial
@@ -180,6 +180,11 @@ def test_the_hidden_state_path_gives_a_row_the_same_bits_in_any_batch(dtype: tor
         return lp.detach(), ent.detach(), top.detach(), top_ids, at.detach(), h.grad
 
     want = _each_row(call, rows_n)
+    # and right, within rounding: float64 log_softmax of hidden @ weight.T
+    ref_lp, ref_h, _ = reference(hidden.double() @ weight.double().t(), targets, 0.7, g[:, 0], g[:, 1])
+    atol = value_atol(hidden, weight, 0.7, 2.0**-7 if dtype == torch.bfloat16 else 2.0**-18)
+    torch.testing.assert_close(want[0].double(), ref_lp, rtol=0.0, atol=atol)
+    torch.testing.assert_close(want[1].double(), ref_h, rtol=0.0, atol=atol)
     perm = torch.randperm(rows_n, generator=gen)
     for rows, chunk in [(torch.arange(rows_n), 1), (torch.arange(rows_n), 7), (perm, 256), (perm[:33], None)]:
         for got, w in zip(call(rows, chunk), want):
