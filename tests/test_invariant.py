@@ -206,10 +206,9 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_kernels, "mode", "0")
     eager = run()
     monkeypatch.setattr(_kernels, "mode", "1")
-    ready = set(_kernels._ready)
     for a, b in zip(run(), eager):
         assert torch.equal(a, b)
-    assert set(_kernels._ready) == ready  # nothing compiled, nothing run compiled
+    assert {"tile_kernel", "grad_kernel"} <= {key[0] for key in _kernels._ready}  # run compiled
 
 
 def test_distillation_gives_a_sample_its_own_bits_in_any_batch() -> None:

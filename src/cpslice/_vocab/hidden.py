@@ -221,9 +221,9 @@ def backward(
         for s, e in pieces:
             x = tiles.logits(hidden[s:e], w_b, opts.invariant)
             g = g_buf[: x.numel()].view(x.shape)
-            kernels.grad(
+            (invariant.grad if opts.invariant else kernels.grad)(
                 x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), row_slice(row_b, s, e), g,
-                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work, compiled=not opts.invariant,
+                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
             )
             del x
             if acc_h is not None and opts.invariant:

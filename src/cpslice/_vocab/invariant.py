@@ -7,8 +7,9 @@ The spec (docs/invariance.md says it for a rollout engine to reproduce):
   tiles of global ids, ``ceil(V / TILE)`` of them; a column ``>= V`` of the last tile
   (and of a padded vocabulary) counts as a -inf logit;
 - per tile ``j`` of a row, in the compute dtype: ``y = cap * tanh(x / cap)`` (or ``x``),
-  ``m_j = max y``, ``d = max((y - m_j') / tau, FLOOR)`` with ``m_j' = m_j`` (0 where
-  ``m_j = -inf``), ``e = exp(d)``, and ``s_j``, ``a_j`` the ``tree`` sums of ``e`` and
+  ``m_j = max y``, ``d = max((y - m_j') * r, FLOOR)`` with ``m_j' = m_j`` (0 where
+  ``m_j = -inf``) and ``r = 1 / tau`` (one division per row), ``e = exp(d)`` (the spec's
+  ``stats.exp``, not the backend's), and ``s_j``, ``a_j`` the ``tree`` sums of ``e`` and
   ``e * d`` over the tile's ``TILE`` slots;
 - the tiles, in global order: ``M = max_j m_j``, ``delta_j = (m_j - M') / tau``,
   ``S = tree(exp(delta_j) * s_j)``, ``A = tree(exp(delta_j) * (a_j + delta_j * s_j))``
@@ -23,17 +24,25 @@ elementwise operation, so the order is fixed whatever the backend's reduction ke
 A shard's statistics are per tile (``RowStats`` fields ``[T, n_local]``, written here),
 every shard's tiles travel in the one all-gather (``stats.combine``), and every rank
 merges all of them (``stats.merge_tiles``). With TP, each shard must hold whole tiles (``check``).
-Only the eager kernels run in this mode (the compiled ones divide by the temperature
-otherwise and have another ``exp``).
+The per-tile statistics and the gradient have a compiled form (``tile_kernel``,
+``grad_kernel``) that gives the eager bits: the same elementwise operations in the same
+order, the ``exp`` built from additions and multiplications, inductor's C++ with no
+contraction. It runs on the CPU only, and each compiled shape's first result is checked
+bit for bit against the eager kernel's (a difference warns and turns it off).
 """
 
 import math
+import operator
+import warnings
+from collections.abc import Sequence
+from typing import cast, no_type_check
 
 import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from .stats import FLOOR, TILE, RowStats, Shard, Softmax, Tau, tree
+from . import kernels
+from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, tree
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -69,29 +78,138 @@ def placeholders(
     hold whole tiles is refused (``check``)."""
     check(shard)
     n = tiles(shard.size)
+    # [n, rows] storage seen as [rows, n]: a tile's row of statistics is contiguous, as
+    # the all-gather sends it (``stats.combine``)
     return RowStats(
-        torch.zeros((rows, n), dtype=dtype, device=device),
-        torch.ones((rows, n), dtype=dtype, device=device),
+        torch.zeros((n, rows), dtype=dtype, device=device).t(),
+        torch.ones((n, rows), dtype=dtype, device=device).t(),
         torch.zeros((rows, k), dtype=dtype, device=device),
-        torch.zeros((rows, n), dtype=dtype, device=device) if with_entropy else None,
+        torch.zeros((n, rows), dtype=dtype, device=device).t() if with_entropy else None,
     )
 
 
-def reduce_tiles(y: Tensor, tau: Tau, with_entropy: bool, spare: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+def reciprocal(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``r = 1 / tau`` ``[rows]``, one IEEE division per row: the spec's per-element
+    temperature is a multiplication by it (a vector division costs as much as the exp)."""
+    if isinstance(tau, float):  # the arguments make it a tensor; a float divides the same
+        tau = torch.full((rows,), tau, dtype=dtype, device=device)
+    return 1.0 / tau
+
+
+@no_type_check  # traced inside tile_kernel
+def _halve(parts: list[Tensor]) -> Tensor:
+    """``tree`` over a list: ``parts[i] + parts[i + h]`` until one is left."""
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [parts[i] + parts[i + h] for i in range(h)]
+    return parts[0]
+
+
+@no_type_check
+def tile_kernel(x, r):
+    """``(m, s, a)`` ``[R, n]`` of ``x`` ``[R, n * TILE]`` (whole tiles, any float dtype,
+    uncapped) with ``r`` ``[R]``: the compiled form of ``eager_tiles``. The tile is cut
+    into 8 slices of 16 columns; the halving tree's first 3 levels add slices (``i`` and
+    ``i + 4``, ...: columns ``c`` and ``c + 64``, ``c + 32``, ``c + 16``), the last 4 the
+    16 lanes, so inductor fuses the whole tile into one loop with no ``[R, V]``
+    intermediate. The same elementwise operations in the same order as ``tree``."""
+    y = x.to(r.dtype)
+    y = y.view(y.shape[0], -1, TILE)
+    m = y.amax(-1)
+    shift = torch.where(m == -math.inf, 0.0, m)[..., None]
+    rr = r[:, None, None]
+    es, des = [], []
+    for i in range(0, TILE, LANES):
+        d = ((y[..., i : i + LANES] - shift) * rr).clamp(min=FLOOR)
+        e = exp(d)
+        es.append(e)
+        des.append(d * e)
+    s, a = _halve(es), _halve(des)
+    # [n, R]: each tile's row of statistics contiguous, as the placeholders hold them
+    return (m.t().contiguous(), _halve(list(s.unbind(-1))).t().contiguous(),
+            _halve(list(a.unbind(-1))).t().contiguous())
+
+
+def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
-    compute dtype (-inf at excluded columns), overwritten; ``spare`` a buffer like it;
-    ``tau`` a float or ``[n]``."""
+    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3."""
     m = y.amax(-1)
     shift = torch.where(m == -math.inf, 0.0, m)
-    d = y.sub_(shift[..., None])
-    if not isinstance(tau, float):
-        d.div_(tau[:, None, None])
-    elif tau != 1.0:
-        d.div_(tau)
-    d.clamp_(min=FLOOR)
-    e = torch.exp(d, out=spare)
+    d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
+    e = exp(d)
     a = tree(d.mul_(e)) if with_entropy else None
     return m, tree(e), a
+
+
+LANES = 16
+STATS_CHUNK_BYTES = 8 * 2**20
+"""Rows per compiled ``tile_kernel`` call: ``[C, V]`` float32 within these bytes, a power
+of two (measured at T=4096, V=32768: 8 MiB chunks 1.2x faster than 32 MiB ones, the
+chunk staying in the cache while the tiles are read)."""
+_disagree: str | None = None  # why the compiled kernels are not used, once they were caught
+
+
+def compiled_ok(part: Tensor) -> bool:
+    """Whether invariant mode may run its compiled kernels on ``part``: the default
+    kernels' conditions (``kernels.use_compiled``), on the CPU only (inductor's C++ with
+    no contraction of ``a * b + c``: its Triton kernels contract, so an accelerator runs
+    the eager kernels), inductor's floating-point contraction and unsafe-math flags off,
+    and no compiled result ever found to differ from the eager one."""
+    if _disagree is not None or part.device.type != "cpu" or not kernels.use_compiled(part):
+        return False
+    from torch._inductor import config  # imported by torch.compile anyway
+
+    return config.cpp.enable_floating_point_contract_flag == "off" and not config.cpp.enable_unsafe_math_opt_flag
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(got: Sequence[Tensor], want: Sequence[Tensor]) -> bool:
+    """Bit for bit (a NaN's payload and a zero's sign included)."""
+    return all(g.dtype == w.dtype and torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want))
+
+
+def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tuple[object, ...]) -> bool:
+    """A compiled kernel's first result (per ``key``) against the eager one's, bit for
+    bit: a difference warns once and turns invariant mode's compiled kernels off."""
+    global _disagree
+    if not _same(got, want):
+        _disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
+        warnings.warn(f"cpslice: invariant mode: {_disagree}; using the eager kernels from now on",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    _verified.add(key)
+    return True
+
+
+_verified: set[tuple[object, ...]] = set()
+
+
+def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
+    """``tile_kernel`` over every row of ``x`` (whole tiles) into tiles ``first`` on of
+    ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
+    it failed to compile (auto) or disagreed with the eager kernel."""
+    rows, width = x.shape
+    n = width // TILE
+    c, starts = kernels.chunk_starts(rows, 1 << (max(1, STATS_CHUNK_BYTES // (4 * width)).bit_length() - 1))
+    for s in starts:
+        part = x[s : s + c]
+        ok, result = kernels._call(tile_kernel, part, r[s : s + c])
+        if not ok:
+            return False
+        got = cast(tuple[Tensor, Tensor, Tensor], result)
+        key = ("tile_kernel", part.dtype, part.shape, part.stride())
+        if key not in _verified and not _checked(
+                "tile_kernel", got,
+                [t.t() for t in eager_tiles(part.to(r.dtype).view(c, n, TILE), r[s : s + c], True) if t is not None],
+                key):
+            return False
+        out.max[s : s + c, first : first + n], out.sum[s : s + c, first : first + n] = got[0].t(), got[1].t()
+        if out.ent is not None:
+            out.ent[s : s + c, first : first + n] = got[2].t()
+    return True
 
 
 def stats(
@@ -99,25 +217,46 @@ def stats(
 ) -> None:
     """Write the per-tile statistics of the rows of ``runs`` of ``x`` (``[n, w]`` logits
     whose columns start local tile ``first``; the first ``valid`` are the distribution's)
-    into ``out`` (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``), chunk
-    by chunk of rows. The other rows are left as they are."""
+    into ``out`` (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``). The
+    whole tiles of a run of uncapped logits by the compiled ``tile_kernel`` where
+    ``compiled_ok``; the rest (a partial last tile, capped logits) chunk by chunk of
+    rows, capped and -inf padded into a buffer, by ``eager_tiles``. The other rows are
+    left as they are."""
     n_tiles = tiles(x.shape[1])
     cdt = out.sum.dtype
-    cols = slice(first, first + n_tiles)
-    pieces = [(s, min(s + chunk, e)) for s, e in runs for s in range(s, e, chunk)]
+    r = reciprocal(softmax.tau, x.shape[0], cdt, x.device)
+    whole = valid // TILE * TILE if softmax.cap is None else 0
+    done: list[int] = []
+    for lo, hi in runs:
+        part = x[lo:hi, :whole]
+        sub = out.map(operator.itemgetter(slice(lo, hi)))
+        done.append(whole if whole and compiled_ok(part) and _compiled_stats(part, r[lo:hi], sub, first) else 0)
+    for start in sorted(set(done)):
+        rest = [run for run, d in zip(runs, done) if d == start]
+        _eager_stats(x, softmax.cap, r, valid, out, rest, chunk, first, start, n_tiles)
+
+
+def _eager_stats(
+    x: Tensor, cap: float | None, r: Tensor, valid: int, out: RowStats, runs: list[tuple[int, int]],
+    chunk: int, first: int, start: int, n_tiles: int,
+) -> None:
+    """``eager_tiles`` of columns ``start`` (a tile edge) on of the rows of ``runs``."""
+    cdt = out.sum.dtype
+    n = n_tiles - start // TILE
+    if n == 0:
+        return
+    cols = slice(first + start // TILE, first + n_tiles)
+    pieces = kernels.pieces(runs, chunk)
     most = max((hi - lo for lo, hi in pieces), default=0)
-    # two work buffers for the whole call (fresh ones per chunk cost a page fault a page)
-    work = torch.empty((2, most * n_tiles * TILE), dtype=cdt, device=x.device)
+    work = torch.empty(most * n * TILE, dtype=cdt, device=x.device)  # one buffer for the call
     for lo, hi in pieces:
-        buf = work[0, : (hi - lo) * n_tiles * TILE].view(hi - lo, n_tiles * TILE)
-        buf[:, :valid].copy_(x[lo:hi, :valid])
-        if softmax.cap is not None:
-            buf[:, :valid].div_(softmax.cap).tanh_().mul_(softmax.cap)
-        buf[:, valid:] = -math.inf
-        y = buf.view(hi - lo, n_tiles, TILE)
-        tau = softmax.tau if isinstance(softmax.tau, float) else softmax.tau[lo:hi]
-        spare = work[1, : y.numel()].view(y.shape)
-        m, s, a = reduce_tiles(y, tau, out.ent is not None, spare)
+        buf = work[: (hi - lo) * n * TILE].view(hi - lo, n * TILE)
+        w = valid - start
+        buf[:, :w].copy_(x[lo:hi, start:valid])
+        if cap is not None:
+            buf[:, :w].div_(cap).tanh_().mul_(cap)
+        buf[:, w:] = -math.inf
+        m, s, a = eager_tiles(buf.view(hi - lo, n, TILE), r[lo:hi], out.ent is not None)
         out.max[lo:hi, cols], out.sum[lo:hi, cols] = m, s
         if out.ent is not None:
             assert a is not None
@@ -142,11 +281,8 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
     uniq, pair = torch.unique(key, return_inverse=True)
     y = torch.full((uniq.numel(), TILE), -math.inf, dtype=cdt, device=x.device)
     y[pair[member], col[member] % TILE] = x[member]
-    tau_p = tau
-    if not isinstance(tau, float):
-        first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
-        tau_p = tau[first_row]
-    m, s, a = reduce_tiles(y[:, None], tau_p, with_entropy, torch.empty_like(y[:, None]))
+    first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
+    m, s, a = eager_tiles(y[:, None], reciprocal(tau, rows, cdt, x.device)[first_row], with_entropy)
     out = RowStats(
         torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device),
         torch.zeros(flat + 1, dtype=cdt, device=x.device),
@@ -158,3 +294,73 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
         out.ent[uniq] = a[:, 0]
     return RowStats(out.max[:flat].view(rows, n_local), out.sum[:flat].view(rows, n_local), out.picked,
                     None if out.ent is None else out.ent[:flat].view(rows, n_local))
+
+
+@no_type_check
+def _values(x, r, m, log_s, a, b):
+    """``p * (a * d + b)`` of ``x`` ``[R, w]`` (the compute dtype), ``d = ((x - M) * r -
+    log S)`` clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``."""
+    d = ((x.to(r.dtype) - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
+    return exp(d) * (a[:, None] * d + b[:, None])
+
+
+@no_type_check
+def grad_kernel(x, r, m, log_s, a, b, out):
+    """``out = _values(...)``, rounded once to ``out``'s dtype: eager, and compiled into one
+    fused loop."""
+    out.copy_(_values(x, r, m, log_s, a, b).to(out.dtype))
+
+
+def grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor,
+    *, chunks: kernels.Chunks, runs: kernels.Runs = None, work: kernels.Workspace | None = None,
+) -> None:
+    """``kernels.grad`` in invariant mode: the gradient w.r.t. the raw logits of the rows
+    of ``runs`` of ``x`` into ``out``. Uncapped: ``grad_kernel`` over every column
+    (compiled where ``compiled_ok``, else eager, chunk by chunk), then each picked id's
+    entry with a one-hot term (``hot != 0``) overwritten by ``_values`` at that column
+    plus the one-hot terms of every copy of the id, rounded once; any other entry is the
+    kernel's, whichever shard holds the ids. Capped: ``kernels.grad``'s eager loop."""
+    if softmax.cap is not None:
+        kernels.grad(x, big_m, log_s, softmax, row, out, chunks=chunks, runs=runs, work=work, compiled=False)
+        return
+    cdt = row.b.dtype
+    r = reciprocal(softmax.tau, x.shape[0], cdt, x.device)
+    a = torch.zeros_like(row.b) if row.a is None else row.a
+    every = [(0, x.shape[0])] if runs is None else runs
+    eager = [(s, e) for s, e in every if not (compiled_ok(x[s:e]) and _compiled_grad(
+        x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e]))]
+    for s, e in kernels.pieces(eager, chunks.eager):
+        grad_kernel(x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e])
+    if row.hot is None:
+        return
+    for s, e in kernels.pieces(every, max(chunks.eager, chunks.compiled)):  # [rows, k] temporaries
+        column, hot = row.column[s:e], row.hot[s:e]
+        value = _values(x[s:e].gather(1, column), r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e])
+        if column.shape[1] > 1:  # every copy of a repeated id carries all copies' terms
+            key = torch.arange(e - s, device=x.device)[:, None] * x.shape[1] + column
+            _, copy = torch.unique(key, return_inverse=True)
+            hot = hot.new_zeros(hot.numel()).index_add_(0, copy.view(-1), hot.reshape(-1))[copy]
+        write = hot != 0
+        at = torch.arange(s, e, device=x.device)[:, None].expand_as(column)
+        out.index_put_((at[write], column[write]), (value + hot)[write].to(out.dtype))
+
+
+def _compiled_grad(x: Tensor, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor, out: Tensor) -> bool:
+    """``grad_kernel`` compiled over every row of ``x`` in chunks of a fixed number of rows
+    (as ``kernels``), its first call checked against the eager one; False if it failed
+    to compile (auto) or disagreed."""
+    rows, width = x.shape
+    c, starts = kernels.chunk_starts(rows, kernels.compiled_chunk_rows(width, x.dtype, x.device))
+    for s in starts:
+        e = s + c
+        ok, _ = kernels._call(grad_kernel, x[s:e], r[s:e], m[s:e], log_s[s:e], a[s:e], b[s:e], out[s:e])
+        if not ok:
+            return False
+        key = ("grad_kernel", x.dtype, out.dtype, (c, width), x.stride(), out.stride())
+        if key not in _verified:
+            want = torch.empty_like(out[s:e])
+            grad_kernel(x[s:e], r[s:e], m[s:e], log_s[s:e], a[s:e], b[s:e], want)
+            if not _checked("grad_kernel", [out[s:e]], [want], key):
+                return False
+    return True

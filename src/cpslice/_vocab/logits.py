@@ -95,9 +95,8 @@ def backward(
     grad = buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
     if covered and valid < vocab:
         grad[:, valid:].zero_()
-    kernels.grad(
-        logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid],
-        chunks=chunks, runs=runs, compiled=not opts.invariant,
+    (invariant.grad if opts.invariant else kernels.grad)(
+        logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid], chunks=chunks, runs=runs,
     )
     if saved.restricted is not None:
         assert parts.set_lp is not None

@@ -28,7 +28,7 @@ Everything is computed in ``compute_dtype`` (float32; float64 for float64 inputs
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, no_type_check
 
 import torch
 import torch.distributed as dist
@@ -167,6 +167,44 @@ multiple of 128 per TP rank (``make_vocab_size_divisible_by``), so every padded 
 holds whole tiles."""
 
 
+class _ExpConstants(NamedTuple):
+    ln2_hi: float  # ln 2 to a few bits, so that n * ln2_hi is exact
+    ln2_lo: float  # ln 2 - ln2_hi
+    degree: int  # of the Taylor polynomial on [-ln 2 / 2, ln 2 / 2]
+    bits: torch.dtype  # the integer type of the float's bits
+    mantissa: int
+    bias: int
+    cut: float  # below this, 0 (the results stay normal numbers above it)
+
+
+_EXP = {
+    torch.float32: _ExpConstants(0.693359375, -2.1219444005469057e-4, 7, torch.int32, 23, 127, -87.0),
+    torch.float64: _ExpConstants(0.6931471803691238, 1.9082149292705877e-10, 13, torch.int64, 52, 1023, -708.0),
+}
+LOG2E = 1.4426950408889634
+
+
+@no_type_check  # traced by dynamo inside invariant mode's kernels: no debug-mode wrapper
+def exp(d: Tensor) -> Tensor:
+    """Invariant mode's ``exp`` of ``d <= 0`` (float32 or float64), from additions,
+    multiplications, a floor and the float's exponent bits only: every IEEE backend
+    (ATen on any device, inductor's C++ without contraction) gives the same bits, where
+    each backend's own ``exp`` differs in the last bit. ``n = floor(d * log2(e) + 1/2)``,
+    ``r = (d - n * ln2_hi) - n * ln2_lo``, the Taylor polynomial of ``e^r`` by Horner's
+    rule (``p = p * r + 1/k!``, the coefficients rounded to the dtype), times ``2^n`` built
+    from its bits; 0 below ``cut`` (-87 in float32), NaN stays NaN. Within 2 ulp of
+    ``e^d`` (docs/invariance.md)."""
+    k = _EXP[d.dtype]
+    # in place on the temporaries: the same operations, a quarter of the fresh memory
+    n = torch.mul(d, LOG2E).add_(0.5).floor_()
+    r = torch.sub(d, n * k.ln2_hi).sub_(n * k.ln2_lo)
+    p = torch.mul(r, 1.0 / math.factorial(k.degree)).add_(1.0 / math.factorial(k.degree - 1))
+    for i in range(k.degree - 2, -1, -1):
+        p.mul_(r).add_(1.0 / math.factorial(i))
+    scale = n.clamp_(min=1 - k.bias).to(k.bits).add_(k.bias).bitwise_left_shift_(k.mantissa).view(d.dtype)
+    return p.mul_(scale).masked_fill_(d < k.cut, 0.0)
+
+
 def tree(x: Tensor) -> Tensor:
     """The sum over the last dimension by pairwise halving: zero-padded to a power of two
     ``w``, then ``x[..., :w/2] + x[..., w/2:]`` until one element is left (in place on
@@ -194,7 +232,7 @@ def merge_tiles(parts: RowStats, tau: Tau) -> RowStats:
     tiles' sums by ``tree``."""
     big = parts.max.amax(0)
     delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
-    scale = torch.exp(delta)
+    scale = exp(delta)
     total = tree((scale * parts.sum).t().contiguous())
     ent = None
     if parts.ent is not None:
