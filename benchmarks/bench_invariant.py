@@ -7,7 +7,8 @@ back-propagating a random upstream gradient:
 - ``default``: ``invariant=False`` as a user gets it (``CPSLICE_COMPILE`` unset: the
   compiled kernels at this size, compiled in the warm-up step);
 - ``eager``: ``invariant=False`` with the eager kernels (``CPSLICE_COMPILE=0``);
-- ``invariant``: ``invariant=True`` (eager kernels only, whatever ``CPSLICE_COMPILE``).
+- ``invariant``: ``invariant=True`` as a user gets it (its own compiled kernels on the
+  CPU, which give the eager bits; compiled in the warm-up step).
 
 Each method and dtype runs in a fresh subprocess (torch's default threads). After one
 warm-up step, the peak memory is the growth of the peak RSS during one more step
