@@ -81,19 +81,19 @@ def decode(logits: Tensor, targets: Tensor, g_lp: Tensor, g_h: Tensor, **options
     return torch.cat(lps), torch.cat(hs), torch.cat(grads)
 
 
-def shard_first(parts: _stats.RowStats, tau: _stats.Tau) -> _stats.RowStats:
+def shard_first(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
     """A planted merge order: each half of the tiles summed first, then the halves (the
     order a per-shard merge gives at TP 2): the bits now depend on where shards end."""
-    half = (parts.max.shape[0] + 1) // 2
-    big = parts.max.amax(0)
-    delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
-    terms = torch.exp(delta) * parts.sum
+    half = (m.shape[0] + 1) // 2
+    big = m.amax(0)
+    delta = (m - torch.where(big == -math.inf, 0.0, big)) / tau
+    terms = torch.exp(delta) * s
     total = terms[:half].sum(0) + terms[half:].sum(0)
     ent = None
-    if parts.ent is not None:
-        e = torch.where(parts.sum > 0, torch.exp(delta) * (parts.ent + delta * parts.sum), 0.0)
+    if a is not None:
+        e = torch.where(s > 0, torch.exp(delta) * (a + delta * s), 0.0)
         ent = e[:half].sum(0) + e[half:].sum(0)
-    return _stats.RowStats(big, total, parts.picked.sum(0), ent)
+    return big, total, ent
 
 
 # --- the gloo worker: every layout, CP 1 / 2 / 4, TP 1 / 2 / 4, against decode time

@@ -29,6 +29,7 @@ from cpslice import (
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
 
@@ -191,14 +192,20 @@ def test_the_hidden_state_path_gives_a_row_the_same_bits_in_any_batch(dtype: tor
             assert torch.equal(got, w[rows]), chunk
 
 
-def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    logits, targets, temps, g_lp, g_h = _data(torch.float32)
+@pytest.mark.parametrize(("dtype", "vocab_size", "kernel"), [
+    (torch.float32, None, "grad_kernel"),
+    (torch.bfloat16, None, "grad_kernel"),  # widened chunk by chunk
+])
+def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                            vocab_size: int | None, kernel: str) -> None:
+    logits, targets, temps, g_lp, g_h = _data(dtype)
     logits = logits.repeat(300, 1)  # past the compiled kernels' size threshold
-    targets = targets.repeat(300)
+    targets = targets.repeat(300).clamp(max=(vocab_size or V) - 1)
 
     def run() -> tuple[Tensor, Tensor, Tensor]:
         x = logits.clone().requires_grad_(True)
-        lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.9, invariant=True)
+        lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.9, vocab_size=vocab_size,
+                                      invariant=True)
         torch.autograd.backward(lp.sum() + h.sum())
         assert x.grad is not None
         return lp, h, x.grad
@@ -206,9 +213,34 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_kernels, "mode", "0")
     eager = run()
     monkeypatch.setattr(_kernels, "mode", "1")
+    monkeypatch.setattr(_kernels, "_ready", set())  # this test's kernels only
     for a, b in zip(run(), eager):
         assert torch.equal(a, b)
-    assert {"tile_kernel", "grad_kernel"} <= {key[0] for key in _kernels._ready}  # run compiled
+    assert {"row_kernel", kernel} <= {key[0] for key in _kernels._ready}  # run compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytest.MonkeyPatch,
+                                                             dtype: torch.dtype) -> None:
+    # the TP path's per-tile statistics (whole tiles compiled, the partial last one eager)
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(40, 1000, generator=gen) * 3).to(dtype)
+    x[5, :400] = -math.inf
+    softmax = _stats.Softmax(torch.rand(40, generator=gen) + 0.5)
+
+    def run() -> _stats.RowStats:
+        out = _invariant.tile_placeholders(_invariant.tiles(1000), 40, 0, torch.float32, x.device, True)
+        _invariant.stats(x, softmax, 1000, out, [(0, 17), (20, 40)], 8)
+        return out
+
+    monkeypatch.setattr(_kernels, "mode", "0")
+    eager = run()
+    monkeypatch.setattr(_kernels, "mode", "1")
+    compiled = run()
+    assert "tile_kernel" in {key[0] for key in _kernels._ready}
+    for a, b in zip(compiled, eager):
+        assert a is not None and b is not None and torch.equal(a, b)
+    assert torch.equal(eager.sum[17:20], torch.ones(3, 8))  # rows outside the runs left as they were
 
 
 def test_distillation_gives_a_sample_its_own_bits_in_any_batch() -> None:
@@ -277,9 +309,8 @@ def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(torch.equal(a, b) for a, b in zip(run(), want))
     real = _stats.merge_tiles
 
-    def rotated(p: _stats.RowStats, tau: _stats.Tau) -> _stats.RowStats:  # tiles merged from the 2nd
-        return real(_stats.RowStats(p.max.roll(1, 0), p.sum.roll(1, 0), p.picked,
-                                    None if p.ent is None else p.ent.roll(1, 0)), tau)
+    def rotated(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+        return real(m.roll(1, 0), s.roll(1, 0), None if a is None else a.roll(1, 0), tau)  # from the 2nd tile
 
     for plant in (rotated, shard_first):
         monkeypatch.setattr(_stats, "merge_tiles", plant)

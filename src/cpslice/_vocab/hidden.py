@@ -90,7 +90,7 @@ def forward(
             runs = kernels.runs_of(need if options.rows is None else need & options.rows, options.chunk_size)
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
-        tiles = dense.max.shape[1] if options.invariant else None
+        tiles = invariant.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
     dense_pass(hidden, weight, column, held, dense, runs, shard, options)
     return finish(dense, sets, ids, shard, options, runs)

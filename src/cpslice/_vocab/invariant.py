@@ -42,6 +42,7 @@ from torch import Tensor
 
 from .._errors import LayoutError
 from . import kernels
+from . import stats as _stats  # merge_tiles read at each call: tests plant another order
 from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, tree
 
 BLOCK_ROWS = 64
@@ -73,11 +74,22 @@ def check(shard: Shard) -> None:
 def placeholders(
     shard: Shard, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
 ) -> RowStats:
-    """Per-tile statistics of ``rows`` rows of the shard's tiles holding ``(0, 1, ., 0)``
-    (rows whose pass is skipped: finite, the same on every shard); a shard that does not
-    hold whole tiles is refused (``check``)."""
+    """The dense statistics of ``rows`` rows holding placeholders (rows whose pass is
+    skipped: finite, the same on every shard): under TP per tile of the shard
+    (``tile_placeholders``), for the all-gather; without TP ``[T]`` fields
+    (``stats.placeholders``), which ``stats`` fills with each row's tiles already
+    merged, so that no ``[T, tiles]`` statistics exist. A shard that does not hold
+    whole tiles is refused (``check``)."""
     check(shard)
-    n = tiles(shard.size)
+    if shard.world == 1:
+        return _stats.placeholders(rows, k, dtype, device, with_entropy)
+    return tile_placeholders(tiles(shard.size), rows, k, dtype, device, with_entropy)
+
+
+def tile_placeholders(
+    n: int, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
+) -> RowStats:
+    """Per-tile statistics ``[rows, n]`` holding ``(0, 1, ., 0)``."""
     # [n, rows] storage seen as [rows, n]: a tile's row of statistics is contiguous, as
     # the all-gather sends it (``stats.combine``)
     return RowStats(
@@ -88,12 +100,27 @@ def placeholders(
     )
 
 
+def merge_into(out: RowStats, at: slice, parts: RowStats, tau: Tau) -> None:
+    """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
+    statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
+    spec's order (``stats.merge_tiles``); their picked logits added."""
+    big, total, ent = _stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+                                         tau)
+    out.max[at], out.sum[at] = big, total
+    if out.ent is not None and ent is not None:
+        out.ent[at] = ent
+    out.picked[at] += parts.picked
+
+
+def taus(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``tau`` as a ``[rows]`` tensor (the arguments make it one; a float divides the same)."""
+    return torch.full((rows,), tau, dtype=dtype, device=device) if isinstance(tau, float) else tau
+
+
 def reciprocal(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``r = 1 / tau`` ``[rows]``, one IEEE division per row: the spec's per-element
     temperature is a multiplication by it (a vector division costs as much as the exp)."""
-    if isinstance(tau, float):  # the arguments make it a tensor; a float divides the same
-        tau = torch.full((rows,), tau, dtype=dtype, device=device)
-    return 1.0 / tau
+    return 1.0 / taus(tau, rows, dtype, device)
 
 
 @no_type_check  # traced inside tile_kernel
@@ -193,7 +220,7 @@ def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
     it failed to compile (auto) or disagreed with the eager kernel."""
     rows, width = x.shape
     n = width // TILE
-    c, starts = kernels.chunk_starts(rows, 1 << (max(1, STATS_CHUNK_BYTES // (4 * width)).bit_length() - 1))
+    c, starts = kernels.chunk_starts(rows, stats_chunk_rows(width))
     for s in starts:
         part = x[s : s + c]
         ok, result = kernels._call(tile_kernel, part, r[s : s + c])
@@ -215,13 +242,18 @@ def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
 def stats(
     x: Tensor, softmax: Softmax, valid: int, out: RowStats, runs: list[tuple[int, int]], chunk: int, first: int = 0
 ) -> None:
-    """Write the per-tile statistics of the rows of ``runs`` of ``x`` (``[n, w]`` logits
-    whose columns start local tile ``first``; the first ``valid`` are the distribution's)
-    into ``out`` (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``). The
-    whole tiles of a run of uncapped logits by the compiled ``tile_kernel`` where
-    ``compiled_ok``; the rest (a partial last tile, capped logits) chunk by chunk of
-    rows, capped and -inf padded into a buffer, by ``eager_tiles``. The other rows are
-    left as they are."""
+    """Write the statistics of the rows of ``runs`` of ``x`` (``[n, w]`` logits whose
+    columns start local tile ``first``; the first ``valid`` are the distribution's)
+    into ``out``: per tile (fields ``[n, n_local]``: tiles ``first`` to ``first +
+    tiles(w)``), or with ``[T]`` fields (``placeholders`` without TP) each row's tiles
+    merged (``merged_stats``). Per tile: the whole tiles of a run of uncapped logits by
+    the compiled ``tile_kernel`` where ``compiled_ok``; the rest (a partial last tile,
+    capped logits) chunk by chunk of rows, capped and -inf padded into a buffer, by
+    ``eager_tiles``. The other rows are left as they are."""
+    if out.max.dim() == 1:
+        assert first == 0, "merged statistics of a block of columns"
+        merged_stats(x[:, :valid], softmax, out, runs, chunk)
+        return
     n_tiles = tiles(x.shape[1])
     cdt = out.sum.dtype
     r = reciprocal(softmax.tau, x.shape[0], cdt, x.device)
@@ -234,6 +266,87 @@ def stats(
     for start in sorted(set(done)):
         rest = [run for run, d in zip(runs, done) if d == start]
         _eager_stats(x, softmax.cap, r, valid, out, rest, chunk, first, start, n_tiles)
+
+
+def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, runs: list[tuple[int, int]], chunk: int) -> None:
+    """Each row's ``(M, S, A)`` over all of ``x``'s columns (``[n, V]``, the distribution's),
+    for the rows of ``runs``, into ``out``'s ``[T]`` fields: a chunk's tiles (the last one
+    -inf padded) are merged as soon as they are computed (``stats.merge_tiles``), so the
+    work is a chunk's, never ``[T, tiles]``. Uncapped runs by the compiled ``row_kernel``
+    where ``compiled_ok``, the rest eagerly (``eager_rows``) ``chunk`` rows at a time."""
+    cdt = out.sum.dtype
+    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
+    r = 1.0 / tau
+    rest = [(lo, hi) for lo, hi in runs if not (
+        softmax.cap is None and compiled_ok(x[lo:hi])
+        and _compiled_rows(x[lo:hi], r[lo:hi], tau[lo:hi], out.map(operator.itemgetter(slice(lo, hi))))
+    )]
+    pieces = kernels.pieces(rest, chunk)
+    width = tiles(x.shape[1]) * TILE
+    work = torch.empty(max((hi - lo for lo, hi in pieces), default=0) * width, dtype=cdt, device=x.device)
+    for lo, hi in pieces:
+        buf = work[: (hi - lo) * width].view(hi - lo, width)
+        big, total, ent = eager_rows(x[lo:hi], softmax.cap, r[lo:hi], tau[lo:hi], buf, out.ent is not None)
+        out.max[lo:hi], out.sum[lo:hi] = big, total
+        if out.ent is not None and ent is not None:
+            out.ent[lo:hi] = ent
+
+
+def eager_rows(
+    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, buf: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: capped and -inf padded into
+    ``buf`` (``[n, tiles(w) * TILE]``, compute dtype), ``eager_tiles``, ``merge_tiles``."""
+    w = x.shape[1]
+    buf[:, :w].copy_(x)
+    if cap is not None:
+        buf[:, :w].div_(cap).tanh_().mul_(cap)
+    buf[:, w:] = -math.inf
+    m, s, a = eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
+    return _stats.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
+
+
+@no_type_check
+def row_kernel(x, r, tau):
+    """``(M, S, A)`` ``[R]`` of uncapped ``x`` ``[R, w]`` (any width: the last tile -inf
+    padded) with ``r = 1 / tau`` and ``tau`` ``[R]``: ``tile_kernel`` then
+    ``merge_tiles``, compiled into one graph (``eager_rows``'s bits)."""
+    pad = -x.shape[1] % TILE
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
+    m, s, a = tile_kernel(x, r)
+    return _stats.merge_tiles(m, s, a, tau)
+
+
+def _compiled_rows(x: Tensor, r: Tensor, tau: Tensor, out: RowStats) -> bool:
+    """``row_kernel`` over every row of ``x`` into ``out`` (``[rows]`` fields), in chunks
+    of a fixed number of rows (``kernels.chunk_starts``), each compiled shape's first
+    result checked against ``eager_rows``; False if it failed to compile (auto) or
+    disagreed."""
+    rows, width = x.shape
+    c, starts = kernels.chunk_starts(rows, stats_chunk_rows(width))
+    for s in starts:
+        e = s + c
+        ok, result = kernels._call(row_kernel, x[s:e], r[s:e], tau[s:e])
+        if not ok:
+            return False
+        got = cast(tuple[Tensor, Tensor, Tensor], result)
+        key = ("row_kernel", x.dtype, (c, width), x.stride())
+        if key not in _verified:
+            buf = torch.empty((c, tiles(width) * TILE), dtype=r.dtype, device=x.device)
+            want = eager_rows(x[s:e], None, r[s:e], tau[s:e], buf, True)
+            if not _checked("row_kernel", got, [t for t in want if t is not None], key):
+                return False
+        out.max[s:e], out.sum[s:e] = got[0], got[1]
+        if out.ent is not None:
+            out.ent[s:e] = got[2]
+    return True
+
+
+def stats_chunk_rows(width: int) -> int:
+    """Rows per compiled forward chunk (and widened gradient chunk): ``[C, width]``
+    float32 within ``STATS_CHUNK_BYTES``, a power of two."""
+    return 1 << (max(1, STATS_CHUNK_BYTES // (4 * width)).bit_length() - 1)
 
 
 def _eager_stats(
@@ -355,8 +468,7 @@ def _compiled_grad(x: Tensor, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b:
     element at a time (measured at T=4096, V=32768: 1.7x the widened kernel's time)."""
     rows, width = x.shape
     widen = x.dtype != r.dtype
-    chunk = 1 << (max(1, STATS_CHUNK_BYTES // (4 * width)).bit_length() - 1) if widen else (
-        kernels.compiled_chunk_rows(width, x.dtype, x.device))
+    chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
     c, starts = kernels.chunk_starts(rows, chunk)
     wide = torch.empty((c, width), dtype=r.dtype, device=x.device) if widen and starts else None
     for s in starts:

@@ -57,7 +57,7 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     if el is not None:
         x = softmax.logits(logits[el.row, el.col].to(dense.max.dtype))
         with_h = options.with_entropy and options.over_support
-        tiles = dense.max.shape[1] if options.invariant else None
+        tiles = invariant.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h, tiles))
     return finish(dense, sets, ids, shard, options, runs)
 

@@ -225,20 +225,20 @@ def tree(x: Tensor) -> Tensor:
     return x[0]
 
 
-def merge_tiles(parts: RowStats, tau: Tau) -> RowStats:
-    """``merge`` in invariant mode: the statistics of the whole distribution from every
-    tile's (the fields' leading dimension, in global order; ``picked``'s the shards'), in
-    the spec's fixed order: ``M`` the max, each tile rescaled by ``exp(delta_j)``, the
-    tiles' sums by ``tree``."""
-    big = parts.max.amax(0)
-    delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``merge`` in invariant mode: a row's ``(M, S, A)`` ``[R]`` of the whole distribution
+    from every tile's ``m``, ``s`` and ``a`` (``[n, R]``: tiles in global order; ``a`` None
+    without entropy), in the spec's fixed order: ``M`` the max, each tile rescaled by
+    ``exp(delta_j)``, the tiles' sums by ``tree``. Eager, and traced into invariant mode's
+    compiled row kernel."""
+    big = m.amax(0)
+    delta = (m - torch.where(big == -math.inf, 0.0, big)) / tau
     scale = exp(delta)
-    total = tree((scale * parts.sum).t().contiguous())
-    ent = None
-    if parts.ent is not None:
-        terms = torch.where(parts.sum > 0, scale * (parts.ent + delta * parts.sum), 0.0)
-        ent = tree(terms.t().contiguous())
-    return RowStats(big, total, parts.picked.sum(0), ent)
+    total = tree((scale * s).t().contiguous())
+    if a is None:
+        return big, total, None
+    terms = torch.where(s > 0, scale * (a + delta * s), 0.0)
+    return big, total, tree(terms.t().contiguous())
 
 
 class Totals(NamedTuple):
@@ -283,6 +283,11 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return flat.view(world, *local.shape)
 
 
+MERGE_ROWS = 1024
+"""Rows per piece of ``combine``'s tile merge: its temporaries are a few ``[tiles, rows]``
+buffers of this many rows, not of ``T``."""
+
+
 def combine(
     parts: Sequence[RowStats],
     tau: Tau,
@@ -294,37 +299,60 @@ def combine(
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
     Every part after the first shares the first's picked logits (they are not sent
     again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
-    ``[W, r, T]``. With ``tiles`` (invariant mode) the parts' ``max``, ``sum`` and ``ent``
+    ``[W, r, T]``. With ``tiles`` (invariant mode) a part's ``max``, ``sum`` and ``ent``
     are ``[T, n]`` per tile, and the first ``tiles`` of all shards' tiles, in global
-    order, merge by ``merge_tiles``. Collectives: one ``all_gather`` with ``group``, else
-    none."""
+    order, merge by ``merge_tiles`` (``MERGE_ROWS`` rows at a time); or, without a
+    group, ``[T]`` fields already merged so (``invariant.stats``), read as they are.
+    Collectives: one ``all_gather`` with ``group``, else none."""
     first = parts[0]
     k = first.picked.shape[1]
     rows = [r for i, p in enumerate(parts) for r in _rows(p, i == 0)]
     local = torch.stack(rows if extra is None else [*rows, *extra.to(first.max.dtype)])
     gathered = all_gather_rows(local, group)
-    world, t = gathered.shape[0], gathered.shape[2]
-
-    def field(at: int, n: int) -> Tensor:
-        if tiles is None:
-            return gathered[:, at]
-        return gathered[:, at : at + n].reshape(world * n, t)[:tiles]
-
+    world = gathered.shape[0]
     out, at = [], 0
     picked = None
     for i, p in enumerate(parts):
         n = 1 if p.max.dim() == 1 else p.max.shape[1]
-        m, s = field(at, n), field(at + n, n)
+        at_m, at_s = at, at + n
         at += 2 * n
         if i == 0:
             picked, at = gathered[:, at : at + k].transpose(1, 2), at + k
-        ent = None
+        at_e = None
         if p.ent is not None:
-            ent, at = field(at, n), at + n
+            at_e, at = at, at + n
         assert picked is not None
-        stats = RowStats(m, s, picked, ent)
-        out.append(totals(merge(stats, tau) if tiles is None else merge_tiles(stats, tau), tau))
+        if tiles is None or p.max.dim() == 1:
+            assert tiles is None or world == 1, "merged statistics under TP"
+            stats = RowStats(gathered[:, at_m], gathered[:, at_s], picked,
+                             None if at_e is None else gathered[:, at_e])
+            out.append(totals(merge(stats, tau) if tiles is None else stats.map(lambda f: f[0]), tau))
+        else:
+            out.append(totals(_merge_gathered(gathered, (at_m, at_s, at_e), n, tiles, picked.sum(0), tau), tau))
     return out, None if extra is None else gathered[:, at:]
+
+
+def _merge_gathered(
+    gathered: Tensor, at: tuple[int, int, int | None], n: int, tiles: int, picked: Tensor, tau: Tau
+) -> RowStats:
+    """``merge_tiles`` of the first ``tiles`` of every shard's ``n`` tiles of one part of
+    ``combine``'s ``[W, r, T]`` rows (its ``max``, ``sum`` and ``ent`` rows at ``at``),
+    ``MERGE_ROWS`` rows at a time, into ``[T]`` fields."""
+    world, t = gathered.shape[0], gathered.shape[2]
+    def new() -> Tensor:
+        return gathered.new_empty(t)
+
+    merged = RowStats(new(), new(), picked, None if at[2] is None else new())
+    for lo in range(0, t, MERGE_ROWS):
+        hi = min(lo + MERGE_ROWS, t)
+        m, s, a = (None if i is None else gathered[:, i : i + n, lo:hi].reshape(world * n, hi - lo)[:tiles]
+                   for i in at)
+        assert m is not None and s is not None
+        big, total, ent = merge_tiles(m, s, a, rows_of(tau, slice(lo, hi)))
+        merged.max[lo:hi], merged.sum[lo:hi] = big, total
+        if merged.ent is not None and ent is not None:
+            merged.ent[lo:hi] = ent
+    return merged
 
 
 class RowGrad(NamedTuple):

@@ -133,6 +133,7 @@ def dense_pass(
     rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = dense.max.dtype
     fixed = options.invariant
+    merged = fixed and dense.max.dim() == 1
     tiles = Tiles.of(rows, vocab, options.chunk_size, fixed)
     blocks = tiles.blocks(shard.valid)
     width = 0 if best is None else min(best, vocab)
@@ -150,8 +151,13 @@ def dense_pass(
         chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
         softmax = options.softmax.rows(slice(s, e))
         # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block);
-        # invariant mode writes each block's tiles in place
-        parts = dense.map(operator.itemgetter(slice(s, e))) if fixed else _two_slots(dense, e - s)
+        # invariant mode writes each block's tiles in place, into these rows' own tiles
+        # where ``dense`` is merged already (no TP: ``invariant.placeholders``)
+        if merged:
+            parts = invariant.tile_placeholders(invariant.tiles(shard.valid), e - s, dense.picked.shape[1], cdt,
+                                                hidden.device, dense.ent is not None)
+        else:
+            parts = dense.map(operator.itemgetter(slice(s, e))) if fixed else _two_slots(dense, e - s)
         running: topk.Candidates | None = None
         for b, (v0, v1) in enumerate(blocks):
             # the same [rows, V_block] tiles, by the same matmuls, as backward: its
@@ -178,7 +184,9 @@ def dense_pass(
             del x
             if slot and not fixed:
                 _write(parts, 0, merge(parts, softmax.tau))
-        if not fixed:
+        if merged:
+            invariant.merge_into(dense, slice(s, e), parts, softmax.tau)
+        elif not fixed:
             _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
         if running is not None:
             c = running.values.shape[1]
