@@ -194,7 +194,8 @@ def test_the_hidden_state_path_gives_a_row_the_same_bits_in_any_batch(dtype: tor
 
 @pytest.mark.parametrize(("dtype", "vocab_size", "kernel"), [
     (torch.float32, None, "grad_kernel"),
-    (torch.bfloat16, None, "grad_kernel"),  # widened chunk by chunk
+    (torch.bfloat16, None, "pairs_kernel"),  # two bfloat16 columns an int32
+    (torch.bfloat16, 681, "grad_kernel"),  # an odd width: widened chunk by chunk instead
 ])
 def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                             vocab_size: int | None, kernel: str) -> None:
@@ -217,6 +218,19 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dty
     for a, b in zip(run(), eager):
         assert torch.equal(a, b)
     assert {"row_kernel", kernel} <= {key[0] for key in _kernels._ready}  # run compiled
+
+
+def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
+    gen = torch.Generator().manual_seed(13)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0x00008000, 0x00018000,
+                         0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
+    g = torch.cat([torch.randn(10000, generator=gen) * 10.0 ** torch.randint(-30, 30, (10000,), generator=gen),
+                   ties.view(torch.float32), torch.tensor([math.nan, -math.nan])])
+    got = (_invariant._bfloat16_bits(g) >> 16).to(torch.int16)
+    want = g.to(torch.bfloat16).view(torch.int16)
+    nan = g.isnan()
+    assert torch.equal(got[~nan], want[~nan])  # ties to even, overflow to inf, zeros' signs
+    assert torch.equal(got[nan], torch.full((2,), 0x7FC0, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
