@@ -10,17 +10,21 @@ back-propagating a random upstream gradient:
 - ``invariant``: ``invariant=True`` as a user gets it (its own compiled kernels on the
   CPU, which give the eager bits; compiled in the warm-up step).
 
-Each method and dtype runs in a fresh subprocess (torch's default threads). After one
-warm-up step, the peak memory is the growth of the peak RSS during one more step
-beyond the RSS before it (``harness.peak_growth``), in ``[T, V]`` buffers of the
-logits' dtype (the gradient, one such buffer, included); time is the median (and the
-best) of a few further steps, ``cpu ms`` the median process CPU time of a step.
+Each dtype runs in a fresh subprocess (torch's default threads), all three methods in
+it, so that they are timed side by side: after one warm-up step of each, the peak
+memory of each is the growth of the peak RSS during one more step beyond the RSS
+before it (``harness.peak_growth``), in ``[T, V]`` buffers of the logits' dtype (the
+gradient, one such buffer, included); then ``repeat`` rounds each time one step of
+every method in turn, so that a slower or faster stretch of the machine falls on all
+of them alike. Time is the median (and the best) over the rounds, ``cpu ms`` the median
+process CPU time of a step.
 
 Run: ``.venv/bin/python benchmarks/bench_invariant.py [--quick] [--dtypes float32,bfloat16]``
 (or ``python -m benchmarks.bench_invariant``).
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -53,48 +57,50 @@ class Result:
     cpu_ms: float
 
 
-def _child(method: str, dtype_name: str, t: int, v: int, repeat: int) -> Result:
+def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
     from cpslice import log_probs_and_entropy
+    from cpslice._vocab import kernels
 
     torch.manual_seed(0)
     logits = (torch.randn(t, v) * 2).to(getattr(torch, dtype_name)).requires_grad_(True)
     targets = torch.randint(0, v, (t,))
     g_lp, g_h = torch.randn(t), torch.randn(t)
-    invariant = method == "invariant"
 
-    def step() -> None:
+    def step(method: str) -> None:
+        kernels.mode = "0" if method == "eager" else "auto"  # CPSLICE_COMPILE, as a user sets it
         lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, temperature=TEMPERATURE,
-                                      invariant=invariant)
+                                      invariant=method == "invariant")
         torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
         logits.grad = None
 
-    step()  # warm-up (the compile, for default)
-    peak = peak_growth(step)
-    times, cpu = [], []
+    for m in METHODS:
+        step(m)  # warm-up (the compile, for default and invariant)
+    peaks = {m: peak_growth(functools.partial(step, m)) for m in METHODS}
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    cpu: dict[str, list[float]] = {m: [] for m in METHODS}
     for _ in range(repeat):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        cpu.append(time.process_time() - start_cpu)
-        times.append(time.perf_counter() - start)
+        for m in METHODS:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step(m)
+            cpu[m].append(time.process_time() - start_cpu)
+            times[m].append(time.perf_counter() - start)
     buffer = t * v * logits.element_size()
-    return Result(method, dtype_name, t, v, peak / buffer, 1e3 * statistics.median(times), 1e3 * min(times),
-                  1e3 * statistics.median(cpu))
+    return [Result(m, dtype_name, t, v, peaks[m] / buffer, 1e3 * statistics.median(times[m]), 1e3 * min(times[m]),
+                   1e3 * statistics.median(cpu[m])) for m in METHODS]
 
 
-def _in_subprocess(method: str, dtype: str, t: int, v: int, repeat: int) -> Result:
+def _in_subprocess(dtype: str, t: int, v: int, repeat: int) -> list[Result]:
     env = dict(os.environ)
     env.pop("CPSLICE_COMPILE", None)
-    if method == "eager":
-        env["CPSLICE_COMPILE"] = "0"
-    cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(v), str(repeat)]
+    cmd = [sys.executable, __file__, "--child", dtype, str(t), str(v), str(repeat)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return [Result(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def run(quick: bool = False, dtypes: Sequence[str] = ("float32",)) -> list[Result]:
-    """One Result per method and dtype, each measured in a fresh subprocess."""
-    t, v, repeat = (512, 8192, 3) if quick else (4096, 32768, 5)
-    return [_in_subprocess(m, d, t, v, repeat) for d in dtypes for m in METHODS]
+    """One Result per method and dtype, each dtype measured in a fresh subprocess."""
+    t, v, repeat = (512, 8192, 3) if quick else (4096, 32768, 9)
+    return [r for d in dtypes for r in _in_subprocess(d, t, v, repeat)]
 
 
 def report(results: Sequence[Result], say: Callable[[str], None] = print) -> None:
@@ -119,12 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--dtypes", default="float32",
                         help=f"comma-separated, of {','.join(DTYPES)} (default float32)")
-    parser.add_argument("--child", nargs=5, metavar=("METHOD", "DTYPE", "T", "V", "REPEAT"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("DTYPE", "T", "V", "REPEAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        method, dtype, t, v, repeat = args.child
-        print(json.dumps(_child(method, dtype, int(t), int(v), int(repeat)).__dict__))
+        dtype, t, v, repeat = args.child
+        print(json.dumps([r.__dict__ for r in _children(dtype, int(t), int(v), int(repeat))]))
         return 0
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in DTYPES]
