@@ -43,8 +43,8 @@ class Options(NamedTuple):
     cap: float | None = None
     vocab_size: int | None = None
     invariant: bool = False
-    """Invariant mode (``invariant``): per-tile statistics merged in a fixed order, the
-    eager kernels only."""
+    """Invariant mode (``invariant``): per-tile statistics merged in a fixed order, by
+    kernels whose compiled and eager forms give the same bits."""
 
     @property
     def softmax(self) -> Softmax:
