@@ -7,6 +7,7 @@ vocabulary; they equal the spec's rollout-engine function; a planted change of t
 order fails."""
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -215,9 +216,38 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dty
     eager = run()
     monkeypatch.setattr(_kernels, "mode", "1")
     monkeypatch.setattr(_kernels, "_ready", set())  # this test's kernels only
+    monkeypatch.setattr(_invariant, "_verified", set())  # each compiled shape checked again
+    monkeypatch.setattr(_invariant, "_disagree", None)
     for a, b in zip(run(), eager):
         assert torch.equal(a, b)
     assert {"row_kernel", kernel} <= {key[0] for key in _kernels._ready}  # run compiled
+    assert _invariant._disagree is None  # and no kernel turned eager after a difference
+
+
+def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits, targets, temps, _, _ = _data(torch.float32)
+    logits = logits.repeat(300, 1)
+    targets = targets.repeat(300)
+    real = _invariant.row_kernel
+
+    def planted(x: Tensor, r: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        big, total, ent = real(x, r, tau)
+        return big, total * (1 + 2**-20), ent  # a sum off in its last bits
+
+    monkeypatch.setattr(_kernels, "mode", "0")
+    want = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
+    monkeypatch.setattr(_kernels, "mode", "1")
+    monkeypatch.setattr(_invariant, "_verified", set())
+    monkeypatch.setattr(_invariant, "_disagree", None)
+    monkeypatch.setattr(_invariant, "row_kernel", planted)
+    with warnings.catch_warnings(record=True) as caught:  # the filters as they are: torch's own stay quiet
+        warnings.simplefilter("always", RuntimeWarning)
+        got = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
+    assert any(issubclass(w.category, RuntimeWarning) and "compiled row_kernel differs from the eager one"
+               in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _invariant._disagree is not None
+    assert _invariant.compiled_ok(logits) is False  # for the rest of the process
 
 
 def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
@@ -250,8 +280,11 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytes
     monkeypatch.setattr(_kernels, "mode", "0")
     eager = run()
     monkeypatch.setattr(_kernels, "mode", "1")
+    monkeypatch.setattr(_invariant, "_verified", set())
+    monkeypatch.setattr(_invariant, "_disagree", None)
     compiled = run()
     assert "tile_kernel" in {key[0] for key in _kernels._ready}
+    assert _invariant._disagree is None
     for a, b in zip(compiled, eager):
         assert a is not None and b is not None and torch.equal(a, b)
     assert torch.equal(eager.sum[17:20], torch.ones(3, 8))  # rows outside the runs left as they were
