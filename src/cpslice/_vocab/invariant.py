@@ -39,7 +39,7 @@ import math
 import operator
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast, no_type_check
 
 import torch
@@ -48,7 +48,7 @@ from torch import Tensor
 from .._errors import LayoutError
 from . import kernels
 from . import stats as _stats  # merge_tiles read at each call: tests plant another order
-from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, tree
+from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, tree, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -109,11 +109,8 @@ def merge_into(out: RowStats, at: slice, parts: RowStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``stats.merge_tiles``); their picked logits added."""
-    big, total, ent = _stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
-                                         tau)
-    out.max[at], out.sum[at] = big, total
-    if out.ent is not None and ent is not None:
-        out.ent[at] = ent
+    write(out, at, *_stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+                                       tau))
     out.picked[at] += parts.picked
 
 
@@ -295,28 +292,40 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, runs: list[tuple[in
         softmax.cap is None and compiled_ok(x[lo:hi])
         and _compiled_rows(x[lo:hi], r[lo:hi], tau[lo:hi], out.map(operator.itemgetter(slice(lo, hi))))
     )]
-    pieces = kernels.pieces(rest, chunk)
-    width = tiles(x.shape[1]) * TILE
-    work = torch.empty(max((hi - lo for lo, hi in pieces), default=0) * width, dtype=cdt, device=x.device)
+    for lo, hi, buf in _buffers(kernels.pieces(rest, chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
+        write(out, slice(lo, hi), *eager_rows(x[lo:hi], softmax.cap, r[lo:hi], tau[lo:hi], buf, out.ent is not None))
+
+
+def _buffers(
+    pieces: list[tuple[int, int]], width: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[int, int, Tensor]]:
+    """Each piece ``[lo, hi)`` with a ``[hi - lo, width]`` work buffer, all of them views
+    of one buffer for the call."""
+    work = torch.empty(max((hi - lo for lo, hi in pieces), default=0) * width, dtype=dtype, device=device)
     for lo, hi in pieces:
-        buf = work[: (hi - lo) * width].view(hi - lo, width)
-        big, total, ent = eager_rows(x[lo:hi], softmax.cap, r[lo:hi], tau[lo:hi], buf, out.ent is not None)
-        out.max[lo:hi], out.sum[lo:hi] = big, total
-        if out.ent is not None and ent is not None:
-            out.ent[lo:hi] = ent
+        yield lo, hi, work[: (hi - lo) * width].view(hi - lo, width)
 
 
-def eager_rows(
-    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, buf: Tensor, with_entropy: bool
+def padded_tiles(
+    x: Tensor, cap: float | None, r: Tensor, buf: Tensor, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: capped and -inf padded into
-    ``buf`` (``[n, tiles(w) * TILE]``, compute dtype), ``eager_tiles``, ``merge_tiles``."""
+    """``eager_tiles`` ``[n, tiles(w)]`` of the rows of ``x`` ``[n, w]`` (whose first column
+    starts a tile): capped and -inf padded into ``buf`` (``[n, tiles(w) * TILE]``, the
+    compute dtype) first."""
     w = x.shape[1]
     buf[:, :w].copy_(x)
     if cap is not None:
         buf[:, :w].div_(cap).tanh_().mul_(cap)
     buf[:, w:] = -math.inf
-    m, s, a = eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
+    return eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
+
+
+def eager_rows(
+    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, buf: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
+    then ``merge_tiles``."""
+    m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
     return _stats.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
@@ -339,21 +348,19 @@ def _compiled_rows(x: Tensor, r: Tensor, tau: Tensor, out: RowStats) -> bool:
     disagreed."""
     rows, width = x.shape
     c, starts = kernels.chunk_starts(rows, stats_chunk_rows(width))
+    key = ("row_kernel", x.dtype, (c, width), x.stride())
     for s in starts:
         e = s + c
         ok, result = kernels._call(row_kernel, x[s:e], r[s:e], tau[s:e])
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
-        key = ("row_kernel", x.dtype, (c, width), x.stride())
         if key not in _verified:
             buf = torch.empty((c, tiles(width) * TILE), dtype=r.dtype, device=x.device)
             want = eager_rows(x[s:e], None, r[s:e], tau[s:e], buf, True)
             if not _checked("row_kernel", got, [t for t in want if t is not None], key):
                 return False
-        out.max[s:e], out.sum[s:e] = got[0], got[1]
-        if out.ent is not None:
-            out.ent[s:e] = got[2]
+        write(out, slice(s, e), *got)
     return True
 
 
@@ -368,26 +375,12 @@ def _eager_stats(
     chunk: int, first: int, start: int, n_tiles: int,
 ) -> None:
     """``eager_tiles`` of columns ``start`` (a tile edge) on of the rows of ``runs``."""
-    cdt = out.sum.dtype
     n = n_tiles - start // TILE
     if n == 0:
         return
     cols = slice(first + start // TILE, first + n_tiles)
-    pieces = kernels.pieces(runs, chunk)
-    most = max((hi - lo for lo, hi in pieces), default=0)
-    work = torch.empty(most * n * TILE, dtype=cdt, device=x.device)  # one buffer for the call
-    for lo, hi in pieces:
-        buf = work[: (hi - lo) * n * TILE].view(hi - lo, n * TILE)
-        w = valid - start
-        buf[:, :w].copy_(x[lo:hi, start:valid])
-        if cap is not None:
-            buf[:, :w].div_(cap).tanh_().mul_(cap)
-        buf[:, w:] = -math.inf
-        m, s, a = eager_tiles(buf.view(hi - lo, n, TILE), r[lo:hi], out.ent is not None)
-        out.max[lo:hi, cols], out.sum[lo:hi, cols] = m, s
-        if out.ent is not None:
-            assert a is not None
-            out.ent[lo:hi, cols] = a
+    for lo, hi, buf in _buffers(kernels.pieces(runs, chunk), n * TILE, out.sum.dtype, x.device):
+        write(out, (slice(lo, hi), cols), *padded_tiles(x[lo:hi, start:valid], cap, r[lo:hi], buf, out.ent is not None))
 
 
 def capped(x: Tensor, softmax: Softmax) -> Tensor:

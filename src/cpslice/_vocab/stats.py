@@ -241,6 +241,14 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
     return big, total, tree(terms.t().contiguous())
 
 
+def write(out: RowStats, at: slice | tuple[slice, slice], m: Tensor, s: Tensor, a: Tensor | None) -> None:
+    """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
+    ``s`` and ``a``; ``picked`` left as it is."""
+    out.max[at], out.sum[at] = m, s
+    if out.ent is not None and a is not None:
+        out.ent[at] = a
+
+
 class Totals(NamedTuple):
     """A row's results over the whole vocabulary (or its restricted set): ``max`` ``M``,
     ``log_sum`` ``log S``, ``log_probs`` ``[T, k]`` of the picked ids, ``entropy`` ``[T]``
@@ -339,6 +347,7 @@ def _merge_gathered(
     ``combine``'s ``[W, r, T]`` rows (its ``max``, ``sum`` and ``ent`` rows at ``at``),
     ``MERGE_ROWS`` rows at a time, into ``[T]`` fields."""
     world, t = gathered.shape[0], gathered.shape[2]
+
     def new() -> Tensor:
         return gathered.new_empty(t)
 
@@ -348,10 +357,7 @@ def _merge_gathered(
         m, s, a = (None if i is None else gathered[:, i : i + n, lo:hi].reshape(world * n, hi - lo)[:tiles]
                    for i in at)
         assert m is not None and s is not None
-        big, total, ent = merge_tiles(m, s, a, rows_of(tau, slice(lo, hi)))
-        merged.max[lo:hi], merged.sum[lo:hi] = big, total
-        if merged.ent is not None and ent is not None:
-            merged.ent[lo:hi] = ent
+        write(merged, slice(lo, hi), *merge_tiles(m, s, a, rows_of(tau, slice(lo, hi))))
     return merged
 
 
