@@ -1,0 +1,30 @@
+"""The Triton backend's kernels: hand-written Triton for CUDA tensors, and for CPU tensors
+through Triton's interpreter (``TRITON_INTERPRET=1``, the tests' way to run them without
+a GPU).
+
+Nothing here is imported unless the Triton backend is chosen: ``triton`` comes with the
+CUDA builds of torch and is no dependency of cpslice. ``default`` holds the default
+reduction's kernels (online statistics forward, one read; the gradient backward, one read
+and one write), ``invariant`` invariant mode's (the spec of docs/invariance.md: 128-column
+tiles, the spec's ``exp``, pairwise-halving sums, no contraction, correctly rounded
+divisions). ``launches`` counts every kernel launch by name, so that a test (and a
+benchmark) can see that a Triton kernel ran: a silent fallback to another backend shows
+as no launch.
+"""
+
+import os
+from collections import Counter
+
+launches: Counter[str] = Counter()
+"""Kernel launches of this process, by kernel name."""
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: numpy on
+    the CPU, one program at a time), read at each call as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def count(name: str) -> None:
+    """Count one launch of the kernel ``name``."""
+    launches[name] += 1
