@@ -1,0 +1,111 @@
+"""Which kernels compute the vocabulary engine's row statistics and gradients: the backend.
+
+Three backends, each with the default reduction and invariant mode's:
+
+- ``eager``: torch operations, chunk by chunk (any device, any float dtype);
+- ``compiled``: the same arithmetic compiled by ``torch.compile`` (inductor) into one
+  fused loop per chunk: the CPU's fast path (``kernels``, ``invariant``);
+- ``triton``: hand-written Triton kernels (``_vocab/triton``) for CUDA tensors, and for
+  CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``, for tests). They
+  take float32, bfloat16 and float16 logits; float64 logits fall back to ``compiled``
+  / ``eager`` (the interpreter and a GPU's float64 rate make no sense for them).
+
+``CPSLICE_BACKEND`` chooses, read once at import: ``auto`` (unset or empty too) takes
+``triton`` for CUDA tensors when Triton imports, else ``compiled`` where it pays (the
+work is large enough and the compiler works) and ``eager`` otherwise; ``eager``,
+``compiled`` and ``triton`` force one (``compiled``: a compile failure is an error;
+``triton``: a tensor it cannot run on, a CPU tensor without the interpreter, is an
+error). The selection lives in one object, ``selected``; ``using`` changes it for a
+block (tests and benchmarks)."""
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NAMES = ("auto", "eager", "compiled", "triton")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def setting(value: str | None = None) -> str:
+    """``CPSLICE_BACKEND`` (or ``value``): one of ``NAMES``, empty or unset meaning ``auto``.
+
+    Raises:
+        ValueError: any other value; the message names the setting and lists the valid ones.
+    """
+    raw = os.environ.get("CPSLICE_BACKEND", "") if value is None else value
+    name = raw or "auto"
+    if name not in NAMES:
+        raise ValueError(
+            f"CPSLICE_BACKEND={raw!r} is not valid; use one of: unset or '' or 'auto' (Triton kernels "
+            "for CUDA tensors, compiled kernels on the CPU where they pay, else eager), 'eager' (torch "
+            "operations), 'compiled' (torch.compile; an error if it fails), 'triton' (Triton kernels; "
+            "an error for a tensor they cannot run on)"
+        )
+    return name
+
+
+@dataclass
+class Selection:
+    """The chosen backend (``name``, one of ``NAMES``) and what it learned: whether Triton
+    imports (None: not asked yet)."""
+
+    name: str
+    triton_imports: bool | None = None
+
+    def has_triton(self) -> bool:
+        if self.triton_imports is None:
+            self.triton_imports = importlib.util.find_spec("triton") is not None
+        return self.triton_imports
+
+
+selected = Selection(setting())
+"""The process's selection, from ``CPSLICE_BACKEND`` at import."""
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[Selection]:
+    """Select the backend ``name`` (one of ``NAMES``) inside the block, then restore."""
+    before = selected.name
+    selected.name = setting(name)
+    try:
+        yield selected
+    finally:
+        selected.name = before
+
+
+def triton_for(x: Tensor) -> bool:
+    """Whether the Triton kernels compute on the tile ``x``: with ``triton`` selected for
+    every tensor of a dtype they take (a CUDA tensor, or a CPU tensor under the
+    interpreter), with ``auto`` for a CUDA one of such a dtype when Triton imports.
+
+    Raises:
+        RuntimeError: ``triton`` selected for a tensor it cannot run on (a CPU tensor
+            without ``TRITON_INTERPRET=1``, another device, Triton missing).
+    """
+    name = selected.name
+    if name in ("eager", "compiled") or x.dtype not in TRITON_DTYPES:
+        return False
+    if name == "auto":
+        return x.device.type == "cuda" and selected.has_triton()
+    where = x.device.type
+    if not selected.has_triton():
+        raise RuntimeError("CPSLICE_BACKEND=triton but triton does not import; install it (CUDA builds of "
+                           "torch bring it) or choose another backend (auto, eager, compiled)")
+    if where == "cuda" or (where == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return True
+    raise RuntimeError(
+        f"CPSLICE_BACKEND=triton runs on CUDA tensors (and on CPU tensors only under Triton's "
+        f"interpreter, TRITON_INTERPRET=1), but the logits are on {where}; choose another backend "
+        "(auto, eager, compiled) for them"
+    )
+
+
+def compile_mode() -> str:
+    """The compiled kernels' mode the selection implies: ``1`` (always, failures are
+    errors) for ``compiled``, ``0`` (never) for ``eager``, else ``auto``."""
+    return {"compiled": "1", "eager": "0"}.get(selected.name, "auto")
