@@ -23,7 +23,7 @@ lint: install
 	$(BIN)/ruff check src tests benchmarks examples
 
 test: install typecheck
-	$(BIN)/pytest
+	TRITON_INTERPRET=1 $(BIN)/pytest
 
 # Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
 # then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states; then

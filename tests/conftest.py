@@ -12,9 +12,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # one intra-op thread, as each gloo rank has (tests/_dist.py): the session's small
     # ops gain nothing from a second one, whose OpenMP worker would spin between them on
     # the core the ranks and the background jobs need
+    import os
+
     import torch
 
     torch.set_num_threads(1)
+    # the Triton backend's kernels run on CPU tensors through Triton's interpreter
+    # (tests/test_triton*.py): Triton reads it when imported, so `make test` sets it before
+    # the process starts (a plugin may import Triton before this hook); here for the gloo
+    # ranks, which inherit it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,211 @@
+"""The Triton backend's default kernels on the CPU, through Triton's interpreter
+(``TRITON_INTERPRET=1``, set for the session by conftest.py): ``log_probs_and_entropy``,
+``log_probs_at`` and ``topk_log_probs`` with every softmax option against float64, values
+and gradients; a Triton launch is asserted for each (a silent fallback to another backend
+fails); TP 2 on gloo ranks; the ``CPSLICE_BACKEND`` setting and its refusals.
+tests/test_triton_cuda.py runs the same natively where a GPU exists."""
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
+from cpslice._vocab import backend
+from cpslice._vocab import stats as _stats
+from cpslice._vocab.triton import launches
+
+from . import tp_cases
+from ._dist import counting, run_distributed, tp_groups
+
+pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture
+def triton_backend() -> Iterator[None]:
+    with backend.using("triton"):
+        yield
+
+
+def _launched(before: dict[str, int]) -> set[str]:
+    return {k for k, v in launches.items() if v > before.get(k, 0)}
+
+
+def _reference(x: Tensor, ids: Tensor, temperature: float | Tensor, softcap: float | None, vocab: int | None,
+               g_lp: Tensor, g_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 (log p at ``ids`` ``[T, k]``, H, d(g_lp . log p + g_h . H)/dx), ``g_lp`` ``[T, k]``."""
+    assert g_lp.shape == ids.shape
+    x64 = x.detach().double()
+    # a -inf logit 1e4 below the row's smallest finite one: the same distribution, no 0 * inf
+    finite = torch.where(torch.isfinite(x64), x64, math.inf).amin(1, keepdim=True)
+    x64 = torch.where(x64 == -math.inf, finite - 1e4, x64).requires_grad_()
+    y = x64[:, : vocab or x.shape[1]]
+    if softcap is not None:
+        y = torch.tanh(y / softcap) * softcap
+    tau = temperature.double()[:, None] if isinstance(temperature, Tensor) else temperature
+    logp = torch.log_softmax(y / tau, -1)
+    lp = logp.gather(1, ids)
+    h = -(logp.exp() * logp).sum(1)
+    ((lp * g_lp.double()).sum() + (h * g_h.double()).sum()).backward()  # type: ignore[no-untyped-call]
+    assert x64.grad is not None
+    return lp.detach(), h.detach(), x64.grad
+
+
+def _logits(t: int, v: int, dtype: torch.dtype, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, v, generator=gen) * 4
+    x[1, :300] = -math.inf  # a whole block of masked tokens
+    x[2, v - 1] += 30.0  # a peaked row
+    return x.to(dtype)
+
+
+OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": "per-row"},
+    {"softcap": 20.0},
+    {"softcap": 20.0, "temperature": 1.3, "vocab_size": 650},
+    {"vocab_size": 600},
+    {"with_entropy": False},
+    {"entropy_grad": False},
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torch.dtype,
+                                               options: dict[str, Any]) -> None:
+    t, v = 6, 700
+    opts = dict(options)
+    if opts.get("temperature") == "per-row":
+        opts["temperature"] = torch.linspace(0.5, 1.5, t)
+    with_entropy = opts.pop("with_entropy", True)
+    entropy_grad = opts.get("entropy_grad", True)
+    vocab = opts.get("vocab_size")
+    x0 = _logits(t, v, dtype, 1)
+    targets = torch.tensor([0, 500, 699, 3, 250, 11]) % (vocab or v)
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp, h = log_probs_and_entropy(x, targets, with_entropy=with_entropy, **opts)
+    assert _launched(before) == {"default.stats"}
+    g_lp, g_h = torch.randn(t), torch.randn(t)
+    use_h = with_entropy and entropy_grad
+    loss = (lp * g_lp).sum() + ((h * g_h).sum() if use_h and h is not None else 0.0)
+    loss.backward()
+    assert _launched(before) == {"default.stats", "default.grad"}
+    ref_lp, ref_h, ref_grad = _reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
+                                         vocab, g_lp[:, None], g_h if use_h else torch.zeros(t))
+    torch.testing.assert_close(lp.double(), ref_lp[:, 0], rtol=0, atol=2e-5)
+    if with_entropy:
+        assert h is not None
+        torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
+    assert x.grad is not None and x.grad.dtype == dtype
+    # float32: a few roundings; bfloat16: the gradient's own rounding (8 bits)
+    rel = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+    if vocab is not None:
+        assert not x.grad[:, vocab:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.dtype) -> None:
+    t, v = 5, 600
+    x0 = _logits(t, v, dtype, 2)
+    ids = torch.tensor([[3, 3, 599], [0, 400, 400], [599, 1, 2], [7, 7, 7], [100, 200, 300]])
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp = log_probs_at(x, ids, temperature=0.9, softcap=25.0)
+    g = torch.randn(t, 3)
+    (lp * g).sum().backward()  # type: ignore[no-untyped-call]
+    assert _launched(before) == {"default.stats", "default.grad"}
+    ref_lp, _, ref_grad = _reference(x0, ids, 0.9, 25.0, None, g, torch.zeros(t))
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    rel = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    top, top_ids = topk_log_probs(x, 4, temperature=0.9)
+    g = torch.randn(t, 4)
+    (top * g).sum().backward()  # type: ignore[no-untyped-call]
+    assert {"default.stats", "default.grad"} <= _launched(before)
+    ref_lp, _, ref_grad = _reference(x0, top_ids, 0.9, None, None, g, torch.zeros(t))
+    want = torch.log_softmax(x0.double() / 0.9, -1).topk(4, -1)
+    torch.testing.assert_close(top.double(), want.values, rtol=0, atol=2e-5)
+    torch.testing.assert_close(top.double(), ref_lp, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+
+
+def test_empty_and_all_masked_rows(triton_backend: None) -> None:
+    x = torch.full((3, 300), -math.inf)
+    x[0] = torch.randn(300)
+    x[2, 5] = 0.0
+    x.requires_grad_()
+    lp, h = log_probs_and_entropy(x, torch.tensor([1, 0, 5]), with_entropy=True)
+    assert lp[2] == 0 and h[2] == 0  # one finite logit: p = 1
+    empty = torch.zeros((0, 300), requires_grad=True)
+    lp0, _ = log_probs_and_entropy(empty, torch.zeros(0, dtype=torch.int64))
+    assert lp0.shape == (0,)
+
+
+def test_backend_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, want in [(None, "auto"), ("", "auto"), ("auto", "auto"), ("eager", "eager"),
+                        ("compiled", "compiled"), ("triton", "triton")]:
+        if value is None:
+            monkeypatch.delenv("CPSLICE_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("CPSLICE_BACKEND", value)
+        assert backend.setting() == want
+    for bad in ("1", "0", "cuda", "Triton", "inductor"):
+        monkeypatch.setenv("CPSLICE_BACKEND", bad)
+        with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid; use one of.*'auto'.*'eager'"
+                                             r".*'compiled'.*'triton'"):
+            backend.setting()
+
+
+def test_triton_on_a_cpu_tensor_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with backend.using("triton"), pytest.raises(RuntimeError, match="CPSLICE_BACKEND=triton runs on CUDA tensors"):
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
+    # auto never takes Triton for a CPU tensor
+    before = dict(launches)
+    with backend.using("auto"):
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
+    assert _launched(before) == set()
+
+
+def test_float64_falls_back(triton_backend: None) -> None:
+    """float64 logits are not the Triton kernels' (documented): the selection falls back."""
+    before = dict(launches)
+    x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
+    lp, _ = log_probs_and_entropy(x, torch.tensor([0, 1, 2]))
+    lp.sum().backward()  # type: ignore[no-untyped-call]
+    assert _launched(before) == set()
+    torch.testing.assert_close(lp, torch.log_softmax(x.detach(), -1)[[0, 1, 2], [0, 1, 2]])
+
+
+def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
+    """tests/tp_cases.py's logits cases through the Triton kernels at every TP size of the
+    world: one all-gather forward, none backward, float64 references."""
+    calls: list[str] = []
+    done = []
+    with backend.using("triton"), counting(_stats, "_all_gather", calls):
+        for group, tp, tp_rank in tp_groups(rank, world):
+            before = dict(launches)
+            done.append((tp, tp_cases._run_logits(tp_cases.LOGITS_CASES, group, tp, tp_rank, calls)))
+            assert {"default.stats", "default.grad"} <= _launched(before)
+    dist.barrier()
+    return done
+
+
+def test_tensor_parallel_on_gloo() -> None:
+    results = run_distributed(tp_worker, 2, timeout=200)
+    assert all(dict(r)[2] == len(tp_cases.LOGITS_CASES) for r in results)
