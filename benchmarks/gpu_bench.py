@@ -1,0 +1,266 @@
+"""On a CUDA machine, one process, side by side: ``log_probs_and_entropy`` forward +
+backward with every backend (``triton``, ``compiled``, ``eager``) in the default and the
+invariant mode, bfloat16 and float32 logits, at T = 16384 rows with V = 151936 (Qwen's
+vocabulary) and 151936 / 4 (a TP 4 shard); log-prob only for the Triton default; the
+peers that import (torch.compile of the naive recipe; Liger's cross-entropy where
+installed).
+
+Each method's time (median of ``--repeat`` CUDA-event timed steps after a warm-up that
+includes its compiles) is set against the bandwidth floor: one read of the logits
+forward, one read and one gradient write backward, at the copy bandwidth measured at
+the start; its peak memory beyond the logits and their targets; its error against
+float64 on the first 256 rows (log-prob, entropy and the logits' gradient); and which
+Triton kernels ran (``_vocab.triton.launches``: a fallback shows as none). The script
+prints its own elapsed time.
+
+Run: ``PYTHONPATH=src python3 -m benchmarks.gpu_bench`` (torch with CUDA and Triton,
+jaxtyping; no megatron). ``--quick`` runs only the bfloat16 V = 151936 case.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+import cpslice
+from cpslice._vocab import backend
+from cpslice._vocab.triton import default as triton_default
+from cpslice._vocab.triton import launches
+
+T = 16384
+VOCABS = (151936, 151936 // 4)
+REF_ROWS = 256
+Step = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+
+
+class Row(NamedTuple):
+    name: str
+    dtype: str
+    vocab: int
+    ms: float
+    floor: float
+    peak_gib: float
+    lp_err: float
+    h_err: float
+    g_err: float
+    kernels: str
+
+
+def _event() -> "torch.cuda.Event":
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
+def bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = _event(), _event()
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return float(2 * 2**30 / statistics.median(times))
+
+
+def reference(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 log-prob, entropy and d(sum lp + sum H)/dx of the first REF_ROWS rows."""
+    x64 = x[:REF_ROWS].detach().double().requires_grad_()
+    logp = torch.log_softmax(x64, -1)
+    lp = logp.gather(1, targets[:REF_ROWS, None])[:, 0]
+    h = -(logp.exp() * logp).sum(1)
+    (lp.sum() + h.sum()).backward()  # type: ignore[no-untyped-call]
+    assert x64.grad is not None
+    return lp.detach(), h.detach(), x64.grad
+
+
+def cpslice_step(invariant: bool, with_entropy: bool = True) -> Step:
+    def step(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        lp, h = cpslice.log_probs_and_entropy(x, targets, with_entropy=with_entropy, invariant=invariant)
+        return lp, h
+
+    return step
+
+
+def naive_step() -> Step:
+    @torch.compile(dynamic=False)
+    def f(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        logp = torch.log_softmax(x.float(), -1)
+        return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(1)
+
+    return f
+
+
+def liger_step() -> Step | None:
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+
+    def f(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        return -liger_cross_entropy(x, targets, reduction="none"), None
+
+    return f
+
+
+def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tensor, Tensor, Tensor],
+            floor: float, repeat: int) -> Row:
+    x = x0.detach().requires_grad_()
+    base = torch.cuda.memory_allocated()
+    before = launches.copy()
+
+    def once() -> tuple[Tensor, Tensor | None]:
+        x.grad = None
+        lp, h = step(x, targets)
+        loss = lp.sum() + (0 if h is None else h.sum())
+        loss.backward()  # type: ignore[no-untyped-call]
+        return lp, h
+
+    lp, h = once()  # warm-up: compiles
+    torch.cuda.synchronize()
+    assert x.grad is not None
+    lp_err = float((lp[:REF_ROWS].double() - ref[0]).abs().max())
+    h_err = float("nan") if h is None else float((h[:REF_ROWS].double() - ref[1]).abs().max())
+    g_err = float("nan") if h is None else float((x.grad[:REF_ROWS].double() - ref[2]).abs().max())
+    del lp, h
+    x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeat):
+        start, end = _event(), _event()
+        start.record()
+        once()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    x.grad = None
+    ran = launches - before
+    kernels = ",".join(f"{k}x{v}" for k, v in sorted(ran.items())) or "-"
+    ms = statistics.median(times)
+    return Row(name, str(x0.dtype).removeprefix("torch."), x0.shape[1], ms, ms / floor, peak, lp_err, h_err, g_err,
+               kernels)
+
+
+def show(row: Row) -> None:
+    print(f"| {row.name:<28} | {row.dtype:<8} | {row.vocab:>6} | {row.ms:8.2f} | {row.floor:5.2f}x | "
+          f"{row.peak_gib:6.2f} | {row.lp_err:.1e} | {row.h_err:.1e} | {row.g_err:.1e} | {row.kernels} |", flush=True)
+
+
+def _time(fn: Callable[[], object], repeat: int = 5) -> float:
+    """Median milliseconds of ``fn`` after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = _event(), _event()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
+
+
+def sweep(x: Tensor, bw: float) -> None:
+    """Each Triton default kernel alone at several (BLOCK, warps), against its own floor
+    (statistics: one read; gradient: one read, one write); the fastest become the
+    module's constants for the rest of the run (the evidence for their defaults)."""
+    t, v = x.shape
+    size = x.element_size() * x.numel()
+    m, s, a = (torch.empty(t, device=x.device) for _ in range(3))
+    out = torch.empty_like(x)
+    b = torch.randn(t, device=x.device)
+    best: dict[str, tuple[float, int, int]] = {}
+    for kernel in ("stats", "grad"):
+        floor = (1 if kernel == "stats" else 2) * size / bw * 1e3
+        for block in (2048, 4096, 8192, 16384):
+            for warps in (4, 8, 16):
+                setattr(triton_default, f"{kernel.upper()}_BLOCK", block)
+                setattr(triton_default, f"{kernel.upper()}_WARPS", warps)
+                if kernel == "stats":
+                    ms = _time(lambda: triton_default.stats(x, 1.0, None, m, s, a))
+                else:
+                    ms = _time(lambda: triton_default.grad(x, 1.0, None, m, s, a, b, out))
+                print(f"sweep {kernel} BLOCK={block} warps={warps}: {ms:.3f} ms ({ms / floor:.2f}x its floor)",
+                      flush=True)
+                if kernel not in best or ms < best[kernel][0]:
+                    best[kernel] = (ms, block, warps)
+        ms, block, warps = best[kernel]
+        setattr(triton_default, f"{kernel.upper()}_BLOCK", block)
+        setattr(triton_default, f"{kernel.upper()}_WARPS", warps)
+        print(f"sweep {kernel}: BLOCK={block} warps={warps} kept ({ms:.3f} ms)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the Triton default at several BLOCK, WARPS")
+    parser.add_argument("--skip", default="", help="comma-separated method names to leave out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device; nothing measured")
+        return 0
+    began = time.perf_counter()
+    bw = bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}")
+    skip = set(filter(None, args.skip.split(",")))
+    liger = liger_step()
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
+    vocabs = VOCABS[:1] if args.quick else VOCABS
+    print("| method | dtype | V | ms | x floor | peak GiB past logits | lp err | H err | grad err | Triton launches |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        for vocab in vocabs:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x0 = (3 * torch.randn(T, vocab, device="cuda", generator=gen)).to(dtype)
+            targets = torch.randint(0, vocab, (T,), device="cuda", generator=gen)
+            ref = reference(x0, targets)
+            size = x0.element_size() * x0.numel()
+            floor = 3 * size / bw * 1e3
+            print(f"|  floor (3 passes over the logits) | {str(dtype)[6:]} | {vocab} | {floor:.2f} | 1.00x | "
+                  f"{size / 2**30:.2f} (one gradient) | | | | |", flush=True)
+            if args.sweep and dtype == torch.bfloat16 and vocab == VOCABS[0]:
+                sweep(x0, bw)
+            methods: list[tuple[str, str, Step]] = [
+                ("triton default", "triton", cpslice_step(False)),
+                ("triton log-prob only", "triton", cpslice_step(False, with_entropy=False)),
+                ("triton invariant", "triton", cpslice_step(True)),
+                ("compiled default", "compiled", cpslice_step(False)),
+                ("compiled invariant", "compiled", cpslice_step(True)),
+                ("eager default", "eager", cpslice_step(False)),
+                ("eager invariant", "eager", cpslice_step(True)),
+                ("torch.compile naive", "eager", naive_step()),
+            ]
+            if liger is not None:
+                methods.append(("liger cross-entropy", "eager", liger))
+            for name, which, step in methods:
+                if name in skip:
+                    continue
+                try:
+                    with backend.using(which):
+                        show(measure(name, step, x0, targets, ref, floor, args.repeat))
+                except Exception as error:  # a peer or backend that fails is reported, not fatal
+                    print(f"| {name} | {dtype} | {vocab} | failed: {type(error).__name__}: {error} |", flush=True)
+                torch.cuda.empty_cache()
+            del x0, targets, ref
+            torch.cuda.empty_cache()
+    print(f"elapsed {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
