@@ -183,25 +183,89 @@ def sweep(x: Tensor, bw: float) -> None:
     m, s, a = (torch.empty(t, device=x.device) for _ in range(3))
     out = torch.empty_like(x)
     b = torch.randn(t, device=x.device)
-    best: dict[str, tuple[float, int, int]] = {}
+    best: dict[str, tuple[float, int, int, int]] = {}
     for kernel in ("stats", "grad"):
         floor = (1 if kernel == "stats" else 2) * size / bw * 1e3
-        for block in (2048, 4096, 8192, 16384):
+        for block in (4096, 8192, 16384):
             for warps in (4, 8, 16):
-                setattr(triton_default, f"{kernel.upper()}_BLOCK", block)
-                setattr(triton_default, f"{kernel.upper()}_WARPS", warps)
-                if kernel == "stats":
-                    ms = _time(lambda: triton_default.stats(x, 1.0, None, m, s, a))
-                else:
-                    ms = _time(lambda: triton_default.grad(x, 1.0, None, m, s, a, b, out))
-                print(f"sweep {kernel} BLOCK={block} warps={warps}: {ms:.3f} ms ({ms / floor:.2f}x its floor)",
-                      flush=True)
-                if kernel not in best or ms < best[kernel][0]:
-                    best[kernel] = (ms, block, warps)
-        ms, block, warps = best[kernel]
-        setattr(triton_default, f"{kernel.upper()}_BLOCK", block)
-        setattr(triton_default, f"{kernel.upper()}_WARPS", warps)
-        print(f"sweep {kernel}: BLOCK={block} warps={warps} kept ({ms:.3f} ms)", flush=True)
+                for stages in (1, 3):
+                    _set(kernel, block, warps, stages)
+                    if kernel == "stats":
+                        ms = _time(lambda: triton_default.stats(x, 1.0, None, m, s, a))
+                    else:
+                        ms = _time(lambda: triton_default.grad(x, 1.0, None, m, s, a, b, out))
+                    print(f"sweep {kernel} BLOCK={block} warps={warps} stages={stages}: {ms:.3f} ms "
+                          f"({ms / floor:.2f}x its floor)", flush=True)
+                    if kernel not in best or ms < best[kernel][0]:
+                        best[kernel] = (ms, block, warps, stages)
+        ms, block, warps, stages = best[kernel]
+        _set(kernel, block, warps, stages)
+        print(f"sweep {kernel}: BLOCK={block} warps={warps} stages={stages} kept ({ms:.3f} ms, "
+              f"{ms / floor:.2f}x its floor)", flush=True)
+
+
+def _set(kernel: str, block: int, warps: int, stages: int) -> None:
+    name = kernel.upper()
+    setattr(triton_default, f"{name}_BLOCK", block)
+    setattr(triton_default, f"{name}_WARPS", warps)
+    setattr(triton_default, f"{name}_STAGES", stages)
+
+
+def hidden_path(repeat: int) -> None:
+    """The hidden-state path at T = 16384, H = 4096, V = 151936, bfloat16: forward +
+    backward against the three matmuls' floor (6 T H V flops at the measured bf16 matmul
+    rate) and the materialized recipe."""
+    t, h, v = T, 4096, VOCABS[0]
+    rate = _matmul_rate()
+    floor = 6 * t * h * v / rate * 1e3
+    print(f"hidden path: bf16 matmul {rate / 1e12:.0f} TFLOP/s, three-matmul floor {floor:.1f} ms")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden0 = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    weight0 = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
+    targets = torch.randint(0, v, (t,), device="cuda", generator=gen)
+
+    def cps(with_entropy: bool) -> Callable[[Tensor, Tensor], Tensor]:
+        def f(x: Tensor, w: Tensor) -> Tensor:
+            lp, ent = cpslice.log_probs_and_entropy_from_hidden(x, w, targets, with_entropy=with_entropy)
+            return lp.sum() + (0 if ent is None else ent.sum())
+        return f
+
+    def materialized(x: Tensor, w: Tensor) -> Tensor:
+        logp = torch.log_softmax((x @ w.t()).float(), -1)
+        return logp.gather(1, targets[:, None]).sum() - (logp.exp() * logp).sum()
+
+    for name, fn in (("cpslice hidden, lp + entropy", cps(True)), ("cpslice hidden, lp only", cps(False)),
+                     ("torch materialized, lp + entropy", materialized)):
+        try:
+            ms, peak = _hidden_step(fn, hidden0, weight0, repeat)
+            print(f"| {name} | {ms:.1f} ms | {ms / floor:.2f}x floor | peak {peak:.2f} GiB beyond inputs |",
+                  flush=True)
+        except Exception as error:
+            print(f"| {name} | failed: {type(error).__name__}: {error} |", flush=True)
+        torch.cuda.empty_cache()
+
+
+def _matmul_rate() -> float:
+    """FLOP/s of an 8192^3 bfloat16 matmul on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / (_time(lambda: a @ a) / 1e3)
+
+
+def _hidden_step(fn: Callable[[Tensor, Tensor], Tensor], hidden0: Tensor, weight0: Tensor,
+                 repeat: int) -> tuple[float, float]:
+    """Median ms of ``fn``'s forward + backward and its peak GiB beyond the inputs."""
+    x, w = hidden0.detach().requires_grad_(), weight0.detach().requires_grad_()
+    base = torch.cuda.memory_allocated()
+
+    def step() -> None:
+        x.grad, w.grad = None, None
+        fn(x, w).backward()  # type: ignore[no-untyped-call]
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = _time(step, repeat)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the Triton default at several BLOCK, WARPS")
+    parser.add_argument("--no-hidden", action="store_true", help="leave the hidden-state path out")
     parser.add_argument("--skip", default="", help="comma-separated method names to leave out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -258,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             del x0, targets, ref
             torch.cuda.empty_cache()
+    if not args.no_hidden:
+        hidden_path(args.repeat)
     print(f"elapsed {time.perf_counter() - began:.0f} s")
     return 0
 

@@ -30,9 +30,12 @@ STATS_BLOCK = 8192
 program in flight), and its warps: the fastest of the sweep of ``benchmarks/gpu_bench.py
 --sweep`` on an H200 (docs/numbers.md)."""
 STATS_WARPS = 4
+STATS_STAGES = 1
+"""Software pipelining stages of the forward loop's loads (1: none)."""
 GRAD_BLOCK = 8192
-"""The same for the gradient's loop."""
+"""The same three for the gradient's loop."""
 GRAD_WARPS = 4
+GRAD_STAGES = 1
 FLOOR = tl.constexpr(_FLOOR)
 """``stats.FLOOR`` as a constant the kernels can read."""
 INTERPRETED_BLOCK = 256
@@ -45,7 +48,7 @@ exercise the online merge across blocks in small tests."""
 def _stats_kernel(
     x_ptr, stride_x, rows_ptr, r_ptr, r_scalar, m_ptr, s_ptr, a_ptr, n_cols, cap, two_over_cap,
     HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HAS_ROWS:
@@ -60,7 +63,7 @@ def _stats_kernel(
     m = -float("inf")
     s = 0.0
     a = 0.0
-    for start in range(0, n_cols, BLOCK):
+    for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
@@ -91,7 +94,7 @@ def _grad_kernel(
     x_ptr, stride_x, out_ptr, stride_out, rows_ptr, r_ptr, r_scalar, m_ptr, log_s_ptr, a_ptr, b_ptr,
     n_cols, cap, two_over_cap,
     HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HAS_ROWS:
@@ -111,7 +114,7 @@ def _grad_kernel(
         a = 0.0
     base = x_ptr + row * stride_x
     dest = out_ptr + row * stride_out
-    for start in range(0, n_cols, BLOCK):
+    for start in tl.range(0, n_cols, BLOCK, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
@@ -138,13 +141,13 @@ def _launch(rows: Tensor | None, count_rows: int) -> tuple[tuple[int], Tensor | 
     return (rows.numel(),), rows
 
 
-def _config(block: int, warps: int) -> dict[str, int]:
+def _config(block: int, warps: int, stages: int) -> dict[str, int]:
     from . import check_interpreter, interpreted
 
     if interpreted():
         check_interpreter()
-        return {"BLOCK": INTERPRETED_BLOCK}
-    return {"BLOCK": block, "num_warps": warps}
+        return {"BLOCK": INTERPRETED_BLOCK, "STAGES": 1}
+    return {"BLOCK": block, "STAGES": stages, "num_warps": warps}
 
 
 def _temperature(tau: float | Tensor, x: Tensor) -> tuple[Tensor, float, bool]:
@@ -178,7 +181,7 @@ def stats(
     _stats_kernel[grid](
         x, x.stride(0), m if index is None else index, r_t, r_s, m, s, m if a is None else a, x.shape[1], c, two,
         HAS_ROWS=index is not None, PER_ROW=per_row, HAS_CAP=cap is not None, HAS_A=a is not None,
-        **_config(STATS_BLOCK, STATS_WARPS),
+        **_config(STATS_BLOCK, STATS_WARPS, STATS_STAGES),
     )
 
 
@@ -203,6 +206,6 @@ def grad(
         x, x.stride(0), out, out.stride(0), b if index is None else index, r_t, r_s, big_m, log_s,
         b if a is None else a, b, x.shape[1], c, two,
         HAS_ROWS=index is not None, PER_ROW=per_row, HAS_CAP=cap is not None, HAS_A=a is not None,
-        **_config(GRAD_BLOCK, GRAD_WARPS),
+        **_config(GRAD_BLOCK, GRAD_WARPS, GRAD_STAGES),
     )
 
