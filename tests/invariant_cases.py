@@ -23,9 +23,10 @@ from cpslice import (
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import hidden as _hidden
 from cpslice._vocab import stats as _stats
 
-from ._dist import tp_groups
+from ._dist import counting, tp_groups
 from ._docs import DOCS, blocks, run_block
 
 Spec = Callable[..., tuple[Tensor, Tensor]]
@@ -215,7 +216,7 @@ def _hidden_tp(whole: Any, rank: int, pair: Any, pair_rank: int) -> dict[str, in
 def worker(rank: int, world: int) -> dict[str, Any]:
     """Every (CP, TP) setup of a world of 4 and every layout of it, both dtypes; then a
     planted merge order at TP 4 and TP 2 must differ somewhere; then the refusal of a
-    shard that does not hold whole tiles."""
+    shard that does not hold whole tiles, at TP 4 and TP 2."""
     assert world == 4
     (whole, _, _), (pair, _, pair_rank) = tp_groups(rank, world)
     # (cp, cp rank, tp group, tp, tp rank)
@@ -243,10 +244,31 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         finally:
             _stats.merge_tiles = real
         planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
-    with pytest.raises(LayoutError, match=r"V_local = 96 is not a multiple of 128 \(TP size 4\)"):
-        log_probs_and_entropy(torch.zeros(2, 96), torch.zeros(2, dtype=torch.int64), tp_group=whole,
-                              invariant=True)
+    _refuses_partial_tiles(whole, pair)
     return {"seen": seen, "planted": planted}
+
+
+def _refuses_partial_tiles(whole: Any, pair: Any) -> None:
+    """A shard that does not hold whole tiles is refused at TP 4 (``V_local = 96``) and at
+    TP 2 (``V_local = 192``: one tile and a half), by each driver, before any collective."""
+    log: list[str] = []
+    targets = torch.zeros(2, dtype=torch.int64)
+
+    def refused(group: Any, tp: int, v_local: int) -> None:
+        x, w = torch.zeros(2, v_local), torch.zeros(v_local, 4)
+        calls: list[Callable[[], object]] = [
+            lambda: log_probs_and_entropy(x, targets, tp_group=group, invariant=True),
+            lambda: topk_log_probs(x, 2, tp_group=group, invariant=True),
+            lambda: log_probs_and_entropy_from_hidden(torch.zeros(2, 4), w, targets, tp_group=group, invariant=True),
+        ]
+        for call in calls:
+            with pytest.raises(LayoutError, match=rf"V_local = {v_local} is not a multiple of 128 \(TP size {tp}\)"):
+                call()
+
+    with counting(_stats, "_all_gather", log), counting(_hidden, "_all_reduce", log):
+        refused(whole, 4, 96)
+        refused(pair, 2, 192)
+    assert log == [], log
 
 
 # --- top-k ties across TP shards: the gloo worker
