@@ -1,7 +1,8 @@
 """Invariant mode's cases: rows with the edges of the reduction, the spec as a rollout
 engine writes it (the function of docs/invariance.md's block, taken from the page), the
-decode-time reference (cpslice one row per call, TP 1, no layout) and the gloo worker
-that checks every layout, CP and TP size against it with ``torch.equal``."""
+decode-time reference (cpslice one row per call, TP 1, no layout), the gloo worker
+that checks every layout, CP and TP size against it with ``torch.equal``, and the one
+that checks top-k ties across TP shards."""
 
 import math
 from collections.abc import Callable
@@ -19,11 +20,13 @@ from cpslice import (
     pack,
     response_log_probs,
     shard_responses,
+    topk_log_probs,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import hidden as _hidden
 from cpslice._vocab import stats as _stats
 
-from ._dist import tp_groups
+from ._dist import counting, tp_groups
 from ._docs import DOCS, blocks, run_block
 
 Spec = Callable[..., tuple[Tensor, Tensor]]
@@ -213,7 +216,7 @@ def _hidden_tp(whole: Any, rank: int, pair: Any, pair_rank: int) -> dict[str, in
 def worker(rank: int, world: int) -> dict[str, Any]:
     """Every (CP, TP) setup of a world of 4 and every layout of it, both dtypes; then a
     planted merge order at TP 4 and TP 2 must differ somewhere; then the refusal of a
-    shard that does not hold whole tiles."""
+    shard that does not hold whole tiles, at TP 4 and TP 2."""
     assert world == 4
     (whole, _, _), (pair, _, pair_rank) = tp_groups(rank, world)
     # (cp, cp rank, tp group, tp, tp rank)
@@ -241,7 +244,94 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         finally:
             _stats.merge_tiles = real
         planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
-    with pytest.raises(LayoutError, match=r"V_local = 96 is not a multiple of 128 \(TP size 4\)"):
-        log_probs_and_entropy(torch.zeros(2, 96), torch.zeros(2, dtype=torch.int64), tp_group=whole,
-                              invariant=True)
+    _refuses_partial_tiles(whole, pair)
     return {"seen": seen, "planted": planted}
+
+
+def _refuses_partial_tiles(whole: Any, pair: Any) -> None:
+    """A shard that does not hold whole tiles is refused at TP 4 (``V_local = 96``) and at
+    TP 2 (``V_local = 192``: one tile and a half), by each driver, before any collective."""
+    log: list[str] = []
+    targets = torch.zeros(2, dtype=torch.int64)
+
+    def refused(group: Any, tp: int, v_local: int) -> None:
+        x, w = torch.zeros(2, v_local), torch.zeros(v_local, 4)
+        calls: list[Callable[[], object]] = [
+            lambda: log_probs_and_entropy(x, targets, tp_group=group, invariant=True),
+            lambda: topk_log_probs(x, 2, tp_group=group, invariant=True),
+            lambda: log_probs_and_entropy_from_hidden(torch.zeros(2, 4), w, targets, tp_group=group, invariant=True),
+        ]
+        for call in calls:
+            with pytest.raises(LayoutError, match=rf"V_local = {v_local} is not a multiple of 128 \(TP size {tp}\)"):
+                call()
+
+    with counting(_stats, "_all_gather", log), counting(_hidden, "_all_reduce", log):
+        refused(whole, 4, 96)
+        refused(pair, 2, 192)
+    assert log == [], log
+
+
+# --- top-k ties across TP shards: the gloo worker
+
+TIE_K = 4
+TIE_IDS = [  # the rows of ``tie_rows``: the spec's ids (descending, ties to the smaller id)
+    [0, 1, 2, 3],  # every logit tied
+    [127, 128, 255, 256],  # tied at the tiles' edges (and TP 4's and TP 2's shards' edges)
+    [3, 131, 260, 300],  # tied in three shards, the largest id left out
+    [100, 400, 5, 129],  # NaN counted as the largest, then ties
+    [450, 260, 20, 130],  # the last places tied, in four shards
+    [300, 0, 1, 2],  # one finite logit: the rest tied at -inf
+]
+
+
+def tie_rows() -> Tensor:
+    """``[10, VOCAB]`` float32 logits: the rows of ``TIE_IDS``, whose ties straddle the
+    128-column tiles and the shards of TP 2 and TP 4, then four rows without ties."""
+    x = torch.randn(10, VOCAB, generator=torch.Generator().manual_seed(21)) * 2
+    x[0] = 0.5
+    x[1, [384, 383, 256, 255, 128, 127]] = 10.0
+    x[2, [500, 300, 3, 260, 131]] = 10.0
+    x[3, [400, 100]], x[3, [511, 129, 5]] = math.nan, 10.0
+    x[4, 450], x[4, 260], x[4, [385, 257, 130, 20]] = 12.0, 11.0, 10.0
+    x[5], x[5, 300] = -math.inf, 1.0
+    return x
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+def topk_ties_worker(rank: int, world: int) -> dict[int, Tensor]:
+    """``topk_log_probs`` of ``tie_rows`` at TP 4 (the world) and TP 2 (its pairs). In
+    invariant mode each row's ids are the spec's, smaller id first among ties
+    (``TIE_IDS``, and a stable sort of the whole row), and its log-probs and ids the
+    bits of TP 1; in the default mode (ties broken as ``torch.topk`` may) a row's ids
+    are some ``k`` ids whose float64 log-probs are its values, descending, the best
+    ``k`` of the row. Both modes' log-probs against float64. Returns each TP size's
+    default-mode ids, which the test compares across ranks."""
+    assert world == 4
+    (whole, _, _), (pair, _, pair_rank) = tp_groups(rank, world)
+    x = tie_rows()
+    finite = torch.arange(x.shape[0]) != 3  # the NaN row: no float64 value to compare
+    ref = torch.log_softmax(x.double(), -1)
+    spec_ids = torch.sort(x.nan_to_num(nan=math.inf), descending=True, stable=True).indices[:, :TIE_K]
+    assert torch.equal(spec_ids[: len(TIE_IDS)], torch.tensor(TIE_IDS))
+    want_lp, want_ids = topk_log_probs(x, TIE_K, invariant=True)
+    assert torch.equal(want_ids, spec_ids)
+    atol = 64 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(want_lp[finite].double(), ref.gather(1, spec_ids)[finite], rtol=0.0, atol=atol)
+    defaults = {}
+    for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
+        v = VOCAB // tp
+        shard = x[:, tp_rank * v : (tp_rank + 1) * v]
+        lp, ids = topk_log_probs(shard, TIE_K, tp_group=group, invariant=True)
+        assert torch.equal(ids, spec_ids), (tp, ids)
+        assert _same_bits(lp, want_lp), tp
+        lp, ids = topk_log_probs(shard[finite], TIE_K, tp_group=group)
+        best = ref[finite].topk(TIE_K).values
+        torch.testing.assert_close(lp.double(), best, rtol=0.0, atol=atol)  # descending, the best k
+        torch.testing.assert_close(ref[finite].gather(1, ids), best, rtol=0.0, atol=atol)  # at their ids
+        assert all(len(set(row)) == TIE_K for row in ids.tolist()), (tp, ids)
+        defaults[tp] = ids
+    return defaults

@@ -1,6 +1,8 @@
 """DTensor inputs (``cpslice._vocab.dtensor``) on real gloo worlds: logits sharded
 ``Shard(-1)`` and LM-head weights sharded ``Shard(0)`` over the TP mesh dimension, on a
-1-D mesh of 2 and of 4 and a 2-D ``("dp", "tp")`` mesh of 2 x 2.
+1-D mesh of 2 and of 4, a 2-D ``("dp", "tp")`` mesh of 2 x 2, and the non-square 2-D
+meshes of 1 x 2 and 2 x 1 with the vocabulary over either dimension (TP 2 first or
+second, and TP 1 replicated over the other dimension's 2 ranks).
 
 Every vocabulary function gives, for the DTensor, exactly what it gives for the local
 shard with the mesh dimension's group as ``tp_group`` (values, and gradients to the
@@ -28,17 +30,19 @@ from ._docs import block_defining
 from .supports import Sets, csr
 from .transform_reference import distribution, entropy
 
-_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
-"""The meshes of this rank process, by shape: each made once (``init_device_mesh`` is
-collective, and a mesh over part of the world makes gloo groups, each costing its rank
-CPU while it idles); a 1-D mesh over the whole world uses the default group."""
+_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...] | None], DeviceMesh] = {}
+"""The meshes of this rank process, by shape and names: each made once
+(``init_device_mesh`` is collective, and a mesh over part of the world makes gloo
+groups, each costing its rank CPU while it idles); a mesh dimension over the whole
+world uses the default group."""
 
 
-def _mesh(shape: tuple[int, ...]) -> DeviceMesh:
-    if shape not in _MESHES:
-        names = ("dp", "tp") if len(shape) == 2 else None
-        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _MESHES[shape]
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
+    """The mesh of ``shape``; a 2-D one named ``("dp", "tp")`` unless ``names`` says."""
+    names = names or (("dp", "tp") if len(shape) == 2 else None)
+    if (shape, names) not in _MESHES:
+        _MESHES[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape, names]
 
 
 # --- comparing a DTensor call with the plain one
@@ -134,10 +138,11 @@ def _rep(x: Tensor, mesh: DeviceMesh) -> DTensor:
 # --- the logits path
 
 
-def _logits_family(mesh: DeviceMesh, placements: list[Placement], group: Any, tp: int, tp_rank: int) -> int:
+def _logits_family(mesh: DeviceMesh, placements: list[Placement], group: Any, tp: int, tp_rank: int,
+                   v_local: int = 4) -> int:
     """Each logits function with a DTensor ``placements`` on ``mesh`` against the local
     shard with ``group``, and against the reference. The number of functions checked."""
-    t, v_local, cap = 6, 4, 4.0
+    t, cap = 6, 4.0
     vocab = tp * v_local - 1  # the last id padded
     gen = torch.Generator().manual_seed(17)
     full = torch.randn(t, tp * v_local, generator=gen) * 3
@@ -186,10 +191,11 @@ def _logits_family(mesh: DeviceMesh, placements: list[Placement], group: Any, tp
     return 3
 
 
-def _hidden_family(mesh: DeviceMesh, placements: list[Placement], group: Any, tp: int, tp_rank: int) -> int:
+def _hidden_family(mesh: DeviceMesh, placements: list[Placement], group: Any, tp: int, tp_rank: int,
+                   v_local: int = 3) -> int:
     """Each ``*_from_hidden`` function with a DTensor weight ``placements`` on ``mesh``
     (the hidden states plain and replicated) against the local shard with ``group``."""
-    t, v_local, h = 5, 3, 4
+    t, h = 5, 4
     vocab = tp * v_local - 1
     gen = torch.Generator().manual_seed(23)
     hidden, weight = torch.randn(t, h, generator=gen), torch.randn(tp * v_local, h, generator=gen)
@@ -388,6 +394,30 @@ def _recipe(mesh: DeviceMesh, tp_rank: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip([*lp, *entropy_], [*want[0], *want[1]]))
 
 
+def _non_square(rank: int) -> int:
+    """The vocabulary sharded over either dimension of a (1, 2) and a (2, 1) mesh of the
+    world of 2: TP 2 on the second dimension (dp = 1 first) and on the first (dp = 1
+    second), and TP 1 on either, replicated over the other dimension's 2 ranks. The
+    shard count is the size of the dimension that shards the vocabulary, whichever it
+    is. The number of checks."""
+    wide, tall = _mesh((1, 2)), _mesh((2, 1), ("tp", "dp"))
+    done = 0
+    for mesh, tp_dim in ((wide, 1), (tall, 0), (wide, 0), (tall, 1)):
+        tp, tp_rank, group = mesh.size(tp_dim), mesh.get_local_rank(tp_dim), mesh.get_group(tp_dim)
+        placements: list[Placement] = [Replicate(), Replicate()]
+        placements[tp_dim] = Shard(1)
+        done += _logits_family(mesh, placements, group, tp, tp_rank, v_local=8 // tp)
+        placements[tp_dim] = Shard(0)
+        done += _hidden_family(mesh, placements, group, tp, tp_rank, v_local=6 // tp)
+    # a true uneven split over the second dimension: its size and index named
+    t, local = 2, torch.randn(2, 4)
+    _refused(rf"vocabulary of 7 ids is split unevenly over the 2 ranks of mesh dimension 1 \({4 - rank} here\)",
+             lambda: cpslice.log_probs_and_entropy(DTensor.from_local(
+                 local[:, : 4 - rank], wide, [Replicate(), Shard(1)], shape=torch.Size([t, 7]), stride=(7, 1)),
+                 torch.zeros(t, dtype=torch.int64)))
+    return done + 1
+
+
 def _world_of_2(rank: int, world: int) -> list[int]:
     mesh = _mesh((world,))
     group = mesh.get_group(0)
@@ -397,6 +427,7 @@ def _world_of_2(rank: int, world: int) -> list[int]:
         _hidden_family(mesh, [Shard(0)], group, world, rank),
         _response_family(mesh, [Shard(1)], group, world, rank),
         _refusals_1d(mesh, rank, world),
+        _non_square(rank),
     ]
     _leaf_dtensor(mesh, rank)
     _recipe(mesh, rank)
@@ -405,7 +436,7 @@ def _world_of_2(rank: int, world: int) -> list[int]:
 
 def test_dtensors_on_a_mesh_of_2() -> None:
     results = run_distributed(_world_of_2, 2, timeout=200)
-    assert results == [[3, 3, 6, 12]] * 2
+    assert results == [[3, 3, 6, 12, 25]] * 2
 
 
 # --- a world of 4: a 1-D mesh, and the TP dimension of a 2-D one

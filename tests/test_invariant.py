@@ -4,7 +4,8 @@ rows of the call (shuffled and subset batches), the chunk size (1, 7, 256, the d
 the compile setting, the layout, the CP size and rank and the TP size (a gloo world of 4),
 in float32 and bfloat16, with supports, per-row temperatures, a soft cap and a padded
 vocabulary; they equal the spec's rollout-engine function; a planted change of the merge
-order fails."""
+order fails. Top-k ties that straddle tiles and TP shards go to the smaller id at TP 2
+and 4."""
 
 import math
 import warnings
@@ -35,7 +36,7 @@ from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
-from .invariant_cases import decode, edge_rows, peaked, shard_first, spec, worker
+from .invariant_cases import decode, edge_rows, peaked, shard_first, spec, topk_ties_worker, worker
 from .reference import grad_close, reference, tolerance, value_atol
 from .supports import csr
 
@@ -382,3 +383,13 @@ def test_every_layout_cp_and_tp_size_gives_decode_times_bits() -> None:
     assert len(seen) == 2 * (5 + 5 + 6 + 6) + 2 and all(n > 0 for n in seen.values()), seen
     assert all(r["planted"] == {4: "caught", 2: "caught"} for r in results), [r["planted"] for r in results]
     assert math.isfinite(sum(seen.values()))
+
+
+def test_top_k_ties_across_tp_shards_go_to_the_smaller_id() -> None:
+    # a world of 4, TP 4 and TP 2: ties straddling tiles and shards (and NaN, and -inf),
+    # the spec's ids and TP 1's bits in invariant mode; in the default mode a valid
+    # top-k, the same ids on every rank of a TP group
+    results = run_distributed(topk_ties_worker, 4, timeout=120)
+    for tp in (4, 2):
+        for rank, got in enumerate(results):
+            assert torch.equal(got[tp], results[rank - rank % tp][tp]), (tp, rank)
