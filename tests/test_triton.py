@@ -21,6 +21,8 @@ from cpslice._vocab.triton import launches
 
 from . import tp_cases
 from ._dist import counting, run_distributed, tp_groups
+from .reference import support_reference
+from .supports import csr
 
 pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
 
@@ -209,3 +211,26 @@ def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
 def test_tensor_parallel_on_gloo() -> None:
     results = run_distributed(tp_worker, 2, timeout=200)
     assert all(dict(r)[2] == len(tp_cases.LOGITS_CASES) for r in results)
+
+
+@pytest.mark.parametrize("over", ["full", "support"])
+def test_supports_against_float64(triton_backend: None, over: str) -> None:
+    """A support's set statistics stay in torch; the dense ones (every row with entropy
+    over the full vocabulary, the rows without a set) are the Triton kernels'."""
+    t, v = 5, 400
+    x0 = _logits(t, v, torch.float32, 5)
+    x0[1] = torch.randn(v)  # a set's row with finite logits
+    targets = torch.tensor([3, 17, 399, 0, 250])
+    sets = [[1, 2, 3, 100], [17], [], [5, 6, 350, 399], list(range(0, 400, 7))]
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.8, support=csr(sets),
+                                  entropy_over=over)
+    g_lp, g_h = torch.randn(t), torch.randn(t)
+    ((lp * g_lp).sum() + (h * g_h).sum()).backward()
+    assert {"default.stats", "default.grad"} <= _launched(before)
+    ref_lp, ref_h, ref_grad = support_reference(x0, targets, sets, 0.8, over, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=2e-6, atol=2e-6 * float(ref_grad.abs().max()))
