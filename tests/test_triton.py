@@ -7,7 +7,7 @@ tests/test_triton_cuda.py runs the same natively where a GPU exists."""
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -214,7 +214,7 @@ def test_tensor_parallel_on_gloo() -> None:
 
 
 @pytest.mark.parametrize("over", ["full", "support"])
-def test_supports_against_float64(triton_backend: None, over: str) -> None:
+def test_supports_against_float64(triton_backend: None, over: Literal["full", "support"]) -> None:
     """A support's set statistics stay in torch; the dense ones (every row with entropy
     over the full vocabulary, the rows without a set) are the Triton kernels'."""
     t, v = 5, 400
