@@ -3,21 +3,29 @@ where tests/test_invariant.py compares it with itself:
 
 - a soft cap with the compiled kernels on (``CPSLICE_COMPILE=1``: the merged ``row_kernel``
   without TP, the per-tile ``tile_kernel`` under TP), at TP 1 and TP 2 on gloo: the eager
-  bits and, within rounding, float64."""
+  bits and, within rounding, float64;
+- the hidden-state path over several 1024-column blocks, the last one partial, at TP 1
+  and TP 2: float64, and the same bits at both TP sizes."""
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import log_probs_and_entropy
+from cpslice import (
+    log_probs_and_entropy,
+    log_probs_and_entropy_from_hidden,
+    log_probs_at_from_hidden,
+    topk_log_probs_from_hidden,
+)
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
 
 from ._dist import run_distributed
 from .invariant_cases import edge_rows
-from .reference import grad_close, tolerance
+from .reference import grad_close, tolerance, value_atol
 
 # --- 1. a soft cap with the compiled kernels on, TP 1 and TP 2
 
@@ -93,3 +101,103 @@ def test_a_soft_cap_with_the_compiled_kernels_on_gives_the_eager_bits_at_tp_1_an
     # capped row must still get the capped statistics, the eager ones, bit for bit
     results = run_distributed(_capped_worker, 2, timeout=200)
     assert results == [{"torch.float32": 4, "torch.bfloat16": 4}] * 2
+
+
+# --- 2. the hidden-state path over several column blocks
+
+H_DIM, H_ROWS = 16, 70  # two 64-row blocks
+
+
+def _head(vocab: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden, weight, targets (one in the first block, one in the last column, one just
+    past the first block), ids ``[rows, 2]`` and upstream gradients ``[rows, 5]``."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(H_ROWS, H_DIM, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, H_DIM, generator=gen) / 2).to(dtype)
+    targets = torch.randint(0, vocab, (H_ROWS,), generator=gen)
+    targets[:3] = torch.tensor([5, vocab - 1, 1030])
+    ids = torch.randint(0, vocab, (H_ROWS, 2), generator=gen)
+    ids[0] = torch.tensor([vocab - 1, 7])
+    return hidden, weight, targets, ids, torch.randn(H_ROWS, 5, generator=gen)
+
+
+def _hidden_calls(hidden: Tensor, weight: Tensor, targets: Tensor, ids: Tensor, g: Tensor,
+                  group: Any = None) -> list[Tensor]:
+    """Log-prob, entropy, log-probs at ids, top-3 and its ids, and the hidden and weight
+    gradients of ``g``'s sum of them, in invariant mode."""
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = log_probs_and_entropy_from_hidden(h, w, targets, with_entropy=True, temperature=0.8, tp_group=group,
+                                                invariant=True)
+    at = log_probs_at_from_hidden(h, w, ids, temperature=0.8, tp_group=group, invariant=True)
+    top, top_ids = topk_log_probs_from_hidden(h.detach(), weight, 3, temperature=0.8, tp_group=group,
+                                              invariant=True)
+    torch.autograd.backward((lp * g[:, 0]).sum() + (ent * g[:, 1]).sum() + (at * g[:, 2:4]).sum())
+    assert h.grad is not None and w.grad is not None
+    return [lp.detach(), ent.detach(), at.detach(), top, top_ids, h.grad, w.grad]
+
+
+def _hidden_reference(hidden: Tensor, weight: Tensor, targets: Tensor, ids: Tensor,
+                      g: Tensor) -> list[Tensor]:
+    """The float64 counterparts of ``_hidden_calls`` (the top-3's log-probs and ids as
+    ``log_softmax``'s largest), and the whole ``log_softmax`` last."""
+    h = hidden.double().requires_grad_(True)
+    w = weight.double().requires_grad_(True)
+    logits = h @ w.t()
+    if hidden.dtype == torch.bfloat16:  # the head's matmul rounds its logits
+        logits = logits + (logits.to(hidden.dtype).double() - logits).detach()
+    lp = torch.log_softmax(logits / 0.8, -1)
+    logp = lp.gather(1, targets[:, None])[:, 0]
+    entropy = -(lp.exp() * lp).sum(-1)
+    at = lp.gather(1, ids)
+    top, top_ids = lp.detach().topk(3, -1)
+    torch.autograd.backward((logp * g[:, 0]).sum() + (entropy * g[:, 1]).sum() + (at * g[:, 2:4]).sum())
+    assert h.grad is not None and w.grad is not None
+    return [logp.detach(), entropy.detach(), at.detach(), top, top_ids, h.grad, w.grad, lp.detach()]
+
+
+def _hidden_close(got: list[Tensor], want: list[Tensor], hidden: Tensor, weight: Tensor,
+                  cols: slice = slice(None)) -> None:
+    rel = 2.0**-7 if hidden.dtype == torch.bfloat16 else 2.0**-18
+    atol = value_atol(hidden, weight, 0.8, rel)
+    for k in (0, 1, 2, 3):  # log-prob, entropy, at the ids, the top-3
+        torch.testing.assert_close(got[k].double(), want[k], rtol=0.0, atol=atol)
+    # the top-3 ids: float64's where no two logits tie (bfloat16 logits do), else
+    # ids whose float64 log-probs are the top-3's
+    torch.testing.assert_close(want[7].gather(1, got[4]), got[3].double(), rtol=0.0, atol=atol)
+    assert hidden.dtype == torch.bfloat16 or torch.equal(got[4], want[4])
+    grad_rel = 1e-2 if hidden.dtype == torch.bfloat16 else 1e-5
+    grad_close(got[5], want[5], grad_rel)
+    grad_close(got[6], want[6][cols], grad_rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab", [2000, 2500])  # blocks 1024 + 976; 1024 + 1024 + 452
+def test_the_hidden_state_path_over_several_column_blocks_is_right(dtype: torch.dtype, vocab: int) -> None:
+    hidden, weight, targets, ids, g = _head(vocab, dtype, 31)
+    got = _hidden_calls(hidden, weight, targets, ids, g)
+    _hidden_close(got, _hidden_reference(hidden, weight, targets, ids, g), hidden, weight)
+    # and a row's bits whatever the other rows: the first row alone
+    alone = _hidden_calls(hidden[:1], weight, targets[:1], ids[:1], g[:1])
+    assert all(torch.equal(a, b[:1]) for a, b in zip(alone[:5], got[:5]))
+
+
+TP_VOCAB = 2560  # TP 2: 1280 columns a shard, blocks of 1024 and 256
+
+
+def _hidden_tp_worker(rank: int, world: int) -> int:
+    """The hidden-state path at TP 2 over two blocks a shard: float64, and the bits of TP 1
+    (but the hidden gradient, which sums the shards)."""
+    assert world == 2
+    hidden, weight, targets, ids, g = _head(TP_VOCAB, torch.float32, 32)
+    v_local = TP_VOCAB // world
+    cols = slice(rank * v_local, (rank + 1) * v_local)
+    whole = _hidden_calls(hidden, weight, targets, ids, g)
+    got = _hidden_calls(hidden, weight[cols], targets, ids, g, dist.group.WORLD)
+    _hidden_close(got, _hidden_reference(hidden, weight, targets, ids, g), hidden, weight, cols)
+    assert all(torch.equal(a, b) for a, b in zip(got[:5], whole[:5]))
+    assert torch.equal(got[6], whole[6][cols])  # a shard's weight gradient is its columns' own
+    return 5
+
+
+def test_the_hidden_state_path_over_several_column_blocks_at_tp_2() -> None:
+    assert run_distributed(_hidden_tp_worker, 2, timeout=120) == [5, 5]
