@@ -5,9 +5,11 @@ where tests/test_invariant.py compares it with itself:
   without TP, the per-tile ``tile_kernel`` under TP), at TP 1 and TP 2 on gloo: the eager
   bits and, within rounding, float64;
 - the hidden-state path over several 1024-column blocks, the last one partial, at TP 1
-  and TP 2: float64, and the same bits at both TP sizes."""
+  and TP 2: float64, and the same bits at both TP sizes;
+- repeated ids (``log_probs_at`` with an id two and three times in a row) and shared
+  prefixes whose branches start with the same token: values and gradients against float64."""
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -15,9 +17,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpslice import (
+    Layout,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
+    log_probs_at,
     log_probs_at_from_hidden,
+    pack,
+    response_log_probs,
+    response_log_probs_from_hidden,
     topk_log_probs_from_hidden,
 )
 from cpslice._vocab import invariant as _invariant
@@ -201,3 +208,163 @@ def _hidden_tp_worker(rank: int, world: int) -> int:
 
 def test_the_hidden_state_path_over_several_column_blocks_at_tp_2() -> None:
     assert run_distributed(_hidden_tp_worker, 2, timeout=120) == [5, 5]
+
+
+# --- 3. repeated ids and shared prefixes
+
+
+def _reference_at(logits: Tensor, ids: Tensor, temps: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    x = logits.double().requires_grad_(True)
+    lp = torch.log_softmax(x / temps.double()[:, None], -1).gather(1, ids)
+    torch.autograd.backward((lp * g.double()).sum())
+    assert x.grad is not None
+    return lp.detach(), x.grad
+
+
+REPEATED = [[9, 9], [130, 9], [700, 700], [0, 0], [699, 3]]  # k = 2: an id twice in a row
+REPEATED_3 = [[9, 9, 9], [9, 130, 9], [3, 3, 400], [600, 1, 2], [5, 600, 600]]  # k = 3: twice and three times
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [REPEATED, REPEATED_3], ids=["k2", "k3"])
+def test_repeated_ids_against_float64(dtype: torch.dtype, rows: list[list[int]]) -> None:
+    gen = torch.Generator().manual_seed(41)
+    ids = torch.tensor(rows * 3)
+    n = ids.shape[0]
+    logits = (torch.randn(n, 701, generator=gen) * 3).to(dtype)
+    logits[torch.arange(n), ids[:, 0]] += 6.0  # p of a repeated id near 1: its gradient's terms all count
+    temps = torch.rand(n, generator=gen) + 0.5
+    g = torch.randn(n, ids.shape[1], generator=gen)
+    x = logits.clone().requires_grad_(True)
+    lp = log_probs_at(x, ids, temperature=temps, chunk_size=4, invariant=True)
+    torch.autograd.backward((lp * g).sum())
+    ref_lp, ref_grad = _reference_at(logits, ids, temps, g)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=tolerance(logits.float(), float(temps.min())))
+    grad_close(x.grad, ref_grad, 1e-5 if dtype == torch.float32 else 1e-2)
+    # the hidden-state path: the same ids through an LM head
+    hidden = torch.randn(n, H_DIM, generator=gen)
+    weight = torch.randn(701, H_DIM, generator=gen) / 2
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    at = log_probs_at_from_hidden(h, w, ids, temperature=temps, invariant=True)
+    torch.autograd.backward((at * g).sum())
+    hd, wd = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    ref_at = torch.log_softmax(hd @ wd.t() / temps.double()[:, None], -1).gather(1, ids)
+    torch.autograd.backward((ref_at * g.double()).sum())
+    torch.testing.assert_close(at.double(), ref_at.detach(), rtol=0.0,
+                               atol=value_atol(hidden, weight, float(temps.min()), 2.0**-18))
+    assert hd.grad is not None and wd.grad is not None
+    grad_close(h.grad, hd.grad, 1e-5)
+    grad_close(w.grad, wd.grad, 1e-5)
+
+
+class Stars(NamedTuple):
+    """Groups of samples sharing a prompt (``shared_prefix``), each group's prompt length,
+    every sample's response length, and one temperature per group."""
+
+    groups: list[int]
+    prompts: list[int]
+    response: list[int]
+    temps: list[float]
+
+    def prompt(self, i: int) -> int:
+        return self.prompts[self.group_of(i)[0]]
+
+    def group_of(self, i: int) -> tuple[int, int]:
+        """Sample ``i``'s group and that group's first sample."""
+        first = 0
+        for j, group in enumerate(self.groups):
+            if i < first + group:
+                return j, first
+            first += group
+        raise AssertionError(i)
+
+    @property
+    def total(self) -> list[int]:
+        return [self.prompt(i) + r for i, r in enumerate(self.response)]
+
+    def rows(self, i: int) -> list[int]:
+        """The packed rows (no CP, thd) of sample ``i``'s positions ``0, ..., L_i - 1``
+        (docs/layouts.md, "Shared prefixes"): its group's star's prompt rows, then its
+        branch's rows after its earlier siblings'."""
+        j, first = self.group_of(i)
+        offset = sum(self.prompts[g] for g in range(j)) + sum(self.response[:first])
+        before = sum(self.response[first:i])
+        return [offset + p for p in range(self.prompts[j])] + [
+            offset + self.prompts[j] + before + q for q in range(self.response[i])]
+
+
+# stars whose branches all start with the same token: the prompt's last row predicts it
+# for every branch (2 ids alike; 3 and 2 alike), beside an unshared sample
+STARS = {
+    "pair": Stars([2, 1], [4, 3], [3, 2, 4], [0.8, 1.1]),
+    "three-and-pair": Stars([3, 2, 1], [4, 4, 3], [2, 4, 1, 3, 5, 3], [0.7, 0.7, 0.7, 0.9, 0.9, 1.2]),
+}
+
+
+def _shared_tokens(case: Stars, vocab: int) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(51)
+    tokens, i = [], 0
+    for group, prompt in zip(case.groups, case.prompts):
+        head = torch.randint(0, vocab, (prompt,), generator=gen)
+        first = int(torch.randint(0, vocab, (), generator=gen))
+        for _ in range(group):
+            reply = torch.randint(0, vocab, (case.response[i],), generator=gen)
+            reply[0] = first  # every branch of the group starts with the same token
+            tokens.append(torch.cat([head, reply]))
+            i += 1
+    return tokens
+
+
+def _shared_reference(case: Stars, rows: Tensor, tokens: list[Tensor], w_lp: list[Tensor],
+                      w_h: list[Tensor]) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """float64 per-sample log-probs and entropies, each sample read from its own rows of the
+    stars (as if unshared), and the packed rows' gradient: a shared row's the sum over the
+    branches that read it."""
+    x = rows.double().requires_grad_(True)
+    lps, hs, loss = [], [], x.sum() * 0
+    for i, (tok, r, t) in enumerate(zip(tokens, case.response, case.total)):
+        temp = case.temps[case.group_of(i)[0]]
+        lp = torch.log_softmax(x[case.rows(i)[t - r - 1 : t - 1]] / temp, -1)
+        logp = lp.gather(1, tok[t - r :, None])[:, 0]
+        ent = -(lp.exp() * lp).sum(-1)
+        loss = loss + (logp * w_lp[i]).sum() + (ent * w_h[i]).sum()
+        lps.append(logp.detach())
+        hs.append(ent.detach())
+    torch.autograd.backward(loss)
+    assert x.grad is not None
+    return lps, hs, x.grad
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["logits", "hidden"])
+@pytest.mark.parametrize("name", list(STARS))
+def test_shared_prefix_branches_starting_with_the_same_token_against_float64(name: str, head: bool) -> None:
+    case, vocab = STARS[name], 300
+    layout = Layout(case.total, case.response, shared_prefix=case.groups)
+    tokens = _shared_tokens(case, vocab)
+    temps = [case.temps[case.group_of(i)[0]] for i in range(len(tokens))]
+    gen = torch.Generator().manual_seed(52)
+    w_lp = [torch.randn(r, generator=gen, dtype=torch.float64) for r in case.response]
+    w_h = [torch.randn(r, generator=gen, dtype=torch.float64) for r in case.response]
+    n = pack([torch.zeros(t) for t in case.total], layout).shape[0]
+    hidden = torch.randn(n, H_DIM, generator=gen)
+    weight = torch.randn(vocab, H_DIM, generator=gen) / 2
+    x = (hidden.clone() if head else (hidden @ weight.t()).detach()).requires_grad_(True)
+    if head:
+        lp, h = response_log_probs_from_hidden(x, weight, tokens, layout, with_entropy=True, temperature=temps,
+                                               invariant=True)
+    else:
+        lp, h = response_log_probs(x, tokens, layout, with_entropy=True, temperature=temps, invariant=True)
+    loss = sum(((a.double() * u).sum() + (b.double() * v).sum() for a, b, u, v in zip(lp, h, w_lp, w_h)),
+               x.sum() * 0)
+    torch.autograd.backward(loss)
+    assert x.grad is not None
+    packed = pack(tokens, layout)
+    assert all(torch.equal(packed[case.rows(i)], tok) for i, tok in enumerate(tokens))  # the rows read right
+    rows = hidden.double() @ weight.double().t() if head else x.detach().double()
+    ref_lp, ref_h, ref_grad = _shared_reference(case, rows, tokens, w_lp, w_h)
+    if head:
+        ref_grad = ref_grad @ weight.double()
+    atol = tolerance(rows.float(), min(temps))
+    for got, want in zip([*lp, *h], [*ref_lp, *ref_h]):
+        torch.testing.assert_close(got.double(), want, rtol=0.0, atol=atol)
+    grad_close(x.grad, ref_grad, 1e-5)
