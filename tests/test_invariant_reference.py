@@ -1,5 +1,5 @@
-"""Invariant mode (``invariant=True``, docs/invariance.md) against a float64 reference,
-where tests/test_invariant.py compares it with itself:
+"""Invariant mode (``invariant=True``, docs/invariance.md) against a float64 reference and
+against the spec's own steps, where tests/test_invariant.py compares it with itself:
 
 - a soft cap with the compiled kernels on (``CPSLICE_COMPILE=1``: the merged ``row_kernel``
   without TP, the per-tile ``tile_kernel`` under TP), at TP 1 and TP 2 on gloo: the eager
@@ -7,8 +7,13 @@ where tests/test_invariant.py compares it with itself:
 - the hidden-state path over several 1024-column blocks, the last one partial, at TP 1
   and TP 2: float64, and the same bits at both TP sizes;
 - repeated ids (``log_probs_at`` with an id two and three times in a row) and shared
-  prefixes whose branches start with the same token: values and gradients against float64."""
+  prefixes whose branches start with the same token: values and gradients against float64;
+- float64 logits: the spec's float64 ``exp`` (degree 13, ``ln2_hi = 0.6931471803691238``,
+  ``2^n`` from ``(max(n, -1022) + 1023) << 52``, 0 below -708) and steps 1 to 5 written
+  here from the page, and the library's results and gradient equal to them bit for bit."""
 
+import math
+from decimal import Context, Decimal
 from typing import Any, NamedTuple
 
 import pytest
@@ -29,9 +34,10 @@ from cpslice import (
 )
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
+from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
-from .invariant_cases import edge_rows
+from .invariant_cases import edge_rows, peaked
 from .reference import grad_close, tolerance, value_atol
 
 # --- 1. a soft cap with the compiled kernels on, TP 1 and TP 2
@@ -368,3 +374,110 @@ def test_shared_prefix_branches_starting_with_the_same_token_against_float64(nam
     for got, want in zip([*lp, *h], [*ref_lp, *ref_h]):
         torch.testing.assert_close(got.double(), want, rtol=0.0, atol=atol)
     grad_close(x.grad, ref_grad, 1e-5)
+
+
+# --- 5. float64: the spec's steps, bit for bit
+
+TILE, FLOOR = 128, -1.0e4
+LOG2E = 1.4426950408889634
+LN2_HI_64 = 0.6931471803691238
+# ln 2 - ln2_hi to 40 digits, then rounded (math.log(2) - ln2_hi would carry log(2)'s rounding)
+LN2_LO_64 = float(Decimal(2).ln(Context(prec=40)) - Decimal(LN2_HI_64))
+
+
+def exp64(d: Tensor) -> Tensor:
+    """The spec's exp of float64 ``d <= 0``: ``n = floor(d * log2(e) + 0.5)``, ``r' = (d - n
+    * ln2_hi) - n * ln2_lo``, the degree-13 Taylor polynomial of ``e^r'`` by Horner's rule
+    (``p = r' / 13! + 1 / 12!``, then ``p = p * r' + 1 / k!`` for ``k = 11`` down to 0),
+    times ``2^n`` from its bits ``(max(n, -1022) + 1023) << 52``; 0 below -708."""
+    n = torch.floor(d * LOG2E + 0.5)
+    r = (d - n * LN2_HI_64) - n * LN2_LO_64
+    p = r * (1 / math.factorial(13)) + 1 / math.factorial(12)
+    for k in range(11, -1, -1):
+        p = p * r + 1 / math.factorial(k)
+    scale = ((n.clamp(min=-1022).to(torch.int64) + 1023) << 52).view(torch.float64)
+    return torch.where(d < -708.0, 0.0, p * scale)
+
+
+def tree(x: Tensor) -> Tensor:
+    """Pairwise halving over the last dimension, zero-padded to a power of two."""
+    w = 1 << (x.shape[-1] - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, w - x.shape[-1]))
+    while w > 1:
+        w //= 2
+        x = x[..., :w] + x[..., w:]
+    return x[..., 0]
+
+
+def spec64(logits: Tensor, targets: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Steps 1 to 5 on float64 ``[B, V]`` logits with per-row temperatures ``tau`` and no
+    cap: ``(log p, H, M, log S)``."""
+    b, v = logits.shape
+    n = -(-v // TILE)
+    y = torch.cat([logits, logits.new_full((b, n * TILE - v), -math.inf)], 1).view(b, n, TILE)
+    m = y.amax(-1)
+    r = 1.0 / tau
+    d = ((y - torch.where(m == -math.inf, 0.0, m)[..., None]) * r[:, None, None]).clamp(min=FLOOR)
+    e = exp64(d)
+    s, a = tree(e), tree(d * e)
+    big = m.amax(-1)
+    delta = (m - torch.where(big == -math.inf, 0.0, big)[:, None]) / tau[:, None]
+    scale = exp64(delta)
+    total = tree(scale * s)
+    ent = tree(torch.where(s > 0, scale * (a + delta * s), 0.0))
+    log_s = torch.log(total)
+    y_t = logits.gather(1, targets[:, None])[:, 0]
+    return (y_t - big) / tau - log_s, log_s - ent / total, big, log_s
+
+
+def spec64_grad(logits: Tensor, targets: Tensor, tau: Tensor, g_lp: Tensor, g_h: Tensor) -> Tensor:
+    """The spec's gradient of ``g_lp . log p + g_h . H`` w.r.t. float64 logits: ``p * (a *
+    log p + b)`` with ``log p = max((y - M) * r - log S, -1e4)``, ``p`` its spec exp, ``a =
+    -g_h / tau``, ``b = -(g_lp + g_h * H) / tau``, and ``g_lp / tau`` added at the target."""
+    _, h, big, log_s = spec64(logits, targets, tau)
+    log_p = ((logits - big[:, None]) * (1.0 / tau)[:, None] - log_s[:, None]).clamp(min=FLOOR)
+    a, b = -g_h / tau, -(g_lp + g_h * h) / tau
+    grad = exp64(log_p) * (a[:, None] * log_p + b[:, None])
+    rows = torch.arange(logits.shape[0])
+    grad[rows, targets] = grad[rows, targets] + g_lp / tau
+    return grad
+
+
+def test_the_float64_exp_is_the_specs() -> None:
+    gen = torch.Generator().manual_seed(61)
+    d = torch.cat([-torch.rand(20000, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(
+        -8, 3, (20000,), generator=gen), torch.tensor([0.0, -0.0, -0.5 * math.log(2), -0.3465735902799727,
+                                                       -707.99, -708.0, -708.0001, -745.0, -1e4, -math.inf])])
+    got, want = _stats.exp(d), exp64(d)
+    assert torch.equal(got, want), int((got != want).sum())
+    assert torch.equal(exp64(torch.tensor([-708.5, -1e4], dtype=torch.float64)), torch.zeros(2, dtype=torch.float64))
+    normal = d > -700.0
+    torch.testing.assert_close(want[normal], d[normal].exp(), rtol=2.0**-51, atol=0.0)  # within 2 ulp
+
+
+def test_float64_invariant_mode_is_the_specs_steps_bit_for_bit() -> None:
+    # peaked rows: S near 1, so that log S shows a sum's last bit
+    x, targets = peaked(256, 700, 62)
+    logits = x.double() * 1.5
+    logits[3, :300] = -math.inf  # whole tiles of masked tokens
+    logits[7] = logits[7, 0]  # every logit tied
+    gen = torch.Generator().manual_seed(63)
+    tau = torch.rand(256, generator=gen, dtype=torch.float64) + 0.5
+    g_lp, g_h = torch.randn(256, generator=gen, dtype=torch.float64), torch.randn(256, generator=gen,
+                                                                                 dtype=torch.float64)
+    want_lp, want_h, _, _ = spec64(logits, targets, tau)
+    want_grad = spec64_grad(logits, targets, tau, g_lp, g_h)
+    for chunk in (None, 7):
+        x64 = logits.clone().requires_grad_(True)
+        lp, h = log_probs_and_entropy(x64, targets, with_entropy=True, temperature=tau, chunk_size=chunk,
+                                      invariant=True)
+        torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
+        assert lp.dtype == torch.float64
+        assert torch.equal(lp, want_lp), int((lp != want_lp).sum())
+        assert torch.equal(h, want_h), int((h != want_h).sum())
+        grad = x64.grad
+        assert grad is not None
+        assert torch.equal(grad, want_grad), int(torch.ne(grad, want_grad).sum())
+    # and the spec is right: float64 log_softmax, within a few float64 roundings
+    ref = torch.log_softmax(logits / tau[:, None], -1)
+    torch.testing.assert_close(want_lp, ref.gather(1, targets[:, None])[:, 0], rtol=0.0, atol=1e-12)
