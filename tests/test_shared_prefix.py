@@ -385,6 +385,32 @@ def test_refusals() -> None:
         cpslice.attention_mask(Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1], cp_mode="zigzag", cp_size=2))
 
 
+def test_a_shared_prompt_holding_nan_equals_itself() -> None:
+    """Float per-sample values whose shared prompt holds NaN at the same position in every
+    branch (a model's NaN, a masked -inf turned NaN) pack: NaN equals NaN in the
+    equal-prompt check, as the same bits would; the prompt is packed once, NaN and all.
+    A NaN against a number still differs, at its position; so do -0.0 and 0.0 not."""
+    layout = Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1])
+    nan = math.nan
+    values = [torch.tensor([1.0, nan, 3.0]), torch.tensor([1.0, nan, 4.0]), torch.tensor([nan, 2.0, 3.0, 4.0])]
+    packed = cpslice.pack(values, layout)
+    want = torch.tensor([1.0, nan, 3.0, 4.0, nan, 2.0, 3.0, 4.0])
+    assert torch.equal(packed.isnan(), want.isnan()) and torch.equal(packed.nan_to_num(7.0), want.nan_to_num(7.0))
+    columns = [torch.stack([v, v * 2], 1) for v in values]  # [L_i, 2]: each row's columns compared
+    assert torch.equal(cpslice.pack(columns, layout).nan_to_num(7.0), torch.stack([want, want * 2], 1).nan_to_num(7.0))
+    signed = [torch.tensor([0.0, nan, 3.0]), torch.tensor([-0.0, nan, 4.0]), values[2]]
+    assert cpslice.pack(signed, layout)[0].item() == 0.0
+    differ = r"sample 1: per_sample\[1\]\[1\] differs from per_sample\[0\]\[1\], the prompt of sample 0"
+    for bad in ([values[0], torch.tensor([1.0, 2.0, 4.0]), values[2]],
+                [torch.tensor([1.0, 2.0, 3.0]), values[1], values[2]]):
+        with pytest.raises(LayoutError, match=differ):
+            cpslice.pack(bad, layout)
+    half = columns[1].clone()
+    half[1, 1] = 5.0  # one column of the NaN row: a number against NaN
+    with pytest.raises(LayoutError, match=differ):
+        cpslice.pack([columns[0], half, columns[2]], layout)
+
+
 # --- the collectives, on the session's gloo worlds: one task per world size
 
 WORLD_CASES = {  # groups of 3, 1 and 2 (P = 1 and an empty response among them)
