@@ -67,6 +67,22 @@ def _position(case: Stars, i: int, s: int) -> int:
 @SETTINGS
 @given(stars(), st.integers(0, 2))
 def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
+    _check_readings(case, depth)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_padded_star_without_cp(depth: int) -> None:
+    """Padded stars in one local tensor, which random stars reach only sometimes: the
+    padding rows after each star (given extents, align, cu_seqlens) hold no token, attend
+    only themselves and are read by nothing, a star of one sample among them."""
+    for case in (Stars((2, 1), (3, 2), (2, 3, 1), padded=(12, 6)),
+                 Stars((3, 1), (2, 1), (1, 2, 0, 3), align=4),
+                 Stars((1, 2), (2, 3), (2, 1, 2), padded=(8, 9), cu=True)):
+        assert case.layout(0).cp_mode == "none" and sum(case.widths) > sum(case.star_lengths)
+        _check_readings(case, depth)
+
+
+def _check_readings(case: Stars, depth: int) -> None:
     """pack, position_ids, response_rows, extract_responses (values and gradient: a shared
     row's is the sum over the branches that read it), shard_responses and (without CP)
     attention_mask, on every rank, against the oracle; the ranks' shares partition every
