@@ -33,5 +33,5 @@ def test_every_public_callable_has_a_docstring() -> None:
     for name in ("from_parallel_state", "from_cu_seqlens", "for_rank", "with_local_length", "num_samples",
                  "prompt_lengths"):
         assert inspect.getdoc(getattr(cpslice.Layout, name)), name
-    for name in ("from_responses", "num_rows"):
+    for name in ("from_responses", "from_keep_mask", "num_rows"):
         assert inspect.getdoc(getattr(cpslice.Support, name)), name

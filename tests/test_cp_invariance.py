@@ -263,3 +263,66 @@ def _left_padded(rank: int, world: int) -> list[str]:
 def test_redistribute_between_left_padded_rows_and_thd() -> None:
     for rank, failures in enumerate(run_distributed(_left_padded, 4, timeout=120)):
         assert failures == [], f"rank {rank}: {failures}"
+
+
+def _from_whole(rank: int, world: int) -> list[str]:
+    """``redistribute`` from a layout without CP (whole responses, the same on every
+    rank) to one with CP: each rank gets its own share of dst (not the whole responses),
+    at depth 0 and 1, and its gradient reaches its own copy at that share only, the ranks'
+    gradients summing to the whole one. Then, with torch.distributed up, the refusals of
+    a CP call with no group, a layout of no samples included."""
+    from cpslice import LayoutError, sample_max, sample_means
+
+    total, response = [10, 3, 7, 1], [4, 2, 6, 0]
+    whole = Layout(total, response)
+    dsts = {
+        "zigzag": Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world),
+        "allgather": Layout(total, response, cp_mode="allgather", cp_rank=rank, cp_size=world,
+                            local_length=6),
+        "bshd zigzag": Layout(total, response, qkv_format="bshd", max_seq_len=12, row_offsets=[0, 9, 5, 11],
+                              cp_mode="zigzag", cp_rank=rank, cp_size=world),
+    }
+    spans = [torch.arange(r, dtype=torch.float64) + 100 * i for i, r in enumerate(response)]
+    weights = [torch.arange(r, dtype=torch.float64) + 1 for r in response]
+    failures = []
+    for (name, dst), depth in [(d, 0) for d in dsts.items()] + [(("zigzag", dsts["zigzag"]), 1)]:
+        name = f"none -> {name} at depth {depth}"
+        full = [s.clone().requires_grad_() for s in shard_responses(spans, whole, depth=depth)]
+        moved = redistribute(full, whole, dst, cp_group=dist.group.WORLD, depth=depth)
+        want = shard_responses(spans, dst, depth=depth)
+        if [m.tolist() for m in moved] != [w.tolist() for w in want]:
+            failures.append(f"{name}: shares {[m.tolist() for m in moved]}, not {[w.tolist() for w in want]}")
+            continue
+        whole_w = shard_responses(weights, whole, depth=depth)
+        loss = sum(((m * w).sum() for m, w in zip(moved, shard_responses(weights, dst, depth=depth))),
+                   torch.zeros((), dtype=torch.float64))
+        grads = torch.autograd.grad(loss, full, allow_unused=True, materialize_grads=True)
+        # the elements of each whole share this rank holds, read back from its values'
+        # codes (at depth d a whole share lacks the tokens no position predicts)
+        lost = [len(w0) - len(w) for w0, w in zip(weights, whole_w)]
+        held = [(s - 100 * i).long() - n for i, (s, n) in enumerate(zip(want, lost))]
+        expected = [torch.zeros_like(w).index_copy_(0, h, w[h]) for w, h in zip(whole_w, held)]
+        if not all(torch.equal(g, e) for g, e in zip(grads, expected)):
+            failures.append(f"{name}: gradient")
+        summed = torch.cat(grads).clone()
+        dist.all_reduce(summed)
+        if not torch.equal(summed, torch.cat(whole_w)):
+            failures.append(f"{name}: the ranks' gradients do not sum to the whole one")
+    messages = []
+    empty = Layout([], [], cp_mode="zigzag", cp_rank=rank, cp_size=world)
+    calls: list[Callable[[], object]] = [
+        lambda: redistribute(spans, whole, dsts["zigzag"]),
+        lambda: sample_means([], [], empty),
+        lambda: sample_max([], [], empty),
+    ]
+    for call in calls:
+        try:
+            messages.append(f"accepted: {call()}")
+        except LayoutError as e:
+            messages.append(str(e))
+    return failures + [m for m in messages if "needs cp_group=" not in m]
+
+
+def test_redistribute_from_whole_responses_to_cp_shares() -> None:
+    for rank, failures in enumerate(run_distributed(_from_whole, 4, timeout=120)):
+        assert failures == [], f"rank {rank}: {failures}"

@@ -140,6 +140,24 @@ def _expected_rows(case: Case, rank: int) -> tuple[list[int], list[int], list[li
 @SETTINGS
 @given(cases())
 def test_every_reading_of_an_order_layout_follows_the_order(case: Case) -> None:
+    _check_readings(case)
+
+
+def test_a_run_that_ends_on_a_sample_boundary_at_the_end_of_the_stream() -> None:
+    """The edges of reading an order into pieces that random orders reach only sometimes:
+    rank 0's run 2, 3, 4 crosses from sample 0 into sample 1, so runs are cut at the
+    samples' starts, and rank 1's last run 5, 6, 7 ends where sample 1 and the stream
+    end (no sample after it to cut it at); a run ending at an inner boundary too."""
+    for total, response, order in (([3, 5], [1, 3], [2, 3, 4, 0, 1, 5, 6, 7]),
+                                   ([3, 2, 3], [1, 1, 2], [1, 2, 3, 4, 0, 5, 6, 7]),
+                                   ([2, 2, 4], [1, 1, 2], [4, 5, 6, 7, 0, 1, 2, 3])):
+        case = Case(tuple(total), tuple(response), "thd", None, tuple(total), (0,) * len(total),
+                    torch.tensor(order), 2)
+        _check_readings(case)
+
+
+def _check_readings(case: Case) -> None:
+    """Every reading of ``case``'s order layout, on every rank, against the order itself."""
     tokens = [torch.randint(0, 50, (t,)) for t in case.total]
     full = [torch.randn(r, 2) for r in case.response]
     for rank in range(case.cp):

@@ -336,6 +336,20 @@ def test_sample_means_without_cp_needs_no_process_group_and_with_cp_says_so() ->
         sample_means(shard_responses(values, cp), masks, cp)
 
 
+@pytest.mark.parametrize("fn", [sample_means, sample_max, sample_min], ids=lambda f: f.__name__)
+def test_a_layout_of_no_samples_under_cp_is_refused_without_a_group_too(fn: Any) -> None:
+    """No samples means no collective, on every rank alike, but not that no group is
+    needed: the check comes first (with torch.distributed up, tests/test_cp_invariance.py's
+    ``_from_whole`` checks the no-group LayoutError on gloo)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    assert fn([], [], Layout([], [])).shape == (0,)
+    empty = Layout([], [], cp_mode="zigzag", cp_size=2, cp_rank=1)
+    with pytest.raises(RuntimeError, match=rf"{fn.__name__} at cp_size 2 needs torch.distributed"):
+        fn([], [], empty)
+
+
 def test_index_tensors_are_built_once_per_layout_and_device() -> None:
     from cpslice._cache import cache_info
     from cpslice._reduce import _index

@@ -67,6 +67,22 @@ def _position(case: Stars, i: int, s: int) -> int:
 @SETTINGS
 @given(stars(), st.integers(0, 2))
 def test_every_reading_follows_the_star_rules(case: Stars, depth: int) -> None:
+    _check_readings(case, depth)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_padded_star_without_cp(depth: int) -> None:
+    """Padded stars in one local tensor, which random stars reach only sometimes: the
+    padding rows after each star (given extents, align, cu_seqlens) hold no token, attend
+    only themselves and are read by nothing, a star of one sample among them."""
+    for case in (Stars((2, 1), (3, 2), (2, 3, 1), padded=(12, 6)),
+                 Stars((3, 1), (2, 1), (1, 2, 0, 3), align=4),
+                 Stars((1, 2), (2, 3), (2, 1, 2), padded=(8, 9), cu=True)):
+        assert case.layout(0).cp_mode == "none" and sum(case.widths) > sum(case.star_lengths)
+        _check_readings(case, depth)
+
+
+def _check_readings(case: Stars, depth: int) -> None:
     """pack, position_ids, response_rows, extract_responses (values and gradient: a shared
     row's is the sum over the branches that read it), shard_responses and (without CP)
     attention_mask, on every rank, against the oracle; the ranks' shares partition every
@@ -383,6 +399,32 @@ def test_refusals() -> None:
         cpslice.shifted_targets(good, layout)
     with pytest.raises(LayoutError, match=r"attention_mask is the dense mask .* cp_mode is 'zigzag'"):
         cpslice.attention_mask(Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1], cp_mode="zigzag", cp_size=2))
+
+
+def test_a_shared_prompt_holding_nan_equals_itself() -> None:
+    """Float per-sample values whose shared prompt holds NaN at the same position in every
+    branch (a model's NaN, a masked -inf turned NaN) pack: NaN equals NaN in the
+    equal-prompt check, as the same bits would; the prompt is packed once, NaN and all.
+    A NaN against a number still differs, at its position; so do -0.0 and 0.0 not."""
+    layout = Layout([3, 3, 4], [1, 1, 2], shared_prefix=[2, 1])
+    nan = math.nan
+    values = [torch.tensor([1.0, nan, 3.0]), torch.tensor([1.0, nan, 4.0]), torch.tensor([nan, 2.0, 3.0, 4.0])]
+    packed = cpslice.pack(values, layout)
+    want = torch.tensor([1.0, nan, 3.0, 4.0, nan, 2.0, 3.0, 4.0])
+    assert torch.equal(packed.isnan(), want.isnan()) and torch.equal(packed.nan_to_num(7.0), want.nan_to_num(7.0))
+    columns = [torch.stack([v, v * 2], 1) for v in values]  # [L_i, 2]: each row's columns compared
+    assert torch.equal(cpslice.pack(columns, layout).nan_to_num(7.0), torch.stack([want, want * 2], 1).nan_to_num(7.0))
+    signed = [torch.tensor([0.0, nan, 3.0]), torch.tensor([-0.0, nan, 4.0]), values[2]]
+    assert cpslice.pack(signed, layout)[0].item() == 0.0
+    differ = r"sample 1: per_sample\[1\]\[1\] differs from per_sample\[0\]\[1\], the prompt of sample 0"
+    for bad in ([values[0], torch.tensor([1.0, 2.0, 4.0]), values[2]],
+                [torch.tensor([1.0, 2.0, 3.0]), values[1], values[2]]):
+        with pytest.raises(LayoutError, match=differ):
+            cpslice.pack(bad, layout)
+    half = columns[1].clone()
+    half[1, 1] = 5.0  # one column of the NaN row: a number against NaN
+    with pytest.raises(LayoutError, match=differ):
+        cpslice.pack([columns[0], half, columns[2]], layout)
 
 
 # --- the collectives, on the session's gloo worlds: one task per world size

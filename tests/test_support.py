@@ -35,6 +35,7 @@ from cpslice import (
 from cpslice import shard_responses as cp_shard
 from tests.checked import refused
 
+from ._dist import run_distributed
 from .drivers import BOTH, HIDDEN, LOGITS, Driver
 from .oracle import Config, local_length, local_map
 from .reference import (
@@ -490,3 +491,121 @@ def test_support_refusals_on_the_hidden_path() -> None:
     with refused(TypeError, "support must be a cpslice.Support or None, got list"):
         log_probs_and_entropy_from_hidden(hidden, weight, torch.zeros(sum(total), dtype=torch.int64),
                                      support=[[1]])  # type: ignore[call-overload]
+
+
+# --- Support.from_keep_mask: a top-p / top-k keep mask as slime holds it
+
+def _keep_mask(t: int, v: int, seed: int) -> Tensor:
+    """A ``[t, v]`` keep mask: random rows, a row that keeps nothing, one that keeps only
+    its last column, and (v >= 4) rows whose kept ids are all in one half."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(t, v, generator=gen) < 0.4
+    mask[1] = False
+    mask[2] = False
+    mask[2, -1] = True
+    mask[3, v // 2:] = False
+    mask[4, : v // 2] = False
+    return mask
+
+
+def test_from_keep_mask_without_tp_is_the_masks_true_columns() -> None:
+    """Each row's set is its True columns, ascending (an all-False row: empty, read as
+    unrestricted); the log-probs and entropy under it are the float64 reference's that
+    masks the logits to the set plus the target; the mask is left as it was."""
+    mask = _keep_mask(7, 10, 0)
+    before = mask.clone()
+    support = Support.from_keep_mask(mask)
+    sets = [row.nonzero()[:, 0].tolist() for row in mask]
+    want = csr(sets)
+    assert torch.equal(support.ids, want.ids) and torch.equal(support.offsets, want.offsets)
+    assert support.num_rows == 7 and torch.equal(mask, before) and type(support) is Support
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 10, (7,), generator=gen)
+    g_lp, g_h = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, support=support)
+    torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
+    ref_lp, ref_h, ref_grad = support_reference(logits, targets, sets, 1.0, "full", g_lp, g_h)
+    assert logits.grad is not None
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h, ref_h, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits.grad, ref_grad, rtol=1e-12, atol=1e-12)
+    empty = Support.from_keep_mask(torch.zeros(0, 5, dtype=torch.bool))
+    assert empty.num_rows == 0 and empty.ids.numel() == 0
+
+
+def test_from_keep_mask_refusals() -> None:
+    good = torch.ones(2, 3, dtype=torch.bool)
+    bad: list[tuple[object, object, type[Exception], str]] = [
+        ([[True, False]], None, TypeError, r"mask must be a bool torch.Tensor \[T, V_local\] .*, got a list"),
+        (good.float(), None, TypeError, r"mask has dtype torch.float32; pass the bool keep mask \[T, V_local\]"),
+        (good[0], None, LayoutError, r"mask has shape \(3,\); it must be 2-D \[T, V_local\]"),
+        (good[None], None, LayoutError, r"mask has shape \(1, 2, 3\); it must be 2-D \[T, V_local\]"),
+        (good, "tp", TypeError, r"tp_group must be a torch.distributed ProcessGroup or None, got a str"),
+    ]
+    for mask, group, error, match in bad:
+        with refused(error, match):
+            Support.from_keep_mask(mask, tp_group=group)  # type: ignore[arg-type]
+
+
+def _keep_mask_worker(rank: int, world: int) -> list[str]:
+    """TP 2 on gloo: each rank's ``[T, V_local]`` shard of one keep mask gives, on every
+    rank, the ``Support`` of the whole mask; a log-prob (and its gradient) under it is
+    the whole-mask one's; only counts and kept ids travel. A shard that keeps nothing
+    at all too."""
+    import torch.distributed as dist
+
+    from cpslice._vocab import stats
+
+    group, t, v_local = dist.group.WORLD, 9, 6
+    failures: list[str] = []
+    sent: list[tuple[str, int]] = []
+    real_gather, real_a2a = stats._all_gather, dist.all_to_all_single
+
+    def gather(out: Tensor, local: Tensor, **kw: Any) -> object:
+        sent.append(("all_gather", local.numel()))
+        return real_gather(out, local, **kw)
+
+    def a2a(out: Tensor, x: Tensor, *args: Any, **kw: Any) -> object:
+        sent.append(("all_to_all_single", x.numel()))
+        return real_a2a(out, x, *args, **kw)
+
+    nothing = torch.zeros(t, v_local, dtype=torch.bool)  # the second case's rank 1 keeps no id
+    wholes = (_keep_mask(t, world * v_local, 3), torch.cat([_keep_mask(t, v_local, 4), nothing], 1))
+    for case, whole in enumerate(wholes):
+        local = whole[:, rank * v_local:(rank + 1) * v_local].clone()
+        sent.clear()
+        stats._all_gather = gather
+        dist.all_to_all_single = a2a  # type: ignore[assignment]
+        try:
+            mine = Support.from_keep_mask(local, tp_group=group)
+        finally:
+            stats._all_gather, dist.all_to_all_single = real_gather, real_a2a
+        want = Support.from_keep_mask(whole)
+        if not (torch.equal(mine.ids, want.ids) and torch.equal(mine.offsets, want.offsets)):
+            failures.append(f"case {case}: sets {mine.ids.tolist()} {mine.offsets.tolist()}, "
+                            f"not {want.ids.tolist()} {want.offsets.tolist()}")
+            continue
+        kept = int(local.sum())
+        if sent != [("all_gather", t), ("all_to_all_single", world * kept)]:
+            failures.append(f"case {case}: exchanged {sent}, not the {t} counts and {kept} kept ids")
+        gen = torch.Generator().manual_seed(10 + case)
+        logits = torch.randn(t, world * v_local, generator=gen, dtype=torch.float64)
+        targets = torch.randint(0, world * v_local, (t,), generator=gen)
+        x = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        lp, h = log_probs_and_entropy(x, targets, with_entropy=True, support=mine, tp_group=group)
+        torch.autograd.backward(lp.sum() + h.sum())
+        full = logits.clone().requires_grad_(True)
+        want_lp, want_h = log_probs_and_entropy(full, targets, with_entropy=True, support=want)
+        torch.autograd.backward(want_lp.sum() + want_h.sum())
+        assert x.grad is not None and full.grad is not None
+        for name, a, b in (("log-probs", lp, want_lp), ("entropy", h, want_h),
+                           ("gradient", x.grad, full.grad[:, rank * v_local:(rank + 1) * v_local])):
+            if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
+                failures.append(f"case {case}: {name} {a.tolist()} against {b.tolist()}")
+    return failures
+
+
+def test_from_keep_mask_on_tp_2_is_the_whole_masks_support() -> None:
+    for rank, failures in enumerate(run_distributed(_keep_mask_worker, 2, timeout=120)):
+        assert failures == [], f"rank {rank}: {failures}"

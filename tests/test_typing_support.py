@@ -13,6 +13,7 @@ def test_support_keeps_the_overloads_exact() -> None:
     layout = Layout([4], [2])
     support = Support.from_responses([[1, 2]], [[0, 1, 2]], layout)
     assert_type(support, Support)
+    assert_type(Support.from_keep_mask(torch.ones(4, 5, dtype=torch.bool)), Support)
     logits = torch.zeros(support.num_rows, 5)
     targets = torch.tensor([0, 1, 4, 0])
     plain = log_probs_and_entropy(logits, targets, support=support)

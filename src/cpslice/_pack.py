@@ -52,7 +52,7 @@ def check_shared_prompts(items: list[Tensor], layout: Layout, what: str) -> None
     a, b = flat.index_select(0, copy), flat.index_select(0, first)
     differ = a != b
     if a.is_floating_point() or a.is_complex():
-        differ &= ~(torch.isnan(a) & torch.isnan(b))  # NaN equals NaN here, as torch.equal
+        differ &= ~(torch.isnan(a) & torch.isnan(b))  # NaN equals NaN here (torch.equal says not)
     differ = differ.reshape(differ.shape[0], -1).any(1) if differ.dim() > 1 else differ
     bad = differ.nonzero()
     if bad.numel():

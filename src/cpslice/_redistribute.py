@@ -52,18 +52,21 @@ def _element_ids(layout: Layout, length: int, rank: int, depth: int) -> Tensor:
 # One step redistributes between a few pairs of layouts.
 @cached(maxsize=8)
 def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int, depth: int) -> _Route:
-    me = src.cp_rank
+    whole = src.cp_mode == "none"  # every rank holds every response whole: dst has the CP
+    me = dst.cp_rank if whole else src.cp_rank
     total = sum(src.response_lengths)
     owner = torch.full((total,), -1, dtype=_I64)
     place = torch.full((total,), -1, dtype=_I64)
     src_total = 0
+    dst_ids = [_element_ids(dst, dst_length, q, depth) for q in range(size)]
     for q in range(size):
         ids = _element_ids(src, src_length, q, depth)
-        owner[ids] = q
         place[ids] = torch.arange(ids.numel(), dtype=_I64)
+        # a whole src: each rank sends itself its own share, so that nothing crosses
+        # ranks and each rank's gradient reaches its own copy (as shard_responses)
+        owner[dst_ids[q] if whole else ids] = q
         if q == me:
             src_total = int(ids.numel())
-    dst_ids = [_element_ids(dst, dst_length, q, depth) for q in range(size)]
     # at depth d both layouts hold the same elements: those with a predicting position
     if any(bool((owner[ids] < 0).any()) for ids in dst_ids):  # pragma: no cover - docs/layouts.md's shares partition
         raise AssertionError("the source layout's shares do not cover every response element")
@@ -179,6 +182,10 @@ def _check(
 
 
 def _check_group(what: str, src: Layout, dst: Layout, cp_group: Any) -> int:
+    """The CP group's size, read from the layout that has CP: ``src``, or ``dst`` when
+    ``src`` holds whole responses (``cp_mode="none"``); the other one must agree."""
+    if src.cp_mode == "none":
+        return checks.cp_group(what, "dst", dst.cp_rank, dst.cp_size, cp_group)
     size = checks.cp_group(what, "src", src.cp_rank, src.cp_size, cp_group)
     rank = src.cp_rank
     if dst.cp_mode != "none" and (dst.cp_size != size or dst.cp_rank != rank):
@@ -236,7 +243,10 @@ def redistribute(
         values: this rank's shares in ``src`` (``[r_i, *rest]`` per sample, as
             ``extract_responses`` returns them), or a tuple of such lists that travel
             together (log-probs and entropy: one collective for all).
-        src: this rank's layout of the shares.
+        src: this rank's layout of the shares; ``cp_mode="none"``: the whole
+            responses, the same on every rank (then each rank keeps its own share of
+            its copy, as ``shard_responses``: nothing crosses ranks, and each rank's
+            gradient reaches its own copy).
         dst: this rank's target layout, for the same samples over the same group:
             e.g. allgather -> zigzag (what loss code written for ring attention
             expects), or any layout -> ``cp_mode="none"`` (whole responses on every
@@ -244,7 +254,9 @@ def redistribute(
         cp_group: the CP process group (megatron-core:
             ``parallel_state.get_context_parallel_group()``; ``dist.group.WORLD`` when
             every process is one CP group). ``None`` (the default) means no group, as
-            ``tp_group=None`` means no TP: only cp_size 1 (src and dst) may omit it.
+            ``tp_group=None`` means no TP: only cp_size 1 (src and dst) may omit it;
+            its size and this process's rank in it are read from the layout with CP
+            (src, or dst when src has none).
         depth: the shares' target depth ``d >= 0`` (``extract_responses(...,
             depth=d)``: a multi-token prediction head's), the same in both layouts.
 

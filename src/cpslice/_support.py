@@ -1,14 +1,17 @@
-"""Per-row token sets (top-p / top-k replay): the public ``Support``, built from a layout.
+"""Per-row token sets (top-p / top-k replay): the public ``Support``, built from a layout
+or from a keep mask.
 
 The record, its checks and its arithmetic are the vocabulary engine's
-(``_vocab.support``); this subclass, on the glue's side, adds what needs a ``Layout``:
-``from_responses``, which places the rollout's per-token sets on this rank's rows.
+(``_vocab.support``); this subclass, on the glue's side, adds its builders:
+``from_responses``, which places the rollout's per-token sets on this rank's rows, and
+``from_keep_mask``, which reads a TP rank's ``[T, V_local]`` boolean keep mask.
 """
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import _checks as checks
@@ -17,7 +20,8 @@ from ._layout import Layout
 from ._plan import Selection, exclusive_cumsum, resolve, response_base
 from ._types import IdsArg
 from ._vocab import support as engine
-from ._vocab.dtensor import replicated_each
+from ._vocab.args import tp_world
+from ._vocab.dtensor import is_dtensor, replicated_each
 from ._vocab.support import first_duplicate
 
 _I64 = torch.int64
@@ -114,6 +118,54 @@ class Support(engine.Support):
         # validated above, for every sample: no second pass over the ids
         out = cls.__new__(cls)
         out._init_checked(flat_ids.index_select(0, take.to(device)), local_off.to(device), local_off)
+        return out
+
+    @classmethod
+    def from_keep_mask(cls, mask: Tensor, tp_group: dist.ProcessGroup | None = None) -> "Support":
+        """This rank's ``Support`` from its ``[T, V_local]`` boolean keep mask, as slime holds
+        a top-p / top-k mask: each TP rank the columns of its own vocabulary shard.
+
+        Row ``t``'s set is the global ids of its True columns, ascending: column ``c`` of
+        TP rank ``r`` is id ``r * V_local + c`` (megatron's contiguous vocabulary
+        shards). Without ``tp_group`` the mask is the whole vocabulary (``V_local = V``)
+        and no collective is entered. With ``tp_group``, every rank gets the same
+        ``Support``, the sets of every shard's mask: each rank's ``[T]`` kept counts in
+        one all-gather, then its kept ids alone in one ``all_to_all_single``, so that no
+        ``[T, V]`` buffer exists anywhere (the mask's device: CUDA for NCCL); every rank of
+        the group must call it, with masks of one shape. ``tp_group=None`` means no TP,
+        as everywhere in cpslice (not the default group).
+
+        A row that keeps nothing gets an empty set, which cpslice reads as unrestricted:
+        the full softmax (slime keeps the target alone there, log-prob 0; see
+        docs/recipes.md). The result is on the mask's device; the mask is not modified.
+
+        Raises:
+            TypeError: ``mask`` is not a ``torch.Tensor`` of dtype bool (or is a DTensor:
+                pass its local shard and the TP group); ``tp_group`` is not a process
+                group or None.
+            LayoutError: ``mask`` is not 2-D ``[T, V_local]``; this process is not a
+                member of ``tp_group``.
+        """
+        if is_dtensor(mask):
+            raise TypeError(
+                "mask is a DTensor; pass its local shard [T, V_local] (mask.to_local()) and its TP "
+                "mesh dimension's group as tp_group="
+            )
+        x = checks.tensor("mask", mask, "a bool torch.Tensor [T, V_local] (the keep mask)")
+        if x.dtype != torch.bool:
+            raise TypeError(f"mask has dtype {x.dtype}; pass the bool keep mask [T, V_local] (True: kept)")
+        if x.dim() != 2:
+            raise LayoutError(
+                f"mask has shape {tuple(x.shape)}; it must be 2-D [T, V_local], a row per token "
+                "and a column per id of this rank's vocabulary shard"
+            )
+        if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+            raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {checks.kind(tp_group)}")
+        group = tp_group if tp_world(tp_group) > 1 else None
+        rank = 0 if group is None else dist.get_rank(group)
+        ids, offsets, host = engine.keep_mask_sets(x, rank, group)
+        out = cls.__new__(cls)
+        out._init_checked(ids, offsets, host)
         return out
 
 

@@ -10,11 +10,13 @@ public ``cpslice.Support`` (``_support``) is a subclass that adds what needs a
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._errors import LayoutError
 from .._types import TensorArg
 from .dtensor import replicated
+from .stats import all_gather_rows
 
 _I64 = torch.int64
 
@@ -120,6 +122,33 @@ def _check_ids(ids: Tensor, host: Tensor) -> None:
             f"Support row {int(row[k_dup])}: id {int(ids[k_dup])} appears twice in "
             "the row's set (each kept token once)"
         )
+
+
+def keep_mask_sets(mask: Tensor, rank: int, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The CSR sets of a checked ``[T, V_local]`` bool keep mask, vocabulary shard ``rank``
+    (global id ``rank * V_local + column``): ``(ids, offsets, host offsets)``, each row's
+    ids ascending, on the mask's device. With ``group`` (of that shard's TP group), every
+    shard's: each rank's ``[T]`` counts in one all-gather, then its kept ids alone in one
+    ``all_to_all_single`` (each rank sends its ids to every rank); no ``[T, V]`` anywhere."""
+    rows, columns = mask.nonzero(as_tuple=True)  # row-major: in each row, columns ascending
+    ids = columns + rank * mask.shape[1]
+    counts = torch.bincount(rows, minlength=mask.shape[0])
+    if group is None:
+        host = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(counts.to("cpu"), 0)])
+        return ids, host.to(mask.device), host
+    every = all_gather_rows(counts[None], group)[:, 0].to("cpu")  # [W, T]
+    totals = every.sum(1)
+    received = ids.new_empty(int(totals.sum()))
+    world = every.shape[0]
+    dist.all_to_all_single(received, ids.repeat(world), totals.tolist(), [ids.numel()] * world, group=group)
+    # rank q's ids of row t start at its block's start plus its earlier rows' counts; the
+    # sets are row-major, and in a row the shards in rank order: ascending global ids
+    start = (torch.cumsum(totals, 0) - totals)[:, None] + torch.cumsum(every, 1) - every
+    start, length = start.t().reshape(-1), every.t().reshape(-1)
+    k = int(received.numel())
+    take = torch.repeat_interleave(start - (torch.cumsum(length, 0) - length), length, output_size=k)
+    host = torch.cat([torch.zeros(1, dtype=_I64), torch.cumsum(every.sum(0), 0)])
+    return received[(take + torch.arange(k)).to(mask.device)], host.to(mask.device), host
 
 
 def host_offsets(support: Support) -> Tensor:
