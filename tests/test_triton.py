@@ -12,7 +12,6 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab import backend
@@ -23,6 +22,7 @@ from . import tp_cases
 from ._dist import counting, run_distributed, tp_groups
 from .reference import support_reference
 from .supports import csr
+from .triton_cases import OPTIONS, launched, logits, reference
 
 pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
 
@@ -33,50 +33,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 def triton_backend() -> Iterator[None]:
     with backend.using("triton"):
         yield
-
-
-def _launched(before: dict[str, int]) -> set[str]:
-    return {k for k, v in launches.items() if v > before.get(k, 0)}
-
-
-def _reference(x: Tensor, ids: Tensor, temperature: float | Tensor, softcap: float | None, vocab: int | None,
-               g_lp: Tensor, g_h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """float64 (log p at ``ids`` ``[T, k]``, H, d(g_lp . log p + g_h . H)/dx), ``g_lp`` ``[T, k]``."""
-    assert g_lp.shape == ids.shape
-    x64 = x.detach().double()
-    # a -inf logit 1e4 below the row's smallest finite one: the same distribution, no 0 * inf
-    finite = torch.where(torch.isfinite(x64), x64, math.inf).amin(1, keepdim=True)
-    x64 = torch.where(x64 == -math.inf, finite - 1e4, x64).requires_grad_()
-    y = x64[:, : vocab or x.shape[1]]
-    if softcap is not None:
-        y = torch.tanh(y / softcap) * softcap
-    tau = temperature.double()[:, None] if isinstance(temperature, Tensor) else temperature
-    logp = torch.log_softmax(y / tau, -1)
-    lp = logp.gather(1, ids)
-    h = -(logp.exp() * logp).sum(1)
-    ((lp * g_lp.double()).sum() + (h * g_h.double()).sum()).backward()  # type: ignore[no-untyped-call]
-    assert x64.grad is not None
-    return lp.detach(), h.detach(), x64.grad
-
-
-def _logits(t: int, v: int, dtype: torch.dtype, seed: int) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, v, generator=gen) * 4
-    x[1, :300] = -math.inf  # a whole block of masked tokens
-    x[2, v - 1] += 30.0  # a peaked row
-    return x.to(dtype)
-
-
-OPTIONS: list[dict[str, Any]] = [
-    {},
-    {"temperature": 0.7},
-    {"temperature": "per-row"},
-    {"softcap": 20.0},
-    {"softcap": 20.0, "temperature": 1.3, "vocab_size": 650},
-    {"vocab_size": 600},
-    {"with_entropy": False},
-    {"entropy_grad": False},
-]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -90,18 +46,18 @@ def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torc
     with_entropy = opts.pop("with_entropy", True)
     entropy_grad = opts.get("entropy_grad", True)
     vocab = opts.get("vocab_size")
-    x0 = _logits(t, v, dtype, 1)
+    x0 = logits(t, v, dtype, 1)
     targets = torch.tensor([0, 500, 699, 3, 250, 11]) % (vocab or v)
     x = x0.clone().requires_grad_()
     before = dict(launches)
     lp, h = log_probs_and_entropy(x, targets, with_entropy=with_entropy, **opts)
-    assert _launched(before) == {"default.stats"}
+    assert launched(before) == {"default.stats"}
     g_lp, g_h = torch.randn(t), torch.randn(t)
     use_h = with_entropy and entropy_grad
     loss = (lp * g_lp).sum() + ((h * g_h).sum() if use_h and h is not None else 0.0)
     loss.backward()
-    assert _launched(before) == {"default.stats", "default.grad"}
-    ref_lp, ref_h, ref_grad = _reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
+    assert launched(before) == {"default.stats", "default.grad"}
+    ref_lp, ref_h, ref_grad = reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
                                          vocab, g_lp[:, None], g_h if use_h else torch.zeros(t))
     torch.testing.assert_close(lp.double(), ref_lp[:, 0], rtol=0, atol=2e-5)
     if with_entropy:
@@ -118,15 +74,15 @@ def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torc
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.dtype) -> None:
     t, v = 5, 600
-    x0 = _logits(t, v, dtype, 2)
+    x0 = logits(t, v, dtype, 2)
     ids = torch.tensor([[3, 3, 599], [0, 400, 400], [599, 1, 2], [7, 7, 7], [100, 200, 300]])
     x = x0.clone().requires_grad_()
     before = dict(launches)
     lp = log_probs_at(x, ids, temperature=0.9, softcap=25.0)
     g = torch.randn(t, 3)
     (lp * g).sum().backward()  # type: ignore[no-untyped-call]
-    assert _launched(before) == {"default.stats", "default.grad"}
-    ref_lp, _, ref_grad = _reference(x0, ids, 0.9, 25.0, None, g, torch.zeros(t))
+    assert launched(before) == {"default.stats", "default.grad"}
+    ref_lp, _, ref_grad = reference(x0, ids, 0.9, 25.0, None, g, torch.zeros(t))
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     assert x.grad is not None
     rel = 2e-6 if dtype == torch.float32 else 2**-8
@@ -137,8 +93,8 @@ def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.d
     top, top_ids = topk_log_probs(x, 4, temperature=0.9)
     g = torch.randn(t, 4)
     (top * g).sum().backward()  # type: ignore[no-untyped-call]
-    assert {"default.stats", "default.grad"} <= _launched(before)
-    ref_lp, _, ref_grad = _reference(x0, top_ids, 0.9, None, None, g, torch.zeros(t))
+    assert {"default.stats", "default.grad"} <= launched(before)
+    ref_lp, _, ref_grad = reference(x0, top_ids, 0.9, None, None, g, torch.zeros(t))
     want = torch.log_softmax(x0.double() / 0.9, -1).topk(4, -1)
     torch.testing.assert_close(top.double(), want.values, rtol=0, atol=2e-5)
     torch.testing.assert_close(top.double(), ref_lp, rtol=0, atol=2e-5)
@@ -181,7 +137,7 @@ def test_triton_on_a_cpu_tensor_needs_the_interpreter(monkeypatch: pytest.Monkey
     before = dict(launches)
     with backend.using("auto"):
         log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
-    assert _launched(before) == set()
+    assert launched(before) == set()
 
 
 def test_float64_falls_back(triton_backend: None) -> None:
@@ -190,7 +146,7 @@ def test_float64_falls_back(triton_backend: None) -> None:
     x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
     lp, _ = log_probs_and_entropy(x, torch.tensor([0, 1, 2]))
     lp.sum().backward()  # type: ignore[no-untyped-call]
-    assert _launched(before) == set()
+    assert launched(before) == set()
     torch.testing.assert_close(lp, torch.log_softmax(x.detach(), -1)[[0, 1, 2], [0, 1, 2]])
 
 
@@ -203,7 +159,7 @@ def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
         for group, tp, tp_rank in tp_groups(rank, world):
             before = dict(launches)
             done.append((tp, tp_cases._run_logits(tp_cases.LOGITS_CASES, group, tp, tp_rank, calls)))
-            assert {"default.stats", "default.grad"} <= _launched(before)
+            assert {"default.stats", "default.grad"} <= launched(before)
     dist.barrier()
     return done
 
@@ -218,7 +174,7 @@ def test_supports_against_float64(triton_backend: None, over: Literal["full", "s
     """A support's set statistics stay in torch; the dense ones (every row with entropy
     over the full vocabulary, the rows without a set) are the Triton kernels'."""
     t, v = 5, 400
-    x0 = _logits(t, v, torch.float32, 5)
+    x0 = logits(t, v, torch.float32, 5)
     x0[1] = torch.randn(v)  # a set's row with finite logits
     targets = torch.tensor([3, 17, 399, 0, 250])
     sets = [[1, 2, 3, 100], [17], [], [5, 6, 350, 399], list(range(0, 400, 7))]
@@ -228,7 +184,7 @@ def test_supports_against_float64(triton_backend: None, over: Literal["full", "s
                                   entropy_over=over)
     g_lp, g_h = torch.randn(t), torch.randn(t)
     ((lp * g_lp).sum() + (h * g_h).sum()).backward()  # type: ignore[no-untyped-call]
-    assert {"default.stats", "default.grad"} <= _launched(before)
+    assert {"default.stats", "default.grad"} <= launched(before)
     ref_lp, ref_h, ref_grad = support_reference(x0, targets, sets, 0.8, over, g_lp, g_h)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)

@@ -13,7 +13,7 @@ from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab import backend
 from cpslice._vocab.triton import launches
 
-from .test_triton import OPTIONS, _launched, _logits, _reference
+from .triton_cases import OPTIONS, launched, logits, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the Triton kernels ran "
                                 "under the interpreter only (tests/test_triton.py)")
@@ -30,7 +30,7 @@ def test_cuda_against_float64(dtype: torch.dtype, options: dict[str, Any]) -> No
         opts["vocab_size"] = v - 123
     with_entropy = opts.pop("with_entropy", True)
     use_h = with_entropy and opts.get("entropy_grad", True)
-    x0 = _logits(t, v, dtype, 3).cuda()
+    x0 = logits(t, v, dtype, 3).cuda()
     targets = torch.randint(0, opts.get("vocab_size", v), (t,), device="cuda")
     x = x0.clone().requires_grad_()
     before = dict(launches)
@@ -39,8 +39,8 @@ def test_cuda_against_float64(dtype: torch.dtype, options: dict[str, Any]) -> No
         g_lp, g_h = torch.randn(t, device="cuda"), torch.randn(t, device="cuda")
         loss = (lp * g_lp).sum() + ((h * g_h).sum() if use_h and h is not None else 0.0)
         loss.backward()
-    assert _launched(before) == {"default.stats", "default.grad"}
-    ref_lp, ref_h, ref_grad = _reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
+    assert launched(before) == {"default.stats", "default.grad"}
+    ref_lp, ref_h, ref_grad = reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
                                          opts.get("vocab_size"), g_lp[:, None], g_h if use_h else 0 * g_h)
     torch.testing.assert_close(lp.double(), ref_lp[:, 0], rtol=0, atol=2e-5)
     if with_entropy:
@@ -53,7 +53,7 @@ def test_cuda_against_float64(dtype: torch.dtype, options: dict[str, Any]) -> No
 
 def test_cuda_log_probs_at_and_topk() -> None:
     t, v = 32, 20000
-    x0 = _logits(t, v, torch.bfloat16, 4).cuda()
+    x0 = logits(t, v, torch.bfloat16, 4).cuda()
     ids = torch.randint(0, v, (t, 3), device="cuda")
     ids[:, 1] = ids[:, 0]
     x = x0.clone().requires_grad_()
@@ -62,8 +62,8 @@ def test_cuda_log_probs_at_and_topk() -> None:
     g = torch.randn(t, 3, device="cuda")
     (lp * g).sum().backward()  # type: ignore[no-untyped-call]
     top, top_ids = topk_log_probs(x0, 5)
-    assert {"default.stats", "default.grad"} <= _launched(before)
-    ref_lp, _, ref_grad = _reference(x0, ids, 0.8, None, None, g, torch.zeros(t, device="cuda"))
+    assert {"default.stats", "default.grad"} <= launched(before)
+    ref_lp, _, ref_grad = reference(x0, ids, 0.8, None, None, g, torch.zeros(t, device="cuda"))
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     assert x.grad is not None
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=2**-8, atol=2**-8 * float(ref_grad.abs().max()))

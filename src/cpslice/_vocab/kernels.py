@@ -413,7 +413,9 @@ def stats(
     tile of its own for the compiled kernels (which read every row of a tile), so a pass
     over some rows (the response rows) runs them as a pass over all rows does."""
     if backend.triton_for(x):
-        _triton_stats(x, softmax, out, runs)
+        from .triton import default as tri
+
+        tri.row_stats(x, softmax, out, row_index(runs, x.device))
         return
     eager = []
     for lo, hi in [(0, x.shape[0])] if runs is None else runs:
@@ -511,7 +513,9 @@ def grad(
     of its own for the compiled kernels, as in ``stats``; ``compiled=False`` (invariant
     mode) runs the eager loop alone."""
     if backend.triton_for(x):
-        _triton_grad(x, big_m, log_s, softmax, row, out, runs)
+        from .triton import default as tri
+
+        tri.row_grad(x, big_m, log_s, softmax, row, out, row_index(runs, x.device))
         return
     eager = []
     for s, e in [(0, x.shape[0])] if runs is None else runs:
@@ -536,38 +540,3 @@ def row_index(runs: Runs, device: torch.device) -> Tensor | None:
     return torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in runs] or
                      [torch.zeros(0, dtype=torch.int64)]).to(device)
 
-
-def _triton_stats(x: Tensor, softmax: Softmax, out: RowStats, runs: Runs) -> None:
-    """``stats`` by the Triton kernel: the rows of ``runs`` into ``out``'s ``[n]`` fields
-    (through contiguous copies where a field is strided)."""
-    from .triton import default as tri
-
-    fields = [out.max, out.sum, out.ent]
-    dense = [None if f is None else (f if f.stride(0) == 1 else f.contiguous()) for f in fields]
-    m, s, a = dense
-    assert m is not None and s is not None
-    tri.stats(x, softmax.tau, softmax.cap, m, s, a, row_index(runs, x.device))
-    for f, d in zip(fields, dense):
-        if f is not None and d is not f:
-            f.copy_(cast(Tensor, d))
-
-
-def _triton_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, runs: Runs
-) -> None:
-    """``grad`` by the Triton kernel over the rows of ``runs``, then the picked ids'
-    entries (``pick_grad``, rounded once), as the compiled kernels' caller writes them."""
-    from .triton import default as tri
-
-    index = row_index(runs, x.device)
-    tri.grad(x, softmax.tau, softmax.cap, big_m, log_s, row.a, row.b, out, index)
-    if row.hot is None or x.shape[1] == 0:
-        return
-    at = torch.arange(x.shape[0], device=x.device) if index is None else index
-    if at.numel() == 0:
-        return
-    sub = RowGrad(None if row.a is None else row.a[at], row.b[at], row.hot[at], row.column[at])
-    entry = pick_grad(x[at[:, None], sub.column],
-                      big_m[at], log_s[at], softmax.rows(at), sub, x.shape[1])
-    out.index_put_((at[:, None].expand_as(sub.column).reshape(-1), sub.column.reshape(-1)),
-                   entry.reshape(-1).to(out.dtype))

@@ -15,7 +15,7 @@ exp, within ``cap * eps`` of ``cap * tanh(x / cap)``); a temperature is a multip
 by ``r = 1 / tau`` (a number, or one per row).
 """
 
-from typing import no_type_check
+from typing import cast, no_type_check
 
 import torch
 import triton
@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..stats import FLOOR as _FLOOR
+from ..stats import RowGrad, RowStats, Softmax, pick_grad
 from . import count
 
 STATS_BLOCK = 8192
@@ -209,3 +210,34 @@ def grad(
         **_config(GRAD_BLOCK, GRAD_WARPS, GRAD_STAGES),
     )
 
+
+def row_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None) -> None:
+    """``kernels.stats`` by the Triton kernel: the rows ``rows`` (None: all) into ``out``'s
+    ``[n]`` fields (through contiguous copies where a field is strided)."""
+    fields = [out.max, out.sum, out.ent]
+    dense = [None if f is None else (f if f.stride(0) == 1 else f.contiguous()) for f in fields]
+    m, s, a = dense
+    assert m is not None and s is not None
+    stats(x, softmax.tau, softmax.cap, m, s, a, rows)
+    for f, d in zip(fields, dense):
+        if f is not None and d is not f:
+            f.copy_(cast(Tensor, d))
+
+
+def row_grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, index: Tensor | None
+) -> None:
+    """``kernels.grad`` by the Triton kernel over the rows ``index`` (None: all), then the
+    picked ids' entries (``pick_grad``, rounded once), as the compiled kernels' caller
+    writes them."""
+    grad(x, softmax.tau, softmax.cap, big_m, log_s, row.a, row.b, out, index)
+    if row.hot is None or x.shape[1] == 0:
+        return
+    at = torch.arange(x.shape[0], device=x.device) if index is None else index
+    if at.numel() == 0:
+        return
+    sub = RowGrad(None if row.a is None else row.a[at], row.b[at], row.hot[at], row.column[at])
+    entry = pick_grad(x[at[:, None], sub.column],
+                      big_m[at], log_s[at], softmax.rows(at), sub, x.shape[1])
+    out.index_put_((at[:, None].expand_as(sub.column).reshape(-1), sub.column.reshape(-1)),
+                   entry.reshape(-1).to(out.dtype))
