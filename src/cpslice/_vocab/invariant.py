@@ -146,6 +146,7 @@ def tile_kernel(x, r):
     y = x.to(r.dtype)
     y = y.view(y.shape[0], -1, TILE)
     m = y.amax(-1)
+    m = torch.where(m == 0, 0.0, m)  # a zero max is +0, as in eager_tiles
     shift = torch.where(m == -math.inf, 0.0, m)[..., None]
     rr = r[:, None, None]
     es, des = [], []
@@ -162,8 +163,10 @@ def tile_kernel(x, r):
 
 def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
-    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3."""
+    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
+    is +0: the max of +0 and -0 has no order-free sign)."""
     m = y.amax(-1)
+    m = torch.where(m == 0, 0.0, m)
     shift = torch.where(m == -math.inf, 0.0, m)
     d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
     e = exp(d)
