@@ -48,7 +48,7 @@ class Options(NamedTuple):
 
     @property
     def softmax(self) -> Softmax:
-        return Softmax(self.tau, self.cap)
+        return Softmax(self.tau, self.cap, self.invariant)
 
     @property
     def dense_entropy(self) -> bool:

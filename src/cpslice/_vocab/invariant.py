@@ -6,7 +6,8 @@ The spec (docs/invariance.md says it for a rollout engine to reproduce):
 - the distribution's columns ``[0, V)`` (``vocab_size``) are cut into ``TILE``-column
   tiles of global ids, ``ceil(V / TILE)`` of them; a column ``>= V`` of the last tile
   (and of a padded vocabulary) counts as a -inf logit;
-- per tile ``j`` of a row, in the compute dtype: ``y = cap * tanh(x / cap)`` (or ``x``),
+- per tile ``j`` of a row, in the compute dtype: ``y = cap * tanh(x / cap)`` (or ``x``; the
+  spec's ``stats.tanh``, from its ``exp`` and correctly rounded divisions),
   ``m_j = max y``, ``d = max((y - m_j') * r, FLOOR)`` with ``m_j' = m_j`` (0 where
   ``m_j = -inf``) and ``r = 1 / tau`` (one division per row), ``e = exp(d)`` (the spec's
   ``stats.exp``, not the backend's), and ``s_j``, ``a_j`` the ``tree`` sums of ``e`` and
@@ -48,7 +49,7 @@ from torch import Tensor
 from .._errors import LayoutError
 from . import kernels
 from . import stats as _stats  # merge_tiles read at each call: tests plant another order
-from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, tree, write
+from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -145,6 +146,7 @@ def tile_kernel(x, r):
     y = x.to(r.dtype)
     y = y.view(y.shape[0], -1, TILE)
     m = y.amax(-1)
+    m = torch.where(m == 0, 0.0, m)  # a zero max is +0, as in eager_tiles
     shift = torch.where(m == -math.inf, 0.0, m)[..., None]
     rr = r[:, None, None]
     es, des = [], []
@@ -161,8 +163,10 @@ def tile_kernel(x, r):
 
 def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
-    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3."""
+    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
+    is +0: the max of +0 and -0 has no order-free sign)."""
     m = y.amax(-1)
+    m = torch.where(m == 0, 0.0, m)
     shift = torch.where(m == -math.inf, 0.0, m)
     d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
     e = exp(d)
@@ -315,7 +319,7 @@ def padded_tiles(
     w = x.shape[1]
     buf[:, :w].copy_(x)
     if cap is not None:
-        buf[:, :w].div_(cap).tanh_().mul_(cap)
+        buf[:, :w] = softcap(buf[:, :w], cap)[0]
     buf[:, w:] = -math.inf
     return eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
 
@@ -383,12 +387,6 @@ def _eager_stats(
         write(out, (slice(lo, hi), cols), *padded_tiles(x[lo:hi, start:valid], cap, r[lo:hi], buf, out.ent is not None))
 
 
-def capped(x: Tensor, softmax: Softmax) -> Tensor:
-    """The capped logits of ``x`` in ``x``'s dtype (the compute dtype), as ``stats`` caps
-    them: divide, tanh, multiply."""
-    return x if softmax.cap is None else torch.tanh(x / softmax.cap) * softmax.cap
-
-
 def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_local: int,
               tau: Tau, with_entropy: bool) -> RowStats:
     """Per-tile statistics ``[rows, n_local]`` of a token set's elements (``[E]`` capped
@@ -417,18 +415,24 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
 
 
 @no_type_check
-def _values(x, r, m, log_s, a, b):
-    """``p * (a * d + b)`` of ``x`` ``[R, w]`` (the compute dtype), ``d = ((x - M) * r -
-    log S)`` clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``."""
-    d = ((x.to(r.dtype) - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
-    return exp(d) * (a[:, None] * d + b[:, None])
+def _values(x, r, m, log_s, a, b, cap=None, hot=None):
+    """``p * (a * d + b)`` of ``x`` ``[R, w]`` widened to the compute dtype and capped
+    (``stats.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
+    clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``; ``hot``
+    ``[R, w]`` added (None: nothing), and with a cap the whole times its derivative
+    ``1 - t * t``."""
+    y, t = (x.to(r.dtype), None) if cap is None else softcap(x.to(r.dtype), cap)
+    d = ((y - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
+    value = exp(d) * (a[:, None] * d + b[:, None])
+    value = value if hot is None else value + hot
+    return value if t is None else value * (1.0 - t * t)
 
 
 @no_type_check
-def grad_kernel(x, r, m, log_s, a, b, out):
-    """``out = _values(...)``, rounded once to ``out``'s dtype: eager, and compiled into one
-    fused loop."""
-    out.copy_(_values(x, r, m, log_s, a, b).to(out.dtype))
+def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
+    """``out = _values(...)``, rounded once to ``out``'s dtype: eager, and (uncapped)
+    compiled into one fused loop."""
+    out.copy_(_values(x, r, m, log_s, a, b, cap).to(out.dtype))
 
 
 def grad(
@@ -436,34 +440,39 @@ def grad(
     *, chunks: kernels.Chunks, runs: kernels.Runs = None, work: kernels.Workspace | None = None,
 ) -> None:
     """``kernels.grad`` in invariant mode: the gradient w.r.t. the raw logits of the rows
-    of ``runs`` of ``x`` into ``out``. Uncapped: ``grad_kernel`` over every column
-    (compiled where ``compiled_ok``, else eager, chunk by chunk), then each picked id's
-    entry with a one-hot term (``hot != 0``) overwritten by ``_values`` at that column
-    plus the one-hot terms of every copy of the id, rounded once; any other entry is the
-    kernel's, whichever shard holds the ids. Capped: ``kernels.grad``'s eager loop."""
-    if softmax.cap is not None:
-        kernels.grad(x, big_m, log_s, softmax, row, out, chunks=chunks, runs=runs, work=work, compiled=False)
-        return
-    cdt = row.b.dtype
-    r = reciprocal(softmax.tau, x.shape[0], cdt, x.device)
+    of ``runs`` of ``x`` into ``out``: ``grad_kernel`` over every column (uncapped: compiled
+    where ``compiled_ok``; else eager, chunk by chunk), then the picked ids' entries
+    (``picks``); any other entry is the kernel's, whichever shard holds the ids. ``work``
+    is ``kernels.grad``'s: invariant mode's kernels take no workspace."""
+    r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     every = [(0, x.shape[0])] if runs is None else runs
-    eager = [(s, e) for s, e in every if not (compiled_ok(x[s:e]) and _compiled_grad(
+    eager = [(s, e) for s, e in every if not (softmax.cap is None and compiled_ok(x[s:e]) and _compiled_grad(
         x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e]))]
     for s, e in kernels.pieces(eager, chunks.eager):
-        grad_kernel(x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e])
+        grad_kernel(x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e], softmax.cap)
+    picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, every, max(chunks.eager, chunks.compiled))
+
+
+def picks(x: Tensor, r: Tensor, big_m: Tensor, log_s: Tensor, cap: float | None, row: RowGrad, out: Tensor,
+          runs: list[tuple[int, int]], chunk: int) -> None:
+    """Overwrite each picked id's entry of ``out`` with a one-hot term (``hot != 0``), rows
+    of ``runs``, ``chunk`` rows at a time (``[rows, k]`` temporaries): ``_values`` at that
+    column with the one-hot terms of every copy of the id added (before the cap's
+    derivative), rounded once. ``row.a`` must be a tensor (zeros without entropy)."""
     if row.hot is None:
         return
-    for s, e in kernels.pieces(every, max(chunks.eager, chunks.compiled)):  # [rows, k] temporaries
+    assert row.a is not None
+    for s, e in kernels.pieces(runs, chunk):
         column, hot = row.column[s:e], row.hot[s:e]
-        value = _values(x[s:e].gather(1, column), r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e])
         if column.shape[1] > 1:  # every copy of a repeated id carries all copies' terms
             key = torch.arange(e - s, device=x.device)[:, None] * x.shape[1] + column
             _, copy = torch.unique(key, return_inverse=True)
             hot = hot.new_zeros(hot.numel()).index_add_(0, copy.view(-1), hot.reshape(-1))[copy]
+        value = _values(x[s:e].gather(1, column), r[s:e], big_m[s:e], log_s[s:e], row.a[s:e], row.b[s:e], cap, hot)
         write = hot != 0
         at = torch.arange(s, e, device=x.device)[:, None].expand_as(column)
-        out.index_put_((at[write], column[write]), (value + hot)[write].to(out.dtype))
+        out.index_put_((at[write], column[write]), value[write].to(out.dtype))
 
 
 def _compiled_grad(x: Tensor, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor, out: Tensor) -> bool:

@@ -103,17 +103,21 @@ def rows_of(tau: Tau, index: Tensor | slice) -> Tau:
 
 class Softmax(NamedTuple):
     """What the softmax reads of a logit ``x``: ``cap * tanh(x / cap) / tau`` (soft-capping,
-    Gemma's ``final_logit_softcapping``), or ``x / tau`` without a ``cap``."""
+    Gemma's ``final_logit_softcapping``), or ``x / tau`` without a ``cap``; ``invariant``:
+    the cap is invariant mode's (``softcap``: the spec's ``tanh``), not ``torch.tanh``."""
 
     tau: Tau
     cap: float | None = None
+    invariant: bool = False
 
     def logits(self, x: Tensor) -> Tensor:
         """The (capped) logits ``x`` (the compute dtype), before the temperature."""
-        return x if self.cap is None else torch.tanh(x / self.cap) * self.cap
+        if self.cap is None:
+            return x
+        return softcap(x, self.cap)[0] if self.invariant else torch.tanh(x / self.cap) * self.cap
 
     def rows(self, index: Tensor | slice) -> "Softmax":
-        return Softmax(rows_of(self.tau, index), self.cap)
+        return Softmax(rows_of(self.tau, index), self.cap, self.invariant)
 
 
 class RowStats(NamedTuple):
@@ -203,6 +207,29 @@ def exp(d: Tensor) -> Tensor:
         p.mul_(r).add_(1.0 / math.factorial(i))
     scale = n.clamp_(min=1 - k.bias).to(k.bits).add_(k.bias).bitwise_left_shift_(k.mantissa).view(d.dtype)
     return p.mul_(scale).masked_fill_(d < k.cut, 0.0)
+
+
+def tanh(z: Tensor) -> Tensor:
+    """Invariant mode's ``tanh`` of ``z`` (float32 or float64), from the spec's ``exp`` and
+    correctly rounded divisions, so that every IEEE device gives the same bits (each
+    backend's ``tanh`` differs in the last bit): ``e = exp(-2 |z|)`` (0 for ``|z| > 43.5``
+    in float32, where ``tanh`` rounds to 1), ``t = (1 - e) / (1 + e)``, ``z``'s sign
+    restored (``copysign``); NaN stays NaN. Within ``2^-23`` of ``tanh(z)`` (measured:
+    1.7 ulp of 1), not relatively: the cancellation in ``1 - e`` costs precision near 0,
+    where ``cap * t`` is still within a few ``cap * eps`` of the capped logit, the rounding
+    of a logit of that size."""
+    e: Tensor = exp(z.abs().mul_(-2.0))
+    return (1.0 - e).div_(e.add_(1.0)).copysign_(z)
+
+
+def softcap(x: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Invariant mode's soft cap of ``x`` (the compute dtype): ``(y, t)`` with ``t = tanh(x
+    / cap)`` (the spec's ``tanh``) and ``y = t * cap``; ``cap`` rounded to the dtype, and
+    a true division by it (a 0-d tensor on ``x``'s device: on CUDA torch multiplies by the
+    reciprocal of a Python-number divisor)."""
+    c = torch.tensor(cap, dtype=x.dtype, device=x.device)
+    t = tanh(x / c)
+    return t * c, t
 
 
 def tree(x: Tensor) -> Tensor:
