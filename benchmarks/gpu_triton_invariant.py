@@ -92,7 +92,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
 
 
 def _timing() -> None:
-    import triton  # type: ignore[import-untyped]
+    import triton
 
     t, v = 4096, 32768
     x = torch.randn(t, v, device=DEV).to(torch.bfloat16)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab import backend
@@ -190,3 +191,74 @@ def test_supports_against_float64(triton_backend: None, over: Literal["full", "s
     torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
     assert x.grad is not None
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=2e-6, atol=2e-6 * float(ref_grad.abs().max()))
+
+
+INVARIANT_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": "per-row", "softcap": 15.0},
+    {"vocab_size": 650, "softcap": 30.0},
+]
+
+
+def _invariant_call(which: str, x0: Tensor, targets: Tensor, opts: dict[str, Any],
+                    tp_group: Any = None) -> tuple[Tensor, ...]:
+    """log-prob, entropy, the gradient and top-3 (values, ids) of ``invariant=True`` under
+    the backend ``which``."""
+    with backend.using(which):
+        x = x0.clone().requires_grad_()
+        lp, h = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True, tp_group=tp_group, **opts)
+        g = torch.linspace(-1, 1, x0.shape[0])
+        ((lp * g).sum() + (h * g.flip(0)).sum()).backward()
+        top, ids = topk_log_probs(x0, 3, invariant=True, tp_group=tp_group, **opts)
+    assert x.grad is not None
+    return lp.detach(), h.detach(), x.grad, top, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", INVARIANT_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_invariant_mode_gives_the_eager_bits(dtype: torch.dtype, options: dict[str, Any]) -> None:
+    t, v = 5, 700
+    opts = dict(options)
+    if opts.get("temperature") == "per-row":
+        opts["temperature"] = torch.linspace(0.5, 1.5, t)
+    x0 = logits(t, v, dtype, 6)
+    x0[3, :10] = x0[3, 10:20]  # ties for the top-k
+    targets = torch.tensor([0, 500, 649, 3, 250])
+    before = dict(launches)
+    got = _invariant_call("triton", x0, targets, opts)
+    assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+    want = _invariant_call("eager", x0, targets, opts)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def invariant_tp_worker(rank: int, world: int) -> int:
+    """Invariant mode through the Triton kernels at TP 2: the bits of the eager backend at
+    TP 1 on the whole rows (each rank's gradient its shard's columns)."""
+    checked = 0
+    for dtype in DTYPES:
+        for options in INVARIANT_OPTIONS:
+            opts = dict(options)
+            if opts.get("temperature") == "per-row":
+                opts["temperature"] = torch.linspace(0.5, 1.5, 5)
+            if "vocab_size" in opts:
+                opts["vocab_size"] = 700
+            full = logits(5, 768, dtype, 7)
+            targets = torch.tensor([0, 500, 699, 3, 250])
+            shard = full[:, rank * 384 : (rank + 1) * 384].contiguous()
+            before = dict(launches)
+            got = _invariant_call("triton", shard, targets, opts, dist.group.WORLD)
+            assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+            want = _invariant_call("eager", full, targets, opts)
+            cols = slice(rank * 384, (rank + 1) * 384)
+            for i, (g, w) in enumerate(zip(got, want)):
+                w = w[:, cols] if i == 2 else w
+                assert g.dtype == w.dtype and torch.equal(g, w), (dtype, options, i)
+            checked += 1
+    dist.barrier()
+    return checked
+
+
+def test_invariant_mode_at_tp_2_on_gloo() -> None:
+    assert run_distributed(invariant_tp_worker, 2, timeout=200) == [8, 8]

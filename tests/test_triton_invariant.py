@@ -39,8 +39,8 @@ def _interpreting() -> Iterator[None]:
 
 
 with _interpreting():
-    import triton  # type: ignore[import-untyped]
-    import triton.language as tl  # type: ignore[import-untyped]
+    import triton
+    import triton.language as tl
 
     from cpslice._vocab import triton as _launches
     from cpslice._vocab.triton import invariant as _tri

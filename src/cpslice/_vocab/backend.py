@@ -29,6 +29,7 @@ from torch import Tensor
 
 NAMES = ("auto", "eager", "compiled", "triton")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def setting(value: str | None = None) -> str:
@@ -78,17 +79,19 @@ def using(name: str) -> Iterator[Selection]:
         selected.name = before
 
 
-def triton_for(x: Tensor) -> bool:
+def triton_for(x: Tensor, invariant: bool = False) -> bool:
     """Whether the Triton kernels compute on the tile ``x``: with ``triton`` selected for
     every tensor of a dtype they take (a CUDA tensor, or a CPU tensor under the
     interpreter), with ``auto`` for a CUDA one of such a dtype when Triton imports.
+    Invariant mode's kernels take float32 and bfloat16 (``INVARIANT_DTYPES``): float16
+    and float64 logits fall back there.
 
     Raises:
         RuntimeError: ``triton`` selected for a tensor it cannot run on (a CPU tensor
             without ``TRITON_INTERPRET=1``, another device, Triton missing).
     """
     name = selected.name
-    if name in ("eager", "compiled") or x.dtype not in TRITON_DTYPES:
+    if name in ("eager", "compiled") or x.dtype not in (INVARIANT_DTYPES if invariant else TRITON_DTYPES):
         return False
     if name == "auto":
         return x.device.type == "cuda" and selected.has_triton()

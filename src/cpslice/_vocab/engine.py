@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .invariant import tiles
+from .invariant import merge_tiles, tiles
 from .sparse import Elements, Restricted, Split, split
 from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
 from .support import Support
@@ -101,7 +101,7 @@ def finish(
     computed over the set), NaN where an id (or a set's) is outside the vocabulary; and
     the ``Saved`` record."""
     parts = [dense] if sets is None else [dense, sets.stats]
-    totals, _ = combine(parts, options.tau, shard.group, tiles=tile_count(shard, options))
+    totals, _ = combine(parts, options.tau, shard.group, tiles=tile_count(shard, options), merger=merge_tiles)
     log_p, entropy = totals[0].log_probs, totals[0].entropy
     valid = (ids >= 0) & (ids < shard.vocab)
     restricted = None

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from . import kernels
+from . import backend, kernels
 from . import stats as _stats  # merge_tiles read at each call: tests plant another order
 from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
 
@@ -104,6 +104,17 @@ def tile_placeholders(
         torch.zeros((rows, k), dtype=dtype, device=device),
         torch.zeros((n, rows), dtype=dtype, device=device).t() if with_entropy else None,
     )
+
+
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``stats.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
+    backend of the tiles: the Triton kernel's where it computes (the same bits), else
+    torch's. ``stats.combine``'s merger in invariant mode."""
+    if isinstance(tau, Tensor) and backend.triton_for(m, invariant=True):
+        from .triton import invariant as tri
+
+        return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
+    return _stats.merge_tiles(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: slice, parts: RowStats, tau: Tau) -> None:
@@ -265,6 +276,9 @@ def stats(
     the compiled ``tile_kernel`` where ``compiled_ok``; the rest (a partial last tile,
     capped logits) chunk by chunk of rows, capped and -inf padded into a buffer, by
     ``eager_tiles``. The other rows are left as they are."""
+    if backend.triton_for(x, invariant=True):
+        _triton_stats(x, softmax, valid, out, runs, first)
+        return
     if out.max.dim() == 1:
         assert first == 0, "merged statistics of a block of columns"
         merged_stats(x[:, :valid], softmax, out, runs, chunk)
@@ -281,6 +295,26 @@ def stats(
     for start in sorted(set(done)):
         rest = [run for run, d in zip(runs, done) if d == start]
         _eager_stats(x, softmax.cap, r, valid, out, rest, chunk, first, start, n_tiles)
+
+
+def _triton_stats(
+    x: Tensor, softmax: Softmax, valid: int, out: RowStats, runs: list[tuple[int, int]], first: int
+) -> None:
+    """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
+    ``out``'s ``[T, n_local]`` fields, or each row's tiles merged into its ``[T]`` ones."""
+    from .triton import invariant as tri
+
+    cdt = out.sum.dtype
+    index = kernels.row_index(None if runs == [(0, x.shape[0])] else runs, x.device)
+    if out.max.dim() == 2:
+        tri.tile_stats(x, index, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
+                       out.max, out.sum, out.ent, first)
+        return
+    assert first == 0, "merged statistics of a block of columns"
+    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
+    big, total, ent = tri.merged_stats(x, index, 1.0 / tau, tau, softmax.cap, valid, out.ent is not None)
+    at = slice(None) if index is None else index
+    write(out, at, big, total, ent)
 
 
 def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, runs: list[tuple[int, int]], chunk: int) -> None:
@@ -447,6 +481,12 @@ def grad(
     r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     every = [(0, x.shape[0])] if runs is None else runs
+    if backend.triton_for(x, invariant=True):
+        from .triton import invariant as tri
+
+        tri.grad(x, kernels.row_index(runs, x.device), r, big_m, log_s, row.a, row.b, softmax.cap, out)
+        picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, every, max(chunks.eager, chunks.compiled))
+        return
     eager = [(s, e) for s, e in every if not (softmax.cap is None and compiled_ok(x[s:e]) and _compiled_grad(
         x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e]))]
     for s, e in kernels.pieces(eager, chunks.eager):

@@ -268,7 +268,11 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
     return big, total, tree(terms.t().contiguous())
 
 
-def write(out: RowStats, at: slice | tuple[slice, slice], m: Tensor, s: Tensor, a: Tensor | None) -> None:
+Merger = Callable[[Tensor, Tensor, Tensor | None, Tau], tuple[Tensor, Tensor, Tensor | None]]
+"""``merge_tiles``' signature: ``(m, s, a, tau)`` ``[n, R]`` tiles to ``(M, S, A)`` ``[R]``."""
+
+
+def write(out: RowStats, at: slice | tuple[slice, slice] | Tensor, m: Tensor, s: Tensor, a: Tensor | None) -> None:
     """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
     ``s`` and ``a``; ``picked`` left as it is."""
     out.max[at], out.sum[at] = m, s
@@ -329,6 +333,7 @@ def combine(
     group: dist.ProcessGroup | None,
     extra: Tensor | None = None,
     tiles: int | None = None,
+    merger: "Merger | None" = None,
 ) -> tuple[list[Totals], Tensor | None]:
     """``Totals`` of each of ``parts`` (this shard's statistics of the same rows, e.g. the
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
@@ -336,7 +341,8 @@ def combine(
     again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
     ``[W, r, T]``. With ``tiles`` (invariant mode) a part's ``max``, ``sum`` and ``ent``
     are ``[T, n]`` per tile, and the first ``tiles`` of all shards' tiles, in global
-    order, merge by ``merge_tiles`` (``MERGE_ROWS`` rows at a time); or, without a
+    order, merge by ``merger`` (``merge_tiles`` if None; invariant mode's backend passes
+    its own, of the same bits), ``MERGE_ROWS`` rows at a time; or, without a
     group, ``[T]`` fields already merged so (``invariant.stats``), read as they are.
     Collectives: one ``all_gather`` with ``group``, else none."""
     first = parts[0]
@@ -363,12 +369,14 @@ def combine(
                              None if at_e is None else gathered[:, at_e])
             out.append(totals(merge(stats, tau) if tiles is None else stats.map(lambda f: f[0]), tau))
         else:
-            out.append(totals(_merge_gathered(gathered, (at_m, at_s, at_e), n, tiles, picked.sum(0), tau), tau))
+            out.append(totals(_merge_gathered(gathered, (at_m, at_s, at_e), n, tiles, picked.sum(0), tau, merger),
+                              tau))
     return out, None if extra is None else gathered[:, at:]
 
 
 def _merge_gathered(
-    gathered: Tensor, at: tuple[int, int, int | None], n: int, tiles: int, picked: Tensor, tau: Tau
+    gathered: Tensor, at: tuple[int, int, int | None], n: int, tiles: int, picked: Tensor, tau: Tau,
+    merger: "Merger | None",
 ) -> RowStats:
     """``merge_tiles`` of the first ``tiles`` of every shard's ``n`` tiles of one part of
     ``combine``'s ``[W, r, T]`` rows (its ``max``, ``sum`` and ``ent`` rows at ``at``),
@@ -384,7 +392,7 @@ def _merge_gathered(
         m, s, a = (None if i is None else gathered[:, i : i + n, lo:hi].reshape(world * n, hi - lo)[:tiles]
                    for i in at)
         assert m is not None and s is not None
-        write(merged, slice(lo, hi), *merge_tiles(m, s, a, rows_of(tau, slice(lo, hi))))
+        write(merged, slice(lo, hi), *(merger or merge_tiles)(m, s, a, rows_of(tau, slice(lo, hi))))
     return merged
 
 

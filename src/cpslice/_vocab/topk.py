@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
+from .invariant import merge_tiles
 from .stats import RowStats, Shard, Softmax, Totals, combine, per_row
 
 EXACT_FLOAT32_IDS = 2**24
@@ -114,7 +115,7 @@ def choose(
     rows, c = local.values.shape
     tau = softmax.tau
     extra = torch.cat([local.values.t(), local.ids.t().to(local.values.dtype)])
-    (totals,), gathered = combine([dense], tau, shard.group, extra, tiles)
+    (totals,), gathered = combine([dense], tau, shard.group, extra, tiles, merger=merge_tiles)
     assert gathered is not None
     # [W, c, T] per shard -> [T, W * c]
     width = gathered.shape[0] * c  # not -1: T = 0 (a rank of no rows) has no size to infer

@@ -33,8 +33,8 @@ float32 and bfloat16 logits (the float32 compute dtype).
 from typing import no_type_check
 
 import torch
-import triton  # type: ignore[import-untyped]
-import triton.language as tl  # type: ignore[import-untyped]
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from ..stats import _EXP, FLOOR, LOG2E, TILE
