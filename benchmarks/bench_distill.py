@@ -7,7 +7,7 @@ each method computes the student's ``log_softmax(logits / temperature)`` at thos
 back-propagates the mean into the student's logits (or hidden states and LM head):
 
 - ``cpslice``: ``log_probs_at(logits, ids)`` (chunk kernels, compiled where
-  ``CPSLICE_COMPILE=auto`` says so; the gradient the one ``[T, V]`` buffer);
+  ``CPSLICE_BACKEND=auto`` says so; the gradient the one ``[T, V]`` buffer);
 - ``log-probs``: ``log_probs_and_entropy(logits, targets)`` without entropy on the same
   logits: the time the target is measured against;
 - ``dense``: NeMo-RL's and TRL's way, written out here: the full ``log_softmax`` of the

@@ -15,7 +15,7 @@ weight.T / temperature)`` and back-propagating a random upstream gradient on bot
   ``-(lp.exp() * lp).sum`` through autograd.
 
 Each method runs in a fresh subprocess. After one warm-up forward + backward (lazy
-imports; in ``CPSLICE_COMPILE=auto``, the first compile of the chunk kernels), the
+imports; in ``CPSLICE_BACKEND=auto``, the first compile of the chunk kernels), the
 allocator's free heap is returned to the system and the peak RSS reset (as
 ``bench_logprob`` does); peak memory is the growth of the peak RSS (``VmHWM``) during
 the next forward + backward beyond the RSS before it, less the two gradients (``[T,

@@ -4,9 +4,9 @@ backward, side by side in one run.
 Methods, all ``log_probs_and_entropy(..., with_entropy=True, temperature=0.9)``
 back-propagating a random upstream gradient:
 
-- ``default``: ``invariant=False`` as a user gets it (``CPSLICE_COMPILE`` unset: the
+- ``default``: ``invariant=False`` as a user gets it (``CPSLICE_BACKEND`` unset: the
   compiled kernels at this size, compiled in the warm-up step);
-- ``eager``: ``invariant=False`` with the eager kernels (``CPSLICE_COMPILE=0``);
+- ``eager``: ``invariant=False`` with the eager kernels (``CPSLICE_BACKEND=eager``);
 - ``invariant``: ``invariant=True`` as a user gets it (its own compiled kernels on the
   CPU, which give the eager bits; compiled in the warm-up step).
 
@@ -59,7 +59,7 @@ class Result:
 
 def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
     from cpslice import log_probs_and_entropy
-    from cpslice._vocab import kernels
+    from cpslice._vocab import backend
 
     torch.manual_seed(0)
     logits = (torch.randn(t, v) * 2).to(getattr(torch, dtype_name)).requires_grad_(True)
@@ -67,7 +67,7 @@ def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
     g_lp, g_h = torch.randn(t), torch.randn(t)
 
     def step(method: str) -> None:
-        kernels.mode = "0" if method == "eager" else "auto"  # CPSLICE_COMPILE, as a user sets it
+        backend.selected.name = "eager" if method == "eager" else "auto"  # CPSLICE_BACKEND, as a user sets it
         lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, temperature=TEMPERATURE,
                                       invariant=method == "invariant")
         torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
@@ -91,7 +91,7 @@ def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
 
 def _in_subprocess(dtype: str, t: int, v: int, repeat: int) -> list[Result]:
     env = dict(os.environ)
-    env.pop("CPSLICE_COMPILE", None)
+    env.pop("CPSLICE_BACKEND", None)
     cmd = [sys.executable, __file__, "--child", dtype, str(t), str(v), str(repeat)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return [Result(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]

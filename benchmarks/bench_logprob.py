@@ -3,10 +3,10 @@
 Methods, all back-propagating a random upstream gradient through what they return:
 
 - ``cpslice``: ``log_probs_and_entropy(..., with_entropy=True)`` with the eager kernels
-  (``CPSLICE_COMPILE=0``: chunked forward, backward recomputing the softmax chunk by
+  (``CPSLICE_BACKEND=eager``: chunked forward, backward recomputing the softmax chunk by
   chunk into one gradient buffer);
 - ``compiled``: the same call with the kernels compiled by ``torch.compile``
-  (``CPSLICE_COMPILE=1``); its first call includes the compilation;
+  (``CPSLICE_BACKEND=compiled``); its first call includes the compilation;
 - ``megatron``: megatron-core's ``vocab_parallel_cross_entropy`` on a 1-rank gloo TP
   group: log-probs only, no entropy, no temperature (it overwrites float32 logits in
   place, so each step gets a fresh copy, made outside the timing);
@@ -162,7 +162,7 @@ def _saved_step(logits: Tensor, targets: Tensor, g: tuple[Tensor, Tensor]) -> No
 def _make_step(method: str) -> tuple[Prepare, Step]:
     """``(prepare, step)``: ``prepare(logits)`` runs before each step, outside the timing."""
     if method in ("cpslice", "compiled"):
-        return _nothing, _cpslice_step()  # which kernels: CPSLICE_COMPILE, set by the parent
+        return _nothing, _cpslice_step()  # which kernels: CPSLICE_BACKEND, set by the parent
     if method == "megatron":
         return _megatron_step()
     return _nothing, (_naive_step if method == "naive" else _saved_step)
@@ -200,7 +200,7 @@ def _in_subprocess(
     threads = os.environ.get("CPSLICE_BENCH_THREADS", "0")
     cmd = [sys.executable, __file__, "--threads", threads, "--child", method, dtype, str(t), str(v),
            str(repeat)]
-    child_env = {**os.environ, "CPSLICE_COMPILE": "1" if method == "compiled" else "0", **(env or {})}
+    child_env = {**os.environ, "CPSLICE_BACKEND": "compiled" if method == "compiled" else "eager", **(env or {})}
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=child_env)
     fields: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return Result(**fields)

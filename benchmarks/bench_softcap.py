@@ -6,12 +6,12 @@ Every method computes each row's log-prob of its target and the entropy of
 ``[T, V]`` logits and back-propagates a random upstream gradient on both:
 
 - ``uncapped``: ``log_probs_and_entropy(logits, ...)`` without a cap, the compiled
-  kernels (``CPSLICE_COMPILE=1``): the time and memory the capped path is held to;
+  kernels (``CPSLICE_BACKEND=compiled``): the time and memory the capped path is held to;
 - ``softcap``: the same with ``softcap=c``: the cap and its ``tanh`` derivative inside
   the compiled kernels;
 - ``materialized``: the recipe it replaces, written out here: ``c * tanh(x / c)`` as a
   new ``[T, V]`` tensor, then ``log_probs_and_entropy`` on it (compiled);
-- ``softcap-eager``: ``softcap=c`` with the eager kernels (``CPSLICE_COMPILE=0``).
+- ``softcap-eager``: ``softcap=c`` with the eager kernels (``CPSLICE_BACKEND=eager``).
 
 The logits are drawn ``N(0, 4^2)``: a row's largest (about 17) is bent by the cap (to
 about 15), and no ``exp`` of the uncapped path underflows. At a much wider spread
@@ -99,7 +99,7 @@ def _child(method: str, dtype_name: str, t: int, v: int, repeat: int, threads: i
 
 def _in_subprocess(method: str, dtype: str, t: int, v: int, repeat: int, threads: int) -> Result:
     cmd = [sys.executable, __file__, "--child", method, dtype, str(t), str(v), str(repeat), str(threads)]
-    env = {**os.environ, "CPSLICE_COMPILE": "0" if method.endswith("eager") else "1"}
+    env = {**os.environ, "CPSLICE_BACKEND": "eager" if method.endswith("eager") else "compiled"}
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     fields: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return Result(**fields)

@@ -121,7 +121,7 @@ def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor
     """Eager and compiled kernels of one path against the bandwidth floor: one read of
     the logits in forward, one read and one gradient write in backward, at T = 32768,
     V = 151936 / tp (``log_probs_at``: k = 64 ids per row)."""
-    from cpslice._vocab import kernels as _kernels
+    from cpslice._vocab import backend as _backend
 
     bw = _bandwidth(device)
     print(f"{name}: device copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -136,7 +136,7 @@ def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor
             floor = 3 * logits.numel() * logits.element_size() / bw
             got = {}
             for mode in ("0", "1"):
-                _kernels.mode = mode
+                _backend.selected.name = "compiled" if mode == "1" else "eager"
                 times = []
                 for i in range(6):
                     logits.grad = None
@@ -156,7 +156,7 @@ def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor
             print("  compiled vs eager max |diff|: " + ", ".join(f"{d:.1e}" for d in diff))
             del logits, got
             torch.cuda.empty_cache()
-    _kernels.mode = _kernels.compile_mode()
+    _backend.selected.name = _backend.setting()
 
 
 def _check_log_probs_at(device: str) -> None:

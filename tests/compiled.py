@@ -2,9 +2,9 @@
 
 import torch
 
-from cpslice._vocab import kernels as _kernels
+from cpslice._vocab import backend as _backend
 
 
 def ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:
     """Names of the kernels compiled and run for this backend, dtype and chunk rows."""
-    return {str(k[0]) for k in _kernels._ready if k[1] == dtype and k[2] == rows and k[-1] == backend}
+    return {str(k[0]) for k in _backend.selected.ready if k[1] == dtype and k[2] == rows and k[-1] == backend}

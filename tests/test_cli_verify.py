@@ -543,7 +543,7 @@ def test_bench_extract_marks_a_ratio_that_misses_its_target(
 
 
 def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``cpslice verify --compile`` sets CPSLICE_COMPILE=1 on the ranks (a real compiled
+    """``cpslice verify --compile`` selects CPSLICE_BACKEND=compiled on the ranks (a real compiled
     run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
     from cpslice._verify import cases, report, runner
 
@@ -557,5 +557,5 @@ def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatc
     assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
     assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
     assert [c.compile for c in seen] == [True, False]
-    assert "compiled by torch.compile (CPSLICE_COMPILE=1)" in report.header(seen[0])
+    assert "compiled by torch.compile (CPSLICE_BACKEND=compiled)" in report.header(seen[0])
     assert "torch.compile" not in report.header(seen[1])

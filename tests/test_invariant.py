@@ -31,8 +31,8 @@ from cpslice import (
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import backend as _backend
 from cpslice._vocab import invariant as _invariant
-from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
@@ -213,16 +213,14 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dty
         assert x.grad is not None
         return lp, h, x.grad
 
-    monkeypatch.setattr(_kernels, "mode", "0")
-    eager = run()
-    monkeypatch.setattr(_kernels, "mode", "1")
-    monkeypatch.setattr(_kernels, "_ready", set())  # this test's kernels only
-    monkeypatch.setattr(_invariant, "_verified", set())  # each compiled shape checked again
-    monkeypatch.setattr(_invariant, "_disagree", None)
-    for a, b in zip(run(), eager):
-        assert torch.equal(a, b)
-    assert {"row_kernel", kernel} <= {key[0] for key in _kernels._ready}  # run compiled
-    assert _invariant._disagree is None  # and no kernel turned eager after a difference
+    with _backend.using("eager"):
+        eager = run()
+    # this test's kernels only, each compiled shape checked again
+    with _backend.using("compiled", fresh=True) as state:
+        for a, b in zip(run(), eager):
+            assert torch.equal(a, b)
+        assert {"row_kernel", kernel} <= {key[0] for key in state.ready}  # run compiled
+        assert state.disagree is None  # and no kernel turned eager after a difference
 
 
 def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,20 +233,18 @@ def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept(monkey
         big, total, ent = real(x, r, tau)
         return big, total * (1 + 2**-20), ent  # a sum off in its last bits
 
-    monkeypatch.setattr(_kernels, "mode", "0")
-    want = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
-    monkeypatch.setattr(_kernels, "mode", "1")
-    monkeypatch.setattr(_invariant, "_verified", set())
-    monkeypatch.setattr(_invariant, "_disagree", None)
+    with _backend.using("eager"):
+        want = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
     monkeypatch.setattr(_invariant, "row_kernel", planted)
-    with warnings.catch_warnings(record=True) as caught:  # the filters as they are: torch's own stay quiet
-        warnings.simplefilter("always", RuntimeWarning)
-        got = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
-    assert any(issubclass(w.category, RuntimeWarning) and "compiled row_kernel differs from the eager one"
-               in str(w.message) for w in caught), [str(w.message) for w in caught]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert _invariant._disagree is not None
-    assert _invariant.compiled_ok(logits) is False  # for the rest of the process
+    with _backend.using("compiled", fresh=True) as state:
+        with warnings.catch_warnings(record=True) as caught:  # the filters as they are: torch's own stay quiet
+            warnings.simplefilter("always", RuntimeWarning)
+            got = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
+        assert any(issubclass(w.category, RuntimeWarning) and "compiled row_kernel differs from the eager one"
+                   in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert state.disagree is not None
+        assert _invariant.compiled_ok(logits) is False  # for the rest of the process
 
 
 def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
@@ -278,14 +274,12 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytes
         _invariant.stats(x, softmax, 1000, out, [(0, 17), (20, 40)], 8)
         return out
 
-    monkeypatch.setattr(_kernels, "mode", "0")
-    eager = run()
-    monkeypatch.setattr(_kernels, "mode", "1")
-    monkeypatch.setattr(_invariant, "_verified", set())
-    monkeypatch.setattr(_invariant, "_disagree", None)
-    compiled = run()
-    assert "tile_kernel" in {key[0] for key in _kernels._ready}
-    assert _invariant._disagree is None
+    with _backend.using("eager"):
+        eager = run()
+    with _backend.using("compiled", fresh=True) as state:
+        compiled = run()
+        assert "tile_kernel" in {key[0] for key in state.ready}
+        assert state.disagree is None
     for a, b in zip(compiled, eager):
         assert a is not None and b is not None and torch.equal(a, b)
     assert torch.equal(eager.sum[17:20], torch.ones(3, 8))  # rows outside the runs left as they were

@@ -1,7 +1,7 @@
 """Invariant mode (``invariant=True``, docs/invariance.md) against a float64 reference and
 against the spec's own steps, where tests/test_invariant.py compares it with itself:
 
-- a soft cap with the compiled kernels on (``CPSLICE_COMPILE=1``: the merged ``row_kernel``
+- a soft cap with the compiled kernels on (``CPSLICE_BACKEND=compiled``: the merged ``row_kernel``
   without TP, the per-tile ``tile_kernel`` under TP), at TP 1 and TP 2 on gloo: the eager
   bits and, within rounding, float64;
 - the hidden-state path over several 1024-column blocks, the last one partial, at TP 1
@@ -32,8 +32,8 @@ from cpslice import (
     response_log_probs_from_hidden,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import backend as _backend
 from cpslice._vocab import invariant as _invariant
-from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
 
 from ._dist import run_distributed
@@ -83,19 +83,18 @@ def _capped_worker(rank: int, world: int) -> dict[str, Any]:
         ref_lp, ref_h, ref_grad = _capped_reference(logits, targets, temps, g_lp, g_h)
         runs: dict[tuple[str, int], tuple[Tensor, Tensor, Tensor]] = {}
         for mode in ("0", "1"):
-            _kernels.mode = mode  # the rank's baseline puts it back after the task
-            _invariant._verified, _invariant._disagree = set(), None
-            for tp, group, part in ((1, None, slice(None)), (2, dist.group.WORLD, cols)):
-                x = logits[:, part].clone().requires_grad_(True)
-                valid = min(x.shape[1], max(0, CAP_VOCAB - (rank * v_local if tp == 2 else 0)))
-                # the compiled kernels would take these rows uncapped: the cap alone keeps them eager
-                assert _invariant.compiled_ok(x[:, :valid]) is (mode == "1")
-                lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=temps, softcap=CAP,
-                                              vocab_size=CAP_VOCAB, tp_group=group, invariant=True)
-                torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
-                assert x.grad is not None
-                runs[mode, tp] = (lp.detach(), h.detach(), x.grad)
-            assert _invariant._disagree is None, _invariant._disagree
+            with _backend.using("eager" if mode == "0" else "compiled", fresh=True) as state:
+                for tp, group, part in ((1, None, slice(None)), (2, dist.group.WORLD, cols)):
+                    x = logits[:, part].clone().requires_grad_(True)
+                    valid = min(x.shape[1], max(0, CAP_VOCAB - (rank * v_local if tp == 2 else 0)))
+                    # the compiled kernels would take these rows uncapped: the cap alone keeps them eager
+                    assert _invariant.compiled_ok(x[:, :valid]) is (mode == "1")
+                    lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=temps, softcap=CAP,
+                                                  vocab_size=CAP_VOCAB, tp_group=group, invariant=True)
+                    torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
+                    assert x.grad is not None
+                    runs[mode, tp] = (lp.detach(), h.detach(), x.grad)
+                assert state.disagree is None, state.disagree
         want = runs["0", 1]
         for (mode, tp), (lp, h, grad) in runs.items():
             assert torch.equal(lp, want[0]), (dtype, mode, tp, (lp - want[0]).abs().max())
@@ -110,7 +109,7 @@ def _capped_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_soft_cap_with_the_compiled_kernels_on_gives_the_eager_bits_at_tp_1_and_2() -> None:
-    # CPSLICE_COMPILE=1 opens the compiled kernels to every tile (the size no bar): a
+    # CPSLICE_BACKEND=compiled opens the compiled kernels to every tile (the size no bar): a
     # capped row must still get the capped statistics, the eager ones, bit for bit
     results = run_distributed(_capped_worker, 2, timeout=200)
     assert results == [{"torch.float32": 4, "torch.bfloat16": 4}] * 2

@@ -1,4 +1,4 @@
-"""The compiled chunk kernels (cpslice._vocab.kernels): CPSLICE_COMPILE, the fixed chunk
+"""The compiled chunk kernels (cpslice._vocab.kernels): CPSLICE_BACKEND, the fixed chunk
 shapes, and log_probs_and_entropy through the compiled path against the float64
 reference, every dtype (with TP: tests/tp_cases.py, on test_logprob_tp's ranks), in
 debug mode (the pytest plugin).
@@ -7,6 +7,7 @@ Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same cap
 and functionalized graphs that inductor compiles, without its C++ build (seconds per
 kernel on two cores). Two tests run inductor itself, on tiny shapes."""
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -21,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpslice import log_probs_and_entropy
+from cpslice._vocab import backend as _backend
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab.stats import FLOOR, Softmax, placeholders
 
@@ -31,35 +33,35 @@ from .reference import reference, tolerance
 Use = Callable[..., None]  # use(mode, backend="aot_eager")
 
 
+MODE = {"1": "compiled", "0": "eager", "auto": "auto"}  # the compiled kernels' modes, by backend
+
+
 @pytest.fixture
-def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Use]:
-    """``use(mode, backend)`` for one test; the mode, backend and failure flag are restored."""
-    monkeypatch.setattr(_kernels, "_broken", None)
+def use() -> Iterator[Use]:
+    """``use(mode, compiler)`` for one test: the backend of the mode (``1`` compiled, ``0``
+    eager, ``auto``) with ``compiler`` as torch.compile's backend, no compile failure seen
+    yet; the selection is restored after the test (``backend.using``)."""
+    with contextlib.ExitStack() as stack:
+        def set_(mode: str, compiler: str | Callable[..., Any] = "aot_eager") -> None:
+            stack.enter_context(_backend.using(MODE[mode], compiler=compiler))
+            _backend.selected.broken = None
 
-    def set_(mode: str, backend: str | Callable[..., Any] = "aot_eager") -> None:
-        monkeypatch.setattr(_kernels, "mode", mode)
-        monkeypatch.setattr(_kernels, "BACKEND", backend)
-
-    yield set_
+        yield set_
 
 
-def test_compile_mode_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, want in [(None, "auto"), ("", "auto"), ("auto", "auto"), ("1", "1"), ("0", "0")]:
-        if value is None:
-            monkeypatch.delenv("CPSLICE_COMPILE", raising=False)
-        else:
-            monkeypatch.setenv("CPSLICE_COMPILE", value)
-        assert _kernels.compile_mode() == want
-    for bad in ("yes", "true", "2", "AUTO"):
-        monkeypatch.setenv("CPSLICE_COMPILE", bad)
-        with pytest.raises(ValueError, match=rf"CPSLICE_COMPILE='{bad}' is not valid; use one of.*'auto'.*'1'.*'0'"):
-            _kernels.compile_mode()
+def test_compile_mode_of_each_backend() -> None:
+    for name, want in [("auto", "auto"), ("compiled", "1"), ("eager", "0"), ("triton", "auto")]:
+        with _backend.using(name):
+            assert _backend.compile_mode() == want
+    for bad in ("yes", "1", "0", "AUTO"):
+        with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid; use one of.*'auto'.*'eager'"):
+            _backend.setting(bad)
 
 
 def _import_a_copy() -> ModuleType:
     """A fresh copy of the kernels module, imported beside it: the real one (whose classes
     the other modules' annotations hold) is left as it is."""
-    spec = importlib.util.spec_from_file_location("cpslice._vocab.kernels_copy", _kernels.__file__)
+    spec = importlib.util.spec_from_file_location("cpslice._vocab.backend_copy", _backend.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,11 +69,11 @@ def _import_a_copy() -> ModuleType:
 
 
 def test_invalid_value_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPSLICE_COMPILE", "on")
-    with pytest.raises(ValueError, match="CPSLICE_COMPILE='on' is not valid"):
+    monkeypatch.setenv("CPSLICE_BACKEND", "on")
+    with pytest.raises(ValueError, match="CPSLICE_BACKEND='on' is not valid"):
         _import_a_copy()
-    monkeypatch.setenv("CPSLICE_COMPILE", "0")
-    assert _import_a_copy().mode == "0"
+    monkeypatch.setenv("CPSLICE_BACKEND", "eager")
+    assert _import_a_copy().selected.name == "eager"
 
 
 @settings(max_examples=60, deadline=None)
@@ -104,11 +106,11 @@ def test_compiled_chunk_rows() -> None:
 
 def test_auto_runs_eager_for_small_work(use: Use) -> None:
     use("auto")
-    before = set(_kernels._ready)
+    before = set(_backend.selected.ready)
     logits = torch.randn(8, 16, requires_grad=True)
     lp, _ = log_probs_and_entropy(logits, torch.zeros(8, dtype=torch.int64), chunk_size=4)
     torch.autograd.backward(lp.sum())
-    assert _kernels._ready == before
+    assert _backend.selected.ready == before
     assert not _kernels.use_compiled(torch.zeros(2**11, 2**10))
     assert _kernels.use_compiled(torch.zeros(2**12, 2**10))
     assert not _kernels.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
@@ -216,12 +218,13 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
     logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
     with pytest.warns(RuntimeWarning, match="torch.compile of the log-prob kernels failed.*no C\\+\\+ compiler"):
         check_logits(logits, targets, 0.9, 3)
-    assert _kernels._broken is not None
+    assert _backend.selected.broken is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_logits(logits, targets, 0.9, 3)  # eager from now on, silently
     use("1", broken_backend)
-    with pytest.raises(RuntimeError, match="CPSLICE_COMPILE=1 but torch.compile of cpslice's chunk_stats failed"):
+    with pytest.raises(RuntimeError,
+                       match="CPSLICE_BACKEND=compiled but torch.compile of cpslice's chunk_stats failed"):
         log_probs_and_entropy(logits, targets, chunk_size=3)
 
 
@@ -276,13 +279,12 @@ def test_hidden_state_path_runs_the_compiled_kernels(
     """log_probs_and_entropy_from_hidden through the compiled kernels, forward and backward on
     its [rows, V_block] tiles; values and gradients against the float64 reference."""
     use("1")
-    monkeypatch.setattr(_kernels, "_ready", set())  # only this test's kernels count
-    monkeypatch.setattr(_kernels, "_compiled", {})
+    _backend.selected.ready, _backend.selected.compiled = set(), {}  # only this test's kernels count
     gen = torch.Generator().manual_seed(8)
     t, h, v = 12, 4, 24
     hidden, weight = torch.randn(t, h, generator=gen).to(dtype), torch.randn(v, h, generator=gen).to(dtype)
     targets = torch.randint(0, v, (t,), generator=gen)
     check_linear(hidden, weight, targets, 0.8, 4, value_rel=value_rel, grad_rel=grad_rel)
     # forward and backward on the same [12, 4 * 24 // (2 * 12) = 4] tiles
-    ran = {(str(k[0]), k[3]) for k in _kernels._ready if k[1] == dtype and k[-1] == "aot_eager"}
+    ran = {(str(k[0]), k[3]) for k in _backend.selected.ready if k[1] == dtype and k[-1] == "aot_eager"}
     assert {("chunk_stats", 4), ("chunk_grad", 4)} <= ran

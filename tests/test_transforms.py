@@ -5,6 +5,7 @@ gradient exactly 0); the compiled kernels with each option; the per-sample forms
 random layouts; every refusal. TP 2 and 4 on gloo: tests/transform_cases.py."""
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from torch import Tensor
 
 import cpslice
 from cpslice import LayoutError, Support
-from cpslice._vocab import kernels
+from cpslice._vocab import backend
 from tests.checked import refused
 
 from . import distill_reference as dref
@@ -102,11 +103,10 @@ def test_every_option_matches_the_float64_reference(case: dict[str, Any], path: 
 
 
 @pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "mode", "1")
-    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
-    monkeypatch.setattr(kernels, "_ready", set())
-    monkeypatch.setattr(kernels, "_compiled", {})
+def compiled() -> Iterator[None]:
+    """The compiled backend (aot_eager), only this test's kernels counted."""
+    with backend.using("compiled", compiler="aot_eager", fresh=True):
+        yield
 
 
 @pytest.mark.parametrize(("tau", "softcap", "vocab_size"), [
@@ -119,9 +119,9 @@ def test_the_compiled_kernels_with_each_option(compiled: None, tau: Any, softcap
     for path in ("logits", "hidden"):
         for dtype in (torch.float32, torch.bfloat16):
             _check(case, dtype, path)
-    names = {str(k[0]) for k in kernels._ready}
+    names = {str(k[0]) for k in backend.selected.ready}
     assert names == ({"chunk_stats_capped", "chunk_grad_capped"} if softcap else {"chunk_stats", "chunk_grad"})
-    per_row = {bool(k[6]) for k in kernels._ready}
+    per_row = {bool(k[6]) for k in backend.selected.ready}
     assert per_row == {tau == "rows"}, "a scalar temperature compiles the scalar kernels, one per row its own"
     assert ran("aot_eager", torch.float32, 4) == ran("aot_eager", torch.bfloat16, 4) == names
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpslice import LayoutError, log_probs_and_entropy, log_probs_and_entropy_from_hidden
+from cpslice._vocab import backend as _backend
 from cpslice._vocab import hidden as _hidden
-from cpslice._vocab import kernels as _kernels
 from cpslice._vocab import stats as _stats
 
 from ._dist import counting, tp_groups
@@ -130,15 +130,11 @@ def _run_compiled(rank: int, world: int, calls: list[str]) -> None:
     """``COMPILED_CASES`` through the compiled kernels (aot_eager) on the same groups;
     raises on any mismatch with the float64 reference, or if the compiled path did not
     run (only the kernels of this call count: the world's ranks outlive a task)."""
-    saved = _kernels.mode, _kernels.BACKEND, _kernels._ready, _kernels._compiled
-    _kernels.mode, _kernels.BACKEND, _kernels._ready, _kernels._compiled = "1", "aot_eager", set(), {}
-    try:
+    with _backend.using("compiled", compiler="aot_eager", fresh=True):
         for group, tp, tp_rank in tp_groups(rank, world):
             assert _run_logits(COMPILED_CASES, group, tp, tp_rank, calls) == 2
         assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
         assert ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
-    finally:
-        _kernels.mode, _kernels.BACKEND, _kernels._ready, _kernels._compiled = saved
 
 
 def logits_worker(rank: int, world: int) -> list[tuple[int, int]]:

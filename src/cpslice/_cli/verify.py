@@ -104,7 +104,7 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true",
         help="run the log-prob kernels compiled by torch.compile on every rank "
-        "(CPSLICE_COMPILE=1; the first compile takes a while)",
+        "(CPSLICE_BACKEND=compiled; the first compile takes a while)",
     )
 
 

@@ -205,7 +205,7 @@ class Config:
     tolerance: float = TOLERANCE
     compile: bool = False
     """Run the log-prob kernels compiled by torch.compile on every rank
-    (``CPSLICE_COMPILE=1``): a compile failure fails the run."""
+    (``CPSLICE_BACKEND=compiled``): a compile failure fails the run."""
 
     @property
     def world(self) -> int:

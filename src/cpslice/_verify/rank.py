@@ -60,9 +60,9 @@ def rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
     if config.compile:
-        from .._vocab import kernels as _kernels
+        from .._vocab import backend
 
-        _kernels.mode = "1"
+        backend.selected.name = "compiled"  # CPSLICE_BACKEND=compiled for this process
     where = {"case": -1, "cp_rank": -1}
     try:
         dist.init_process_group(

@@ -87,7 +87,7 @@ def header(config: Config) -> str:
         "float64 torch.log_softmax; the same under per-token top-p sets (Support) and as "
         "the divergence from a teacher's top-k (response_distillation); and invariant=True "
         "(each rank's 8 ids widened to a 128-id tile) against one call at TP 1 without a layout"
-        + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_COMPILE=1)" if config.compile else "")
+        + ("\n  log-prob kernels compiled by torch.compile (CPSLICE_BACKEND=compiled)" if config.compile else "")
     )
 
 

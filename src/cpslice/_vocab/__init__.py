@@ -9,7 +9,7 @@ computes its tiles of logits its own way and hands them to it:
   after one all-gather, ``combine``), the results (``Totals``), the gradient's per-row
   terms (``RowGrad``), ``FLOOR``;
 - ``kernels``: the dense kernels over one ``[n, V]`` tile, eager or compiled
-  (``CPSLICE_COMPILE``): statistics forward, the gradient backward;
+  (``CPSLICE_BACKEND``, ``backend``; the Triton kernels in ``triton``): statistics forward, the gradient backward;
 - ``engine``: what every driver shares around its tiles: a call's ``Options``, the
   all-gather and each row's result (``finish``), the ``Saved`` record, the backward's
   ``row_terms``;

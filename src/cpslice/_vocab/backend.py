@@ -19,10 +19,12 @@ error). The selection lives in one object, ``selected``; ``using`` changes it fo
 block (tests and benchmarks)."""
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,11 +54,22 @@ def setting(value: str | None = None) -> str:
 
 @dataclass
 class Selection:
-    """The chosen backend (``name``, one of ``NAMES``) and what it learned: whether Triton
-    imports (None: not asked yet)."""
+    """The chosen backend (``name``, one of ``NAMES``) and all that the backends learn at
+    run time, in one place: whether Triton imports (None: not asked yet); the compiled
+    backend's ``torch.compile`` backend (``compiler``: inductor; tests of the chunk
+    plumbing use ``aot_eager``), its compiled functions and the keys whose first call
+    succeeded, the first compile failure of ``auto`` (then eager for the process); and
+    invariant mode's compiled kernels' keys checked bit for bit against the eager ones,
+    and why they were turned off (a disagreement), if they were."""
 
     name: str
     triton_imports: bool | None = None
+    compiler: str | Callable[..., Any] = "inductor"
+    compiled: dict[tuple[object, ...], Callable[..., Any]] = field(default_factory=dict)
+    ready: set[tuple[object, ...]] = field(default_factory=set)
+    broken: str | None = None
+    verified: set[tuple[object, ...]] = field(default_factory=set)
+    disagree: str | None = None
 
     def has_triton(self) -> bool:
         if self.triton_imports is None:
@@ -69,14 +82,26 @@ selected = Selection(setting())
 
 
 @contextlib.contextmanager
-def using(name: str) -> Iterator[Selection]:
-    """Select the backend ``name`` (one of ``NAMES``) inside the block, then restore."""
-    before = selected.name
+def using(
+    name: str, *, compiler: str | Callable[..., Any] | None = None, fresh: bool = False
+) -> Iterator[Selection]:
+    """Select the backend ``name`` (one of ``NAMES``) inside the block, then restore the
+    selection as it was. ``compiler``: the compiled backend's ``torch.compile`` backend
+    for the block; ``fresh``: start the block with no compiled kernel run yet (its first
+    call checked again), verified or broken (the compiled functions, a cache, are kept;
+    what the block learns is dropped after it)."""
+    before = dataclasses.replace(selected)
     selected.name = setting(name)
+    if compiler is not None:
+        selected.compiler = compiler
+    if fresh:
+        selected.ready, selected.verified = set(), set()
+        selected.broken = selected.disagree = None
     try:
         yield selected
     finally:
-        selected.name = before
+        for f in dataclasses.fields(Selection):
+            setattr(selected, f.name, getattr(before, f.name))
 
 
 def triton_for(x: Tensor, invariant: bool = False) -> bool:

@@ -193,7 +193,6 @@ faster than 32 MiB ones (the chunk stays in the cache while its tiles are read),
 their ``[C, tiles, 16]`` partial sums leave 8-10 MiB of freed heap that the backward's
 peak then includes; 4 MiB chunks leave 2-3 MiB for a forward 1.06x as long, 2 MiB ones
 about 1 MiB for 1.2x."""
-_disagree: str | None = None  # why the compiled kernels are not used, once they were caught
 
 
 def compiled_ok(part: Tensor) -> bool:
@@ -202,7 +201,7 @@ def compiled_ok(part: Tensor) -> bool:
     no contraction of ``a * b + c``: its Triton kernels contract, so an accelerator runs
     the eager kernels), inductor's floating-point contraction and unsafe-math flags off,
     and no compiled result ever found to differ from the eager one."""
-    if _disagree is not None or part.device.type != "cpu" or not kernels.use_compiled(part):
+    if backend.selected.disagree is not None or part.device.type != "cpu" or not kernels.use_compiled(part):
         return False
     from torch._inductor import config  # imported by torch.compile anyway
 
@@ -227,17 +226,14 @@ def _same(got: Sequence[Tensor], want: Sequence[Tensor]) -> bool:
 def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tuple[object, ...]) -> bool:
     """A compiled kernel's first result (per ``key``) against the eager one's, bit for
     bit: a difference warns once and turns invariant mode's compiled kernels off."""
-    global _disagree
+    state = backend.selected
     if not _same(got, want):
-        _disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
-        warnings.warn(f"cpslice: invariant mode: {_disagree}; using the eager kernels from now on",
+        state.disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
+        warnings.warn(f"cpslice: invariant mode: {state.disagree}; using the eager kernels from now on",
                       RuntimeWarning, stacklevel=4)
         return False
-    _verified.add(key)
+    state.verified.add(key)
     return True
-
-
-_verified: set[tuple[object, ...]] = set()
 
 
 def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
@@ -254,7 +250,7 @@ def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
         key = ("tile_kernel", part.dtype, part.shape, part.stride())
-        if key not in _verified and not _checked(
+        if key not in backend.selected.verified and not _checked(
                 "tile_kernel", got,
                 [t.t() for t in eager_tiles(part.to(r.dtype).view(c, n, TILE), r[s : s + c], True) if t is not None],
                 key):
@@ -393,7 +389,7 @@ def _compiled_rows(x: Tensor, r: Tensor, tau: Tensor, out: RowStats) -> bool:
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
-        if key not in _verified:
+        if key not in backend.selected.verified:
             buf = torch.empty((c, tiles(width) * TILE), dtype=r.dtype, device=x.device)
             want = eager_rows(x[s:e], None, r[s:e], tau[s:e], buf, True)
             if not _checked("row_kernel", got, [t for t in want if t is not None], key):
@@ -544,7 +540,7 @@ def _compiled_grad(x: Tensor, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b:
             key = ("grad_kernel", part.dtype, out.dtype, (c, width), part.stride(), out.stride())
         if not ok:
             return False
-        if key not in _verified:
+        if key not in backend.selected.verified:
             want = torch.empty_like(out[s:e])
             grad_kernel(x[s:e], *terms, want)
             if not _checked(str(key[0]), [out[s:e]], [want], key):

@@ -6,7 +6,7 @@ writes each row's ``m``, ``S`` and ``A`` into a ``stats.RowStats`` (the driver p
 logits at the picked ids, one gather);
 ``grad`` writes each row's gradient ``p * (a log p + b)`` plus the one-hot terms of its
 picked ids (``stats.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both
-always do their job: with the compiled kernels where ``CPSLICE_COMPILE`` and the tile
+always do their job: with the compiled kernels where the backend (``CPSLICE_BACKEND``) and the tile
 allow, else with the eager loop, chunk by chunk (``Chunks``).
 
 The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
@@ -35,7 +35,6 @@ debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch cod
 
 import math
 import operator
-import os
 import types
 import warnings
 from collections.abc import Callable
@@ -49,8 +48,6 @@ from .._types import compute_dtype
 from . import backend
 from .memory import buffer as buffer  # the gradient's buffer, read here by tests/test_kernels.py
 from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
-
-MODES = ("auto", "1", "0")
 
 CHUNK_BYTES = 64 * 2**20
 CPU_CHUNK_BYTES = 8 * 2**20
@@ -71,33 +68,6 @@ AUTO_MIN_ELEMENTS = 2**22
 """In ``auto``, the compiled kernels run only for tiles of at least this many elements
 (about 16 MiB of float32 logits): below it the eager kernels cost little and a first
 compile (seconds) would not pay for itself."""
-BACKEND = "inductor"
-"""The ``torch.compile`` backend; tests of the chunk plumbing may set ``aot_eager``."""
-
-
-def compile_mode() -> str:
-    """``CPSLICE_COMPILE``: ``auto`` (unset or empty too), ``1`` or ``0``.
-
-    Raises:
-        ValueError: any other value; the message lists the valid ones.
-    """
-    value = os.environ.get("CPSLICE_COMPILE", "") or "auto"
-    if value not in MODES:
-        raise ValueError(
-            f"CPSLICE_COMPILE={value!r} is not valid; use one of: unset or '' or 'auto' "
-            "(compiled kernels when the work is large enough and the compiler works), "
-            "'1' (always compiled; an error if torch.compile fails), '0' (never)"
-        )
-    return value
-
-
-mode = compile_mode()
-"""Read once, at import. Tests may assign another of ``MODES``."""
-_broken: str | None = None  # the first compile failure in auto mode, after its warning
-_compiled: dict[tuple[object, ...], Callable[..., Any]] = {}
-_ready: set[tuple[object, ...]] = set()
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=compute_dtype(dtype)).element_size()
 
@@ -241,16 +211,18 @@ def chunk_grad_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap, out):
 
 
 def use_compiled(x: Tensor) -> bool:
-    """Whether ``stats``/``grad`` run the compiled kernels on this tile: always in mode
-    ``1``; never in ``0``; in ``auto`` when no compile has failed, the tile's rows are
-    contiguous (a padded vocabulary's valid columns are a view of them) and it holds at
-    least ``AUTO_MIN_ELEMENTS`` elements."""
+    """Whether ``stats``/``grad`` run the compiled kernels on this tile: always with the
+    ``compiled`` backend selected (``CPSLICE_BACKEND``); never with ``eager``; in ``auto``
+    (and for what ``triton`` does not take) when no compile has failed, the tile's rows
+    are contiguous (a padded vocabulary's valid columns are a view of them) and it holds
+    at least ``AUTO_MIN_ELEMENTS`` elements."""
+    mode = backend.compile_mode()
     if mode == "0" or x.shape[0] == 0 or x.shape[1] == 0:
         return False
     if mode == "1":
         return True
     return (
-        _broken is None
+        backend.selected.broken is None
         and x.stride(-1) == 1
         and x.numel() >= AUTO_MIN_ELEMENTS
         and not torch.compiler.is_compiling()
@@ -268,11 +240,12 @@ def _kernel(
     fn: Callable[..., Any], x: Tensor, per_row: bool
 ) -> tuple[tuple[object, ...], Callable[..., Any]]:
     # a per-row temperature is another variant: its own code object, never a recompile
-    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, per_row, BACKEND)
-    compiled = _compiled.get(key)
+    state = backend.selected
+    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, per_row, state.compiler)
+    compiled = state.compiled.get(key)
     if compiled is None:
-        compiled = torch.compile(_own_code(fn), backend=BACKEND, dynamic=False, fullgraph=True)
-        _compiled[key] = compiled
+        compiled = torch.compile(_own_code(fn), backend=state.compiler, dynamic=False, fullgraph=True)
+        state.compiled[key] = compiled
     return key, compiled
 
 
@@ -290,31 +263,30 @@ def _call(fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object) -> 
     """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape;
     ``(False, None)`` if its first call (the compilation) failed in ``auto``, which
     warns once and turns ``auto`` eager."""
-    global _broken
+    state = backend.selected
     key, compiled = _kernel(fn, x, inv_tau.dim() > 0)
     args = (inv_tau, *args)
-    if key in _ready:
+    if key in state.ready:
         return True, compiled(x, *args)
     try:
         result = compiled(x, *args)
     except Exception as error:
-        if mode == "1":
+        if backend.compile_mode() == "1":
             raise RuntimeError(
-                f"CPSLICE_COMPILE=1 but torch.compile of cpslice's {fn.__name__} failed for "
+                f"CPSLICE_BACKEND=compiled but torch.compile of cpslice's {fn.__name__} failed for "
                 f"{x.dtype} [{x.shape[0]}, {x.shape[1]}] logits on {x.device.type} "
-                f"({_reason(error)}); set CPSLICE_COMPILE=auto (falls back "
-                "to eager) or 0"
+                f"({_reason(error)}); set CPSLICE_BACKEND=auto (falls back to eager) or eager"
             ) from error
-        _broken = _reason(error)
+        state.broken = _reason(error)
         warnings.warn(
-            f"cpslice: torch.compile of the log-prob kernels failed ({_broken}); using the "
-            "eager kernels from now on (CPSLICE_COMPILE=0 skips compiling, =1 makes this "
-            "an error)",
+            f"cpslice: torch.compile of the log-prob kernels failed ({state.broken}); using the "
+            "eager kernels from now on (CPSLICE_BACKEND=eager skips compiling, =compiled makes "
+            "this an error)",
             RuntimeWarning,
             stacklevel=4,
         )
         return False, None
-    _ready.add(key)
+    state.ready.add(key)
     return True, result
 
 

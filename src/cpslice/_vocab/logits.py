@@ -1,7 +1,7 @@
 """The logits driver: log-probs and entropy from this rank's ``[T, V_local]`` logits.
 
 Its tiles are row chunks of the logits themselves (``kernels.stats`` forward,
-``kernels.grad`` backward, compiled where ``CPSLICE_COMPILE`` says so); only ``[T]``
+``kernels.grad`` backward, compiled or Triton where ``CPSLICE_BACKEND`` says so); only ``[T]``
 statistics cross ranks (``engine.finish``: one all-gather under TP), and the backward
 recomputes ``p`` chunk by chunk from the saved logits and the global ``M`` and ``log S``,
 writing the gradient once into one ``[T, V_local]`` buffer, with no communication.
@@ -222,7 +222,7 @@ def log_probs_and_entropy(
         tp_group: the tensor-parallel group the vocabulary is split over (None: all local).
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows`` (two
             ``[rows, V_local]`` float32 buffers within 8 MiB on the CPU, 64 MiB elsewhere;
-            the compiled kernels', ``CPSLICE_COMPILE``: 32 MiB and 1 GiB).
+            the compiled kernels', ``CPSLICE_BACKEND``: 32 MiB and 1 GiB).
         support: per-row token sets (top-p / top-k replay), the same on every rank of
             ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under the
             softmax restricted to ``S_t`` plus its target (even outside the set: finite),
@@ -307,7 +307,7 @@ def log_probs_at(
         ``[T, k]`` float32 (float64 for float64 logits), the same on every rank of
         ``tp_group``; differentiable w.r.t. ``logits`` (a repeated id's entry gathers the
         gradient of every copy). Memory: ``O(T * k)`` saved beyond the logits, no
-        ``[T, V]`` work buffer (the chunk kernels, compiled where ``CPSLICE_COMPILE``
+        ``[T, V]`` work buffer (the chunk kernels, compiled where ``CPSLICE_BACKEND``
         says so), and in backward the one ``[T, V_local]`` gradient.
 
     Collectives: with ``tp_group``, exactly one ``all_gather`` of ``[2 + k, T]`` in forward
