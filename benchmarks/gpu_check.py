@@ -1,6 +1,8 @@
 """On a CUDA machine: the single-process paths on the GPU against a float64 CPU
 reference, then extraction speed and log-prob memory measured there, ``log_probs_at`` and
-``topk_log_probs`` against float64, and the eager and compiled kernels of
+``topk_log_probs`` against float64, ``response_log_probs`` on the response rows alone
+(rows outside them never read; a quarter of each sample against all rows), and the
+eager and compiled kernels of
 ``log_probs_and_entropy``, ``log_probs_at`` and ``log_probs_and_entropy(..., softcap=30)``
 against the bandwidth floor (T = 32768, V = 151936 / tp, tp 1 and 4).
 
@@ -8,6 +10,7 @@ Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` (needs torch with CUDA
 jaxtyping; no megatron, no process groups).
 """
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -182,6 +185,68 @@ def _check_log_probs_at(device: str) -> None:
           f"{'equal' if same else 'DIFFER'}  {'pass' if ok else 'FAIL'}")
 
 
+def _response_rows(device: str) -> None:
+    """``response_log_probs`` on the GPU computes the response rows alone (the kernels take
+    them as an index): rows outside the responses hold NaN or -inf and change neither the
+    values nor the gradient, whose rows there are 0, eager and compiled, default and
+    invariant; then a quarter of each sample as the response (8, 16, 64 samples) against
+    all rows, T = 4096, V = 32768 float32, forward + backward, time and peak memory."""
+    from cpslice._vocab import backend as _backend
+
+    gen = torch.Generator().manual_seed(4)
+    layout = Layout([7, 5, 6], [3, 2, 2], padded_lengths=[9, 8, 8])
+    tokens = [torch.randint(0, 40, (t,), generator=gen).to(device) for t in (7, 5, 6)]
+    outside = [r for r in range(25) if r not in (3, 4, 5, 11, 12, 20, 21)]
+    clean = torch.randn(25, 40, generator=gen) * 3
+    bad = clean.clone()
+    bad[outside[::2]], bad[outside[1::2]] = math.nan, -math.inf
+    for mode in ("0", "1"):
+        _backend.selected.name = "compiled" if mode == "1" else "eager"
+        for invariant in (False, True):
+            got = []
+            for logits in (clean, bad):
+                x = logits.to(device).requires_grad_(True)
+                lp, ent = response_log_probs(x, tokens, layout, with_entropy=True, invariant=invariant)
+                out = torch.cat(lp + ent)
+                torch.autograd.backward(out.sum())
+                assert x.grad is not None
+                got.append((out.detach().cpu(), x.grad.cpu()))
+            ok = all(torch.equal(a, b) for a, b in zip(*got)) and bool(got[1][1][outside].eq(0).all())
+            print(f"rows outside the responses: compile={mode} invariant={invariant} {'pass' if ok else 'FAIL'}")
+    t, v = 4096, 32768
+    logits = torch.randn(t, v, device=device).requires_grad_(True)
+    for mode in ("1", "0"):
+        _backend.selected.name = "compiled" if mode == "1" else "eager"
+        base = 0.0
+        for samples, share in ((8, 1.0), (8, 0.25), (16, 0.25), (64, 0.25)):
+            length = t // samples
+            response = [length - 1 if share == 1.0 else length // 4] * samples
+            lay = Layout([length] * samples, response)
+            toks = [torch.randint(0, v, (length,), device=device) for _ in range(samples)]
+
+            def step(lay: Layout = lay, toks: list[torch.Tensor] = toks) -> None:
+                lp, ent = response_log_probs(logits, toks, lay, with_entropy=True)
+                torch.autograd.backward(sum((a.sum() + 0.01 * h.sum() for a, h in zip(lp, ent)), logits.sum() * 0))
+                logits.grad = None
+
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            ms = 1e3 * sorted(times)[2]
+            base = ms if share == 1.0 else base
+            peak = (torch.cuda.max_memory_allocated() - before) / (t * v * 4)
+            print(f"response rows compile={mode} {samples:>2} samples, {'all' if share == 1.0 else 'a quarter':<9}"
+                  f" {ms:7.2f} ms ({ms / base:.2f}x all), peak {peak:.2f} [T,V]")
+    _backend.selected.name = _backend.setting()
+
+
 def main() -> int:
     device = "cuda"
     print(torch.__version__, torch.cuda.get_device_name())
@@ -189,6 +254,7 @@ def main() -> int:
     print(bench_extract.report(bench_extract.run(False, device)))
     _logprob_memory(device)
     _check_log_probs_at(device)
+    _response_rows(device)
     _kernel_floor(device, "log_probs_and_entropy", _entropy_step)
     _kernel_floor(device, "log_probs_at (k = 64)", _at_step)
     # softcap's target, at most 1.15x the uncapped compiled time: the line above's

@@ -27,8 +27,8 @@ def test_a_compiled_step_equals_eager(first: str) -> None:
     # also exceed dynamo's recompile limit
     assert "recompile_limit" not in proc.err, proc.err[-4000:]
     # response_log_probs alone (docs/caches-and-compile.md): the one resolution of the
-    # layout, the host check of the targets' ids, the engine's runs of response rows
+    # layout, the host check of the targets' ids, the engine's index of response rows
     # (dynamo counts each once per attempt at tracing the frame around it: sites, not
     # counts)
     sites = {line.split()[1] for line in proc.out.splitlines() if line.startswith("lp-break:")}
-    assert sites == {"resolve", "in_vocabulary", "runs_of"}, sites
+    assert sites == {"resolve", "in_vocabulary", "index_of"}, sites

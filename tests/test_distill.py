@@ -355,25 +355,25 @@ def test_the_teachers_top_k_refusals() -> None:
 
 
 def test_only_the_response_rows_are_computed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dense pass reads the response rows' chunks only (no copy of the logits selects
-    them): a long prompt is never read."""
+    """The dense kernels are given the response rows alone, as an index (no copy of the
+    logits selects them): a long prompt is never read."""
     layout = cpslice.Layout([40, 6], [3, 2])
-    read: list[tuple[int, int]] = []
-    real = kernels.pieces
+    asked: list[list[int]] = []
 
-    def spy(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-        out = real(runs, chunk)
-        read.extend(out)
-        return out
+    def spy(real: Any) -> Any:
+        def call(x: Tensor, *args: Any, rows: Tensor | None = None, **kwargs: Any) -> None:
+            asked.append(list(range(x.shape[0])) if rows is None else rows.tolist())
+            real(x, *args, rows=rows, **kwargs)
+        return call
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(46, 8, generator=gen, requires_grad=True)
     lp, ids = topk_log_probs(torch.randn(5, 8, generator=gen), 2)
-    monkeypatch.setattr(kernels, "pieces", spy)
+    monkeypatch.setattr(kernels, "stats", spy(kernels.stats))
+    monkeypatch.setattr(kernels, "grad", spy(kernels.grad))
     div = response_distillation(logits, [lp[:3], lp[3:]], [ids[:3], ids[3:]], layout, chunk_size=2)
     torch.autograd.backward(sum((d.sum() for d in div), 0 * logits.sum()))
-    rows = {r for lo, hi in read for r in range(lo, hi)}
-    assert rows and rows <= set(range(36, 46)), sorted(rows)  # rows 36-38 and 43-44 and chunk merges
+    assert asked == [[36, 37, 38, 43, 44]] * 2, asked  # forward and backward: the response rows
     assert logits.grad is not None and float(logits.grad[:36].abs().sum()) == 0.0
 
 

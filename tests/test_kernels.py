@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from cpslice import log_probs_and_entropy
 from cpslice._vocab import backend as _backend
+from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
-from cpslice._vocab.stats import FLOOR, Softmax, placeholders
+from cpslice._vocab.stats import FLOOR, RowGrad, Softmax, placeholders
 
 from .compare import check_linear, check_logits
 from .compiled import ran
@@ -226,6 +227,70 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
     with pytest.raises(RuntimeError,
                        match="CPSLICE_BACKEND=compiled but torch.compile of cpslice's chunk_stats failed"):
         log_probs_and_entropy(logits, targets, chunk_size=3)
+
+
+@pytest.mark.parametrize("mode", ["1", "0"], ids=["compiled", "eager"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def test_the_rows_of_an_index_are_computed_in_full_chunks(
+    mode: str, invariant: bool, use: Use, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rows`` an index of every third row (runs of one row): the compiled kernels take
+    them in full chunks of selected rows (two of 8 for 13 rows, where a chunk per run
+    would take 13 of one: read in place by the default kernels, gathered by invariant
+    mode's), the eager loop in pieces of its chunk; each row's statistics and gradient
+    are those of the selected rows as a tile of their own (to the default compiled
+    kernels' rounding: another compiled loop), and no other row is read (NaN there) or
+    written (its placeholders, its gradient's 7s)."""
+    use(mode)
+    # only this test's kernels count, each compiled shape checked again
+    _backend.selected.ready, _backend.selected.verified, _backend.selected.disagree = set(), set(), None
+    shapes: list[int] = []
+    real = _kernels._call
+
+    def spy(fn: Callable[..., Any], x: torch.Tensor, first: torch.Tensor, *args: object,
+            at: torch.Tensor | None = None) -> tuple[bool, object]:
+        shapes.append(x.shape[0] if at is None else at.numel())  # a chunk's rows, gathered or read in place
+        return real(fn, x, first, *args, at=at)
+
+    monkeypatch.setattr(_kernels, "_call", spy)
+    gen = torch.Generator().manual_seed(9)
+    t, v = 40, 24
+    rows = torch.arange(1, t, 3)  # 13 rows
+    x = torch.full((t, v), math.nan)
+    x[rows] = torch.randn(rows.numel(), v, generator=gen) * 3
+    tau = torch.rand(t, generator=gen) + 0.5
+    a, b = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
+    column = torch.randint(0, v, (t, 2), generator=gen)
+    grad_terms = RowGrad(a, b, torch.randn(t, 2, generator=gen), column)
+    chunks = _kernels.Chunks(4, 8)
+    stats_fn: Any = _invariant.stats if invariant else _kernels.stats
+    grad_fn: Any = _invariant.grad if invariant else _kernels.grad
+
+    def both(x: torch.Tensor, tau: torch.Tensor, terms: RowGrad, index: torch.Tensor | None) -> tuple[Any, Any]:
+        n = x.shape[0]
+        out = placeholders(n, 0, torch.float32, x.device, True)
+        if invariant:
+            stats_fn(x, Softmax(tau), v, out, index, chunks.eager)
+        else:
+            stats_fn(x, Softmax(tau), out, chunks=chunks, rows=index)
+        grad = torch.full((n, v), 7.0)
+        grad_fn(x, out.max, torch.log(out.sum), Softmax(tau), terms, grad, chunks=chunks, rows=index)
+        return out, grad
+
+    out, grad = both(x, tau, grad_terms, rows)
+    asked = shapes.copy()
+    want, want_grad = both(x[rows], tau[rows], grad_terms.rows(rows), None)
+    for got, expected in zip(out, want):
+        if got is not None and expected is not None and got.dim() == 1:
+            assert torch.equal(got[rows], expected)
+    assert torch.equal(grad[rows], want_grad)
+    others = torch.ones(t, dtype=torch.bool).index_fill_(0, rows, False)
+    assert bool((out.max[others] == 0).all() and (out.sum[others] == 1).all()), "a row outside was written"
+    assert bool((grad[others] == 7.0).all()), "a gradient row outside was written"
+    if mode == "1":
+        assert asked == [8, 8, 8, 8], asked  # forward and backward: two full chunks each
+    else:
+        assert asked == []
 
 
 @pytest.mark.parametrize(("dtype", "grad_rtol"), DTYPES[:2])

@@ -148,8 +148,8 @@ def test_matches_the_masked_reference(
 
 
 def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every row has a set: without entropy no chunk of the full vocabulary is read. The
-    logits path's pieces; the hidden path's matmuls: test_rows_with_a_set_compute_no_logits_row..."""
+    """Every row has a set: without entropy no row of the full vocabulary is read. The
+    logits path's kernels; the hidden path's matmuls: test_rows_with_a_set_compute_no_logits_row..."""
     from cpslice._vocab import kernels
 
     gen = torch.Generator().manual_seed(3)
@@ -157,29 +157,30 @@ def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch:
     logits = torch.randn(t, v, generator=gen) * 2
     targets = torch.randint(0, v, (t,), generator=gen)
     sets = [torch.randperm(v, generator=gen)[: 1 + r % 5].tolist() for r in range(t)]
-    pieces: list[list[tuple[int, int]]] = []
-    real = kernels.pieces
+    asked: list[list[int]] = []  # the rows each dense kernel call was given
 
-    def spy(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-        out = real(runs, chunk)
-        pieces.append(out)
-        return out
+    def spy(real: Any) -> Any:
+        def call(x: Tensor, *args: Any, rows: Tensor | None = None, **kwargs: Any) -> None:
+            asked.append(list(range(x.shape[0])) if rows is None else rows.tolist())
+            real(x, *args, rows=rows, **kwargs)
+        return call
 
-    monkeypatch.setattr(kernels, "pieces", spy)
+    monkeypatch.setattr(kernels, "stats", spy(kernels.stats))
+    monkeypatch.setattr(kernels, "grad", spy(kernels.grad))
     for chunk in (1, 2, 4):
-        pieces.clear()
+        asked.clear()
         check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
                "chunk": chunk, "with_entropy": False, "entropy_grad": True, "over": "full"})
-        assert pieces == [[], []], "forward and backward make no dense pass"
-        pieces.clear()
+        assert asked == [[], []], "forward and backward make no dense pass"
+        asked.clear()
         check(LOGITS, {"logits": logits, "targets": targets, "sets": sets[:4] + [[]] + sets[5:],
                "temperature": 0.8, "chunk": chunk, "with_entropy": True, "entropy_grad": True,
                "over": "support"})
-        assert all(sum(e - s for s, e in p) <= chunk for p in pieces), "only the empty row, chunk-sized"
-        pieces.clear()
+        assert asked == [[4], [4]], "only the empty row"
+        asked.clear()
         check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
                "chunk": chunk, "with_entropy": True, "entropy_grad": True, "over": "full"})
-        assert all(sum(e - s for s, e in p) == t for p in pieces), "full entropy: every row"
+        assert asked == [list(range(t))] * 2, "full entropy: every row"
 
 
 def test_masked_logits_in_a_set() -> None:

@@ -124,7 +124,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     torch.autograd.backward((want_lp * g_lp).sum() + (want_h * g_h).sum())
     assert leaf.grad is not None
     eager = _stats.placeholders(T, 0, torch.float32, x.device, True)
-    _invariant.merged_stats(x[:, :valid], Softmax(tau, cap, True), eager, [(0, T)], 2)
+    _invariant.merged_stats(x[:, :valid], Softmax(tau, cap, True), eager, None, 2)
 
     r = _invariant.reciprocal(tau, T, torch.float32, x.device)
     big, total, ent = _tri.merged_stats(x, ROWS, r, tau, cap, valid)
@@ -145,7 +145,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     hot = row._replace(a=terms[2], b=terms[3], hot=torch.zeros(T, 1).index_put_((ROWS,), row.hot),
                        column=targets[:, None])
     _invariant.picks(x[:, :valid], r, terms[0], terms[1], cap, hot, out[:, :valid],
-                     [(t, t + 1) for t in ROWS.tolist()], T)
+                     ROWS.sort().values, T)
     assert _same(out[ROWS], leaf.grad[ROWS])
     others = torch.ones(T, dtype=torch.bool).index_fill_(0, ROWS, False)
     assert not out[others].any()  # the rows not asked are left as they were
@@ -265,7 +265,7 @@ def test_a_planted_kernel_bug_is_caught(monkeypatch: pytest.MonkeyPatch, helper:
     tau = torch.rand(T, generator=gen) + 0.5
     r = 1.0 / tau
     want = _stats.placeholders(T, 0, torch.float32, x.device, True)
-    _invariant.merged_stats(x[:, :650], Softmax(tau), want, [(0, T)], T)
+    _invariant.merged_stats(x[:, :650], Softmax(tau), want, None, T)
     got = _tri.merged_stats(x, ROWS, r, tau, None, 650)
     assert all(g is not None and _same(g, w[ROWS]) for g, w in zip(got, _fields(want)))
     monkeypatch.setattr(_tri, helper, plant)

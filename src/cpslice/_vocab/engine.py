@@ -38,8 +38,9 @@ class Options(NamedTuple):
     support: Support | None
     over_support: bool
     rows: Tensor | None = None
-    """CPU bool ``[T]``: the rows to compute (None: all). The others get no dense pass,
-    results that are not to be read, and no gradient."""
+    """CPU bool ``[T]``: the rows to compute (None: all). The others are never read (no
+    dense pass, no set element), get results that are not to be read, and a gradient
+    row of zeros, whatever their logits."""
     cap: float | None = None
     vocab_size: int | None = None
     invariant: bool = False
@@ -71,15 +72,15 @@ class Saved:
     """What a forward leaves for its backward besides the tensors it saves with
     ``save_for_backward`` (its inputs and, when its gradient is wanted, the entropy): this
     shard, each row's global ``max`` and ``log_sum`` (``M``, ``log S``), the sets'
-    ``Restricted`` record, the call's options, and ``dense_rows``, the rows its dense pass
-    read (None: all)."""
+    ``Restricted`` record, the call's options, and ``dense_rows``, CPU bool ``[T]``: the
+    rows its dense pass read (None: all)."""
 
     shard: Shard
     max: Tensor
     log_sum: Tensor
     restricted: Restricted | None
     options: Options
-    dense_rows: list[tuple[int, int]] | None
+    dense_rows: Tensor | None
 
 
 def tile_count(shard: Shard, options: Options) -> int | None:
@@ -93,7 +94,7 @@ def finish(
     ids: Tensor,
     shard: Shard,
     options: Options,
-    dense_rows: list[tuple[int, int]] | None,
+    dense_rows: Tensor | None,
 ) -> tuple[Tensor, Tensor | None, Saved]:
     """From this shard's statistics: the one all-gather (``stats.combine``), then the
     log-probs of ``ids`` (``[T, k]``, or ``[T]`` for ``[T]`` targets) and the entropy (None
@@ -126,13 +127,11 @@ def row_terms(
     entropy: Tensor | None,
     g_lp: Tensor | None,
     g_entropy: Tensor | None,
-    gap: int,
 ) -> tuple[RowGrad, Split]:
     """The dense pass's ``RowGrad`` on this shard and the sets' ``Split`` of the upstream
     gradients (``g_lp`` shaped as ``ids``, ``[T, k]`` or ``[T]``, or None; ``g_entropy``
     ``[T]`` or None); ``entropy`` is
-    the saved one (None when its gradient was not wanted); ``gap`` merges the dense runs
-    closer than it (``kernels.runs_of``)."""
+    the saved one (None when its gradient was not wanted)."""
     opts = saved.options
     if ids.dim() == 1:
         ids = ids[:, None]
@@ -143,7 +142,7 @@ def row_terms(
     g = torch.zeros(ids.shape, dtype=saved.max.dtype, device=ids.device) if g_lp is None else (
         g_lp.to(saved.max.dtype)
     )
-    parts = split(saved.restricted, g, g_entropy, opts.over_support, gap, opts.rows)
+    parts = split(saved.restricted, g, g_entropy, opts.over_support, opts.rows)
     # H may be a placeholder where a row's set took its entropy gradient
     h = None if parts.g_entropy is None else entropy
     row = row_grad(

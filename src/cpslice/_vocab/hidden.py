@@ -47,10 +47,11 @@ from .._types import (
 )
 from . import args, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
+from .rows import At, count, gather, holding, index_of, places, size
 from .sparse import Elements, element_grad, elements, set_stats
 from .stats import RowStats, Shard, placeholders, shard_of
 from .support import SupportArg
-from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, row_slice, spans
+from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, spans
 
 # Module-level, so that a test can count the collectives.
 _all_reduce: Callable[..., object] = dist.all_reduce
@@ -79,21 +80,21 @@ def forward(
     column, held = shard.columns(ids[:, None] if ids.dim() == 1 else ids)
     dense = _placeholders(rows, column.shape[1], cdt, hidden.device, shard, options)
     sets = None
-    runs = [(0, rows)] if options.rows is None else kernels.runs_of(options.rows, options.chunk_size)
+    need = options.rows
     if options.support is not None:
-        el = elements(options.support, ids, shard)
+        el = elements(options.support, ids, shard, options.rows)
         x_el = options.softmax.logits(element_logits(hidden, weight, el, cdt))
         if not options.dense_entropy:
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
-            need = ~el.host_has_set
-            runs = kernels.runs_of(need if options.rows is None else need & options.rows, options.chunk_size)
+            need = ~el.host_has_set if need is None else ~el.host_has_set & need
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         tiles = invariant.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
-    dense_pass(hidden, weight, column, held, dense, runs, shard, options)
-    return finish(dense, sets, ids, shard, options, runs)
+    dense_pass(hidden, weight, column, held, dense, None if need is None else index_of(need, hidden.device),
+               shard, options)
+    return finish(dense, sets, ids, shard, options, need)
 
 
 def topk_forward(
@@ -107,11 +108,10 @@ def topk_forward(
     none = torch.zeros((rows, 0), dtype=torch.int64, device=hidden.device)
     options = options._replace(with_entropy=False)
     dense = _placeholders(rows, 0, cdt, hidden.device, shard, options)
-    everything = [(0, rows)]
-    found = dense_pass(hidden, weight, none, none.bool(), dense, everything, shard, options, best=k)
+    found = dense_pass(hidden, weight, none, none.bool(), dense, None, shard, options, best=k)
     assert found is not None
     log_p, ids, totals = topk.choose(dense, found, k, shard, options.softmax, tile_count(shard, options))
-    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, everything)
+    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, None)
 
 
 def _placeholders(
@@ -133,12 +133,14 @@ class _Sum:
         self.out = out
         self.acc = out.zero_() if out.dtype == cdt else torch.zeros(out.shape, dtype=cdt, device=out.device)
 
-    def add_mm(self, s: int, e: int, a: Tensor, b: Tensor) -> None:
-        """Rows ``[s, e)`` of the sum ``+= a @ b``."""
-        if self.acc.dtype == a.dtype:
-            self.acc[s:e].addmm_(a, b)
+    def add_mm(self, at: At, a: Tensor, b: Tensor) -> None:
+        """Rows ``at`` of the sum ``+= a @ b``."""
+        if not isinstance(at, slice):
+            self.acc.index_add_(0, at, torch.mm(a, b).to(self.acc.dtype))
+        elif self.acc.dtype == a.dtype:
+            self.acc[at].addmm_(a, b)
         else:
-            self.acc[s:e].add_(torch.mm(a, b))
+            self.acc[at].add_(torch.mm(a, b))
 
     def index_add(self, index: Tensor, values: Tensor) -> None:
         self.acc.index_add_(0, index, values)
@@ -178,6 +180,19 @@ class _ByBlock(NamedTuple):
             acc.index_add(self.col[lo + s : lo + e] - v0, part)
 
 
+def _pieces(
+    forward: Tensor | None, need: Tensor | None, total: int, tile_rows: int, device: torch.device
+) -> list[At]:
+    """The forward's tiles of rows (``forward``, CPU bool ``[T]``, None: all, in pieces of
+    ``tile_rows``: the same matmuls, so the same logits bit for bit) that hold a row the
+    backward needs (``need``, CPU bool ``[T]``; None: every row the forward read)."""
+    index = None if forward is None else index_of(forward, device)
+    if need is not None:
+        return places(index, holding(forward, need, total, tile_rows))
+    n = count(index, total)
+    return places(index, [(s, min(s + tile_rows, n)) for s in range(0, n, tile_rows)])
+
+
 def backward(
     hidden: Hidden, weight: HeadWeight, ids: Tensor, entropy: Tensor | None, saved: Saved,
     g_lp: Tensor | None, g_entropy: Tensor | None, want_hidden: bool, want_weight: bool,
@@ -188,16 +203,11 @@ def backward(
     assert opts.chunk_size is not None
     rows, vocab = hidden.shape[0], weight.shape[0]
     dtype, cdt = hidden.dtype, compute_dtype(hidden.dtype)
-    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, opts.chunk_size)
+    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
     held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
     valid = saved.shard.valid
     tiles = Tiles.of(rows, vocab, opts.chunk_size, opts.invariant)
-    # forward's tiles that hold a row needing the dense pass
-    need = [(0, rows)] if parts.runs is None else parts.runs
-    pieces = [
-        (s, e) for s, e in kernels.pieces(saved.dense_rows or [(0, rows)], tiles.rows)
-        if any(lo < e and s < hi for lo, hi in need)
-    ]
+    pieces = _pieces(saved.dense_rows, parts.dense, rows, tiles.rows, hidden.device)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
     if grad_w is not None:
@@ -218,20 +228,26 @@ def backward(
         w_b = weight[v0:v1]
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
         row_b = in_block(row, held, v0, v1)
-        for s, e in pieces:
-            x = tiles.logits(hidden[s:e], w_b, opts.invariant)
+        for at in pieces:
+            h = gather(hidden, at, None)
+            x = tiles.logits(h, w_b, opts.invariant)
             g = g_buf[: x.numel()].view(x.shape)
             (invariant.grad if opts.invariant else kernels.grad)(
-                x, saved.max[s:e], saved.log_sum[s:e], opts.softmax.rows(slice(s, e)), row_slice(row_b, s, e), g,
-                chunks=tiles.chunks(e - s, dtype, hidden.device), work=work,
+                x, saved.max[at], saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
+                chunks=tiles.chunks(size(at), dtype, hidden.device), work=work,
             )
             del x
             if acc_h is not None and opts.invariant:
-                acc_h.acc[s:e].add_(tiles.product(g, w_b, fixed=True))  # a row's sum whatever the others
+                # a row's sum whatever the others (an index's rows: one add each, as add_)
+                product = tiles.product(g, w_b, fixed=True)
+                if isinstance(at, slice):
+                    acc_h.acc[at].add_(product)
+                else:
+                    acc_h.acc.index_add_(0, at, product)
             elif acc_h is not None:
-                acc_h.add_mm(s, e, g, w_b)
+                acc_h.add_mm(at, g, w_b)
             if acc_w is not None:
-                acc_w.add_mm(0, v1 - v0, g.t(), hidden[s:e])
+                acc_w.add_mm(slice(0, v1 - v0), g.t(), h)
         if acc_w is not None:
             if by_block is not None:
                 by_block.add(acc_w, i, v0, hidden)

@@ -37,7 +37,6 @@ for bit against the eager kernel's (a difference warns and turns them off).
 """
 
 import math
-import operator
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -49,6 +48,8 @@ from torch import Tensor
 from .._errors import LayoutError
 from . import backend, kernels
 from . import stats as _stats  # merge_tiles read at each call: tests plant another order
+from .memory import buffer
+from .rows import At, chunked, gather, numbers, pieces, size
 from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
 
 BLOCK_ROWS = 64
@@ -117,7 +118,7 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
     return _stats.merge_tiles(m, s, a, tau)
 
 
-def merge_into(out: RowStats, at: slice, parts: RowStats, tau: Tau) -> None:
+def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``stats.merge_tiles``); their picked logits added."""
@@ -195,13 +196,13 @@ peak then includes; 4 MiB chunks leave 2-3 MiB for a forward 1.06x as long, 2 Mi
 about 1 MiB for 1.2x."""
 
 
-def compiled_ok(part: Tensor) -> bool:
-    """Whether invariant mode may run its compiled kernels on ``part``: the default
-    kernels' conditions (``kernels.use_compiled``), on the CPU only (inductor's C++ with
+def compiled_ok(part: Tensor, rows: Tensor | None = None) -> bool:
+    """Whether invariant mode may run its compiled kernels on the ``rows`` of ``part``
+    (None: all): the default kernels' conditions (``kernels.use_compiled``), on the CPU only (inductor's C++ with
     no contraction of ``a * b + c``: its Triton kernels contract, so an accelerator runs
     the eager kernels), inductor's floating-point contraction and unsafe-math flags off,
     and no compiled result ever found to differ from the eager one."""
-    if backend.selected.disagree is not None or part.device.type != "cpu" or not kernels.use_compiled(part):
+    if backend.selected.disagree is not None or part.device.type != "cpu" or not kernels.use_compiled(part, rows):
         return False
     from torch._inductor import config  # imported by torch.compile anyway
 
@@ -236,72 +237,65 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     return True
 
 
-def _compiled_stats(x: Tensor, r: Tensor, out: RowStats, first: int) -> bool:
-    """``tile_kernel`` over every row of ``x`` (whole tiles) into tiles ``first`` on of
+def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, first: int) -> bool:
+    """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
     ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
-    rows, width = x.shape
-    n = width // TILE
-    c, starts = kernels.chunk_starts(rows, stats_chunk_rows(width))
-    for s in starts:
-        part = x[s : s + c]
-        ok, result = kernels._call(tile_kernel, part, r[s : s + c])
+    n = x.shape[1] // TILE
+    chunks, buf = chunked(x, rows, stats_chunk_rows(x.shape[1]))
+    for at in chunks:
+        part = gather(x, at, buf)
+        ok, result = kernels._call(tile_kernel, part, r[at])
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
         key = ("tile_kernel", part.dtype, part.shape, part.stride())
         if key not in backend.selected.verified and not _checked(
                 "tile_kernel", got,
-                [t.t() for t in eager_tiles(part.to(r.dtype).view(c, n, TILE), r[s : s + c], True) if t is not None],
-                key):
+                [t.t() for t in eager_tiles(part.to(r.dtype).view(-1, n, TILE), r[at], True) if t is not None], key):
             return False
-        out.max[s : s + c, first : first + n], out.sum[s : s + c, first : first + n] = got[0].t(), got[1].t()
-        if out.ent is not None:
-            out.ent[s : s + c, first : first + n] = got[2].t()
+        write(out, (at, slice(first, first + n)), got[0].t(), got[1].t(), got[2].t())
     return True
 
 
 def stats(
-    x: Tensor, softmax: Softmax, valid: int, out: RowStats, runs: list[tuple[int, int]], chunk: int, first: int = 0
+    x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | Sequence[tuple[int, int]] | None,
+    chunk: int, first: int = 0,
 ) -> None:
-    """Write the statistics of the rows of ``runs`` of ``x`` (``[n, w]`` logits whose
-    columns start local tile ``first``; the first ``valid`` are the distribution's)
-    into ``out``: per tile (fields ``[n, n_local]``: tiles ``first`` to ``first +
-    tiles(w)``), or with ``[T]`` fields (``placeholders`` without TP) each row's tiles
-    merged (``merged_stats``). Per tile: the whole tiles of a run of uncapped logits by
-    the compiled ``tile_kernel`` where ``compiled_ok``; the rest (a partial last tile,
-    capped logits) chunk by chunk of rows, capped and -inf padded into a buffer, by
-    ``eager_tiles``. The other rows are left as they are."""
+    """Write the statistics of the ``rows`` of ``x`` (``[n, w]`` logits whose columns start
+    local tile ``first``; the first ``valid`` are the distribution's) into ``out``: per
+    tile (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``), or with
+    ``[T]`` fields (``placeholders`` without TP) each row's tiles merged
+    (``merged_stats``). ``rows`` as ``kernels.stats`` takes them (an ascending index,
+    None: every row; runs ``[lo, hi)`` are read as the index of their rows). Per tile:
+    the whole tiles of uncapped logits by the compiled ``tile_kernel`` where
+    ``compiled_ok``; the rest (a partial last tile, capped logits) chunk by chunk of
+    rows, capped and -inf padded into a buffer, by ``eager_tiles``. The other rows are
+    neither read nor written."""
+    if rows is not None and not isinstance(rows, Tensor):
+        rows = torch.cat([torch.arange(lo, hi) for lo, hi in rows] or [torch.zeros(0, dtype=torch.int64)])
+        rows = rows.to(x.device)
     if backend.triton_for(x, invariant=True):
-        _triton_stats(x, softmax, valid, out, runs, first)
+        _triton_stats(x, softmax, valid, out, rows, first)
         return
     if out.max.dim() == 1:
         assert first == 0, "merged statistics of a block of columns"
-        merged_stats(x[:, :valid], softmax, out, runs, chunk)
+        merged_stats(x[:, :valid], softmax, out, rows, chunk)
         return
-    n_tiles = tiles(x.shape[1])
-    cdt = out.sum.dtype
-    r = reciprocal(softmax.tau, x.shape[0], cdt, x.device)
+    r = reciprocal(softmax.tau, x.shape[0], out.sum.dtype, x.device)
     whole = valid // TILE * TILE if softmax.cap is None else 0
-    done: list[int] = []
-    for lo, hi in runs:
-        part = x[lo:hi, :whole]
-        sub = out.map(operator.itemgetter(slice(lo, hi)))
-        done.append(whole if whole and compiled_ok(part) and _compiled_stats(part, r[lo:hi], sub, first) else 0)
-    for start in sorted(set(done)):
-        rest = [run for run, d in zip(runs, done) if d == start]
-        _eager_stats(x, softmax.cap, r, valid, out, rest, chunk, first, start, n_tiles)
+    part = x[:, :whole]
+    start = whole if whole and compiled_ok(part, rows) and _compiled_stats(part, rows, r, out, first) else 0
+    _eager_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
 
 
-def _triton_stats(
-    x: Tensor, softmax: Softmax, valid: int, out: RowStats, runs: list[tuple[int, int]], first: int
-) -> None:
+def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | None, first: int) -> None:
     """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
     ``out``'s ``[T, n_local]`` fields, or each row's tiles merged into its ``[T]`` ones."""
     from .triton import invariant as tri
 
     cdt = out.sum.dtype
-    index = kernels.row_index(None if runs == [(0, x.shape[0])] else runs, x.device)
+    index = rows
     if out.max.dim() == 2:
         tri.tile_stats(x, index, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
                        out.max, out.sum, out.ent, first)
@@ -313,31 +307,28 @@ def _triton_stats(
     write(out, at, big, total, ent)
 
 
-def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, runs: list[tuple[int, int]], chunk: int) -> None:
+def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunk: int) -> None:
     """Each row's ``(M, S, A)`` over all of ``x``'s columns (``[n, V]``, the distribution's),
-    for the rows of ``runs``, into ``out``'s ``[T]`` fields: a chunk's tiles (the last one
-    -inf padded) are merged as soon as they are computed (``stats.merge_tiles``), so the
-    work is a chunk's, never ``[T, tiles]``. Uncapped runs by the compiled ``row_kernel``
-    where ``compiled_ok``, the rest eagerly (``eager_rows``) ``chunk`` rows at a time."""
+    for the ``rows`` of ``x`` (None: all), into ``out``'s ``[T]`` fields: a chunk's tiles
+    (the last one -inf padded) are merged as soon as they are computed
+    (``stats.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
+    logits by the compiled ``row_kernel`` where ``compiled_ok``, else eagerly
+    (``eager_rows``) ``chunk`` rows at a time."""
     cdt = out.sum.dtype
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
     r = 1.0 / tau
-    rest = [(lo, hi) for lo, hi in runs if not (
-        softmax.cap is None and compiled_ok(x[lo:hi])
-        and _compiled_rows(x[lo:hi], r[lo:hi], tau[lo:hi], out.map(operator.itemgetter(slice(lo, hi))))
-    )]
-    for lo, hi, buf in _buffers(kernels.pieces(rest, chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
-        write(out, slice(lo, hi), *eager_rows(x[lo:hi], softmax.cap, r[lo:hi], tau[lo:hi], buf, out.ent is not None))
+    if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
+        return
+    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
+        write(out, at, *eager_rows(gather(x, at, None), softmax.cap, r[at], tau[at], buf, out.ent is not None))
 
 
-def _buffers(
-    pieces: list[tuple[int, int]], width: int, dtype: torch.dtype, device: torch.device
-) -> Iterator[tuple[int, int, Tensor]]:
-    """Each piece ``[lo, hi)`` with a ``[hi - lo, width]`` work buffer, all of them views
-    of one buffer for the call."""
-    work = torch.empty(max((hi - lo for lo, hi in pieces), default=0) * width, dtype=dtype, device=device)
-    for lo, hi in pieces:
-        yield lo, hi, work[: (hi - lo) * width].view(hi - lo, width)
+def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[At, Tensor]]:
+    """Each piece of rows with a ``[rows, width]`` work buffer, all of them views of one
+    buffer for the call."""
+    work = torch.empty(max((size(at) for at in pieces), default=0) * width, dtype=dtype, device=device)
+    for at in pieces:
+        yield at, work[: size(at) * width].view(size(at), width)
 
 
 def padded_tiles(
@@ -375,26 +366,26 @@ def row_kernel(x, r, tau):
     return _stats.merge_tiles(m, s, a, tau)
 
 
-def _compiled_rows(x: Tensor, r: Tensor, tau: Tensor, out: RowStats) -> bool:
-    """``row_kernel`` over every row of ``x`` into ``out`` (``[rows]`` fields), in chunks
-    of a fixed number of rows (``kernels.chunk_starts``), each compiled shape's first
+def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
+    """``row_kernel`` over the ``rows`` of ``x`` into ``out`` (``[T]`` fields), in chunks of
+    a fixed number of rows (``kernels.chunk_starts``), each compiled shape's first
     result checked against ``eager_rows``; False if it failed to compile (auto) or
     disagreed."""
-    rows, width = x.shape
-    c, starts = kernels.chunk_starts(rows, stats_chunk_rows(width))
-    key = ("row_kernel", x.dtype, (c, width), x.stride())
-    for s in starts:
-        e = s + c
-        ok, result = kernels._call(row_kernel, x[s:e], r[s:e], tau[s:e])
+    width = x.shape[1]
+    chunks, buf = chunked(x, rows, stats_chunk_rows(width))
+    for at in chunks:
+        part = gather(x, at, buf)
+        ok, result = kernels._call(row_kernel, part, r[at], tau[at])
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
+        key = ("row_kernel", x.dtype, tuple(part.shape), part.stride())
         if key not in backend.selected.verified:
-            buf = torch.empty((c, tiles(width) * TILE), dtype=r.dtype, device=x.device)
-            want = eager_rows(x[s:e], None, r[s:e], tau[s:e], buf, True)
+            work = torch.empty((part.shape[0], tiles(width) * TILE), dtype=r.dtype, device=x.device)
+            want = eager_rows(part, None, r[at], tau[at], work, True)
             if not _checked("row_kernel", got, [t for t in want if t is not None], key):
                 return False
-        write(out, slice(s, e), *got)
+        write(out, at, *got)
     return True
 
 
@@ -405,16 +396,17 @@ def stats_chunk_rows(width: int) -> int:
 
 
 def _eager_stats(
-    x: Tensor, cap: float | None, r: Tensor, valid: int, out: RowStats, runs: list[tuple[int, int]],
+    x: Tensor, cap: float | None, r: Tensor, valid: int, out: RowStats, rows: Tensor | None,
     chunk: int, first: int, start: int, n_tiles: int,
 ) -> None:
-    """``eager_tiles`` of columns ``start`` (a tile edge) on of the rows of ``runs``."""
+    """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
     n = n_tiles - start // TILE
     if n == 0:
         return
     cols = slice(first + start // TILE, first + n_tiles)
-    for lo, hi, buf in _buffers(kernels.pieces(runs, chunk), n * TILE, out.sum.dtype, x.device):
-        write(out, (slice(lo, hi), cols), *padded_tiles(x[lo:hi, start:valid], cap, r[lo:hi], buf, out.ent is not None))
+    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), n * TILE, out.sum.dtype, x.device):
+        part = gather(x[:, start:valid], at, None)
+        write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
 
 
 def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_local: int,
@@ -467,84 +459,98 @@ def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
 
 def grad(
     x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor,
-    *, chunks: kernels.Chunks, runs: kernels.Runs = None, work: kernels.Workspace | None = None,
+    *, chunks: kernels.Chunks, rows: Tensor | None = None, work: kernels.Workspace | None = None,
 ) -> None:
-    """``kernels.grad`` in invariant mode: the gradient w.r.t. the raw logits of the rows
-    of ``runs`` of ``x`` into ``out``: ``grad_kernel`` over every column (uncapped: compiled
-    where ``compiled_ok``; else eager, chunk by chunk), then the picked ids' entries
-    (``picks``); any other entry is the kernel's, whichever shard holds the ids. ``work``
-    is ``kernels.grad``'s: invariant mode's kernels take no workspace."""
+    """``kernels.grad`` in invariant mode: the gradient w.r.t. the raw logits of the ``rows``
+    of ``x`` (as ``kernels.grad`` takes them) into ``out``: ``grad_kernel`` over every
+    column (uncapped: compiled where ``compiled_ok``; else eager, chunk by chunk), then the
+    picked ids' entries (``picks``); any other entry is the kernel's, whichever shard
+    holds the ids. ``work`` is ``kernels.grad``'s: invariant mode's kernels take no
+    workspace."""
     r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
-    every = [(0, x.shape[0])] if runs is None else runs
+    chunk = max(chunks.eager, chunks.compiled)
     if backend.triton_for(x, invariant=True):
         from .triton import invariant as tri
 
-        tri.grad(x, kernels.row_index(runs, x.device), r, big_m, log_s, row.a, row.b, softmax.cap, out)
-        picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, every, max(chunks.eager, chunks.compiled))
+        tri.grad(x, rows, r, big_m, log_s, row.a, row.b, softmax.cap, out)
+        picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
         return
-    eager = [(s, e) for s, e in every if not (softmax.cap is None and compiled_ok(x[s:e]) and _compiled_grad(
-        x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e]))]
-    for s, e in kernels.pieces(eager, chunks.eager):
-        grad_kernel(x[s:e], r[s:e], big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], out[s:e], softmax.cap)
-    picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, every, max(chunks.eager, chunks.compiled))
+    if not (softmax.cap is None and compiled_ok(x, rows) and _compiled_grad(x, rows, r, big_m, log_s, a, row.b, out)):
+        for at in pieces(rows, x.shape[0], chunks.eager):
+            dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
+            grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], row.b[at], dst, softmax.cap)
+            if not isinstance(at, slice):
+                out.index_copy_(0, at, dst)
+    picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
 
 
 def picks(x: Tensor, r: Tensor, big_m: Tensor, log_s: Tensor, cap: float | None, row: RowGrad, out: Tensor,
-          runs: list[tuple[int, int]], chunk: int) -> None:
-    """Overwrite each picked id's entry of ``out`` with a one-hot term (``hot != 0``), rows
-    of ``runs``, ``chunk`` rows at a time (``[rows, k]`` temporaries): ``_values`` at that
-    column with the one-hot terms of every copy of the id added (before the cap's
-    derivative), rounded once. ``row.a`` must be a tensor (zeros without entropy)."""
+          rows: Tensor | None, chunk: int) -> None:
+    """Overwrite each picked id's entry of ``out`` with a one-hot term (``hot != 0``), of
+    the ``rows`` (None: all), ``chunk`` rows at a time (``[rows, k]`` temporaries):
+    ``_values`` at that column with the one-hot terms of every copy of the id added
+    (before the cap's derivative), rounded once. ``row.a`` must be a tensor (zeros
+    without entropy)."""
     if row.hot is None:
         return
     assert row.a is not None
-    for s, e in kernels.pieces(runs, chunk):
-        column, hot = row.column[s:e], row.hot[s:e]
+    for at in pieces(rows, x.shape[0], chunk):
+        column, hot = row.column[at], row.hot[at]
         if column.shape[1] > 1:  # every copy of a repeated id carries all copies' terms
-            key = torch.arange(e - s, device=x.device)[:, None] * x.shape[1] + column
+            key = torch.arange(size(at), device=x.device)[:, None] * x.shape[1] + column
             _, copy = torch.unique(key, return_inverse=True)
             hot = hot.new_zeros(hot.numel()).index_add_(0, copy.view(-1), hot.reshape(-1))[copy]
-        value = _values(x[s:e].gather(1, column), r[s:e], big_m[s:e], log_s[s:e], row.a[s:e], row.b[s:e], cap, hot)
+        value = _values(x[numbers(at, x.device)[:, None], column], r[at], big_m[at], log_s[at], row.a[at], row.b[at],
+                        cap, hot)
         write = hot != 0
-        at = torch.arange(s, e, device=x.device)[:, None].expand_as(column)
-        out.index_put_((at[write], column[write]), value[write].to(out.dtype))
+        at_rows = numbers(at, x.device)[:, None].expand_as(column)
+        out.index_put_((at_rows[write], column[write]), value[write].to(out.dtype))
 
 
-def _compiled_grad(x: Tensor, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor, out: Tensor) -> bool:
-    """``grad_kernel`` compiled over every row of ``x`` in chunks of a fixed number of rows
-    (as ``kernels``), its first call checked against the eager one; False if it failed
-    to compile (auto) or disagreed. bfloat16 logits go two columns at a time
-    (``pairs_kernel``) where ``x`` and ``out`` allow it (``_pairs``); other logits narrower
-    than the compute dtype are widened chunk by chunk into one buffer first (exactly).
-    Either way the compiled loop runs on 32-bit lanes: one that reads bfloat16 runs at
-    twice the lanes, where inductor builds the exp's ``2^n`` from its bits one element at
-    a time (measured at T=4096, V=32768: the gradient 1.5x slower than with pairs)."""
-    rows, width = x.shape
+def _compiled_grad(
+    x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor, out: Tensor,
+) -> bool:
+    """``grad_kernel`` compiled over the ``rows`` of ``x`` in chunks of a fixed number of
+    rows (as ``kernels``: a chunk whose rows are not consecutive gathered into a buffer,
+    its gradient written back at its rows), its first call checked against the eager
+    one; False if it failed to compile (auto) or disagreed. bfloat16 logits go two
+    columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``_pairs``);
+    other logits narrower than the compute dtype are widened chunk by chunk into one
+    buffer first (exactly). Either way the compiled loop runs on 32-bit lanes: one that
+    reads bfloat16 runs at twice the lanes, where inductor builds the exp's ``2^n`` from
+    its bits one element at a time (measured at T=4096, V=32768: the gradient 1.5x
+    slower than with pairs)."""
+    width = x.shape[1]
     pairs = _pairs(x) is not None and _pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
     chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
-    c, starts = kernels.chunk_starts(rows, chunk)
-    wide = torch.empty((c, width), dtype=r.dtype, device=x.device) if widen and starts else None
-    for s in starts:
-        e = s + c
-        terms = (r[s:e], m[s:e], log_s[s:e], a[s:e], b[s:e])
+    chunks, buf = chunked(x, rows, chunk)
+    most = max((size(at) for at in chunks), default=0)
+    wide = torch.empty((most, width), dtype=r.dtype, device=x.device) if widen and chunks else None
+    into = None if buf is None else buffer((buf.shape[0], width), out.dtype, out.device, zero=False)
+    for at in chunks:
+        c = size(at)
+        src, dst = gather(x, at, buf), out[at] if into is None or isinstance(at, slice) else into[:c]
+        terms = (r[at], m[at], log_s[at], a[at], b[at])
         if pairs:
-            v, o = _pairs(x[s:e]), _pairs(out[s:e])
+            v, o = _pairs(src), _pairs(dst)
             assert v is not None and o is not None
             ok, _ = kernels._call(pairs_kernel, v, *terms, o)
-            key: tuple[object, ...] = ("pairs_kernel", (c, width), x.stride(), out.stride())
+            key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
         else:
-            part = x[s:e] if wide is None else wide.copy_(x[s:e])
-            ok, _ = kernels._call(grad_kernel, part, *terms, out[s:e])
-            key = ("grad_kernel", part.dtype, out.dtype, (c, width), part.stride(), out.stride())
+            part = src if wide is None else wide[:c].copy_(src)
+            ok, _ = kernels._call(grad_kernel, part, *terms, dst)
+            key = ("grad_kernel", part.dtype, dst.dtype, (c, width), part.stride(), dst.stride())
         if not ok:
             return False
         if key not in backend.selected.verified:
-            want = torch.empty_like(out[s:e])
-            grad_kernel(x[s:e], *terms, want)
-            if not _checked(str(key[0]), [out[s:e]], [want], key):
+            want = torch.empty_like(dst)
+            grad_kernel(src, *terms, want)
+            if not _checked(str(key[0]), [dst], [want], key):
                 return False
+        if not isinstance(at, slice):
+            out.index_copy_(0, at, dst)
     return True
 
 

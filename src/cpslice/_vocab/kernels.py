@@ -5,9 +5,11 @@ A tile ``x`` is ``[n, V]`` logits of any float dtype (a row chunk of the logits,
 writes each row's ``m``, ``S`` and ``A`` into a ``stats.RowStats`` (the driver picks the
 logits at the picked ids, one gather);
 ``grad`` writes each row's gradient ``p * (a log p + b)`` plus the one-hot terms of its
-picked ids (``stats.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both
-always do their job: with the compiled kernels where the backend (``CPSLICE_BACKEND``) and the tile
-allow, else with the eager loop, chunk by chunk (``Chunks``).
+picked ids (``stats.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both take
+the rows to compute as an index (``rows``, see ``_vocab.rows``; None: every row) and
+never read or write another row. Both always do their job: with the compiled kernels
+where the backend (``CPSLICE_BACKEND``) and the tile allow, else with the eager loop, chunk by chunk
+(``Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
 
 The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
 into one fused loop each (one read of the logits forward, one read and one write
@@ -21,10 +23,15 @@ eager loop divides: within an ulp, and a vector division costs as much as the ex
   loop (a per-column compare costs a third of it): ``grad`` overwrites those entries
   afterwards with ``stats.pick_grad``, also rounded once.
 
-They run over all rows of a tile with a *fixed* chunk shape: full chunks of ``C`` rows,
-the tail as one more chunk of ``C`` rows ending at the last row (overlapping the
-previous chunk, whose rows it recomputes to the same values), and for fewer than ``C``
-rows the largest power of two ``<=`` the rows in the same way. A new ``T`` therefore
+They run over the rows to compute with a *fixed* chunk shape: full chunks of ``C``
+of those rows, the tail as one more chunk of ``C`` rows ending at the last one
+(overlapping the previous chunk, whose rows it recomputes to the same values), and for
+fewer than ``C`` rows the largest power of two ``<=`` the rows in the same way. Every
+row: chunks of the tile. The rows of an index: their ``_at`` forms (``chunk_stats_at(x,
+at, inv_tau)``, ``chunk_grad_at(..., out)``) take the whole tile and a chunk's ``[C]``
+index, read those rows where they are and write their gradient rows there (the tile's
+rows a dynamic size), so the work is that of the rows, whatever the length of their
+runs (short responses between prompts), with no gathered copy. A new ``T`` therefore
 compiles nothing new; each (kernel, dtype, V, chunk rows, strides, device type) is
 compiled once per process, in a code object of its own so that dynamo's per-function
 recompile limit never silently turns a variant eager. ``chunk_stats`` always computes
@@ -34,7 +41,6 @@ debug-mode import hook (``typing.no_type_check``): dynamo traces plain torch cod
 """
 
 import math
-import operator
 import types
 import warnings
 from collections.abc import Callable
@@ -43,10 +49,11 @@ from typing import Any, NamedTuple, cast, no_type_check
 import torch
 from torch import Tensor
 
-from .._cache import boundary
 from .._types import compute_dtype
 from . import backend
 from .memory import buffer as buffer  # the gradient's buffer, read here by tests/test_kernels.py
+from .rows import At, count, gather, numbers, pieces, size
+from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
 from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
 
 CHUNK_BYTES = 64 * 2**20
@@ -108,47 +115,6 @@ def chunks_for(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: t
     return Chunks(default_chunk_rows(vocab, dtype, device), compiled_chunk_rows(vocab, dtype, device))
 
 
-def chunk_starts(rows: int, chunk: int) -> tuple[int, list[int]]:
-    """``(c, starts)``: the fixed chunk rows used for ``rows`` rows (``chunk``, or for
-    fewer rows the largest power of two ``<= rows``) and the first row of each chunk;
-    the last chunk ends at ``rows`` and may overlap the one before it."""
-    if rows <= 0:
-        return chunk, []
-    c = chunk if rows >= chunk else 1 << (rows.bit_length() - 1)
-    starts = list(range(0, rows - c + 1, c))
-    if starts[-1] + c < rows:
-        starts.append(rows - c)
-    return c, starts
-
-
-def pieces(runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-    """The chunks of ``chunk`` rows of each run of rows ``[lo, hi)``."""
-    return [(s, min(s + chunk, hi)) for lo, hi in runs for s in range(lo, hi, chunk)]
-
-
-Runs = list[tuple[int, int]] | None
-"""Row ranges ``[lo, hi)`` a pass reads, ascending and disjoint; None: every row."""
-
-
-@boundary  # data-dependent (nonzero, tolist): not for a compiled caller to trace
-def runs_of(need: Tensor, gap: int) -> list[tuple[int, int]]:
-    """Row ranges ``[lo, hi)`` covering every row where ``need`` (CPU bool ``[T]``) is
-    True; runs closer than ``gap`` rows are merged, so that a chunked pass over them
-    takes about as many chunks as the rows need."""
-    rows = need.numel()
-    if rows == 0 or bool(need.all()):
-        return [(0, rows)] if rows else []
-    edge = torch.nn.functional.pad(need.to(torch.int8), (1, 1)).diff()
-    starts, ends = (edge == 1).nonzero()[:, 0], (edge == -1).nonzero()[:, 0]
-    if starts.numel() == 0:
-        return []
-    keep = torch.ones_like(starts, dtype=torch.bool)
-    keep[1:] = starts[1:] - ends[:-1] >= gap
-    last = torch.ones_like(keep)
-    last[:-1] = keep[1:]
-    return list(zip(starts[keep].tolist(), ends[last].tolist()))
-
-
 class Workspace:
     """The eager loop's work buffers of the compute dtype (two; three with a cap), made on
     first use at the largest size asked of them and reused for every chunk (and tile) of
@@ -177,11 +143,16 @@ def chunk_stats(x, inv_tau):
 
 
 @no_type_check
-def chunk_grad(x, inv_tau, m, log_s, a, b, out):
+def _grad_values(x, inv_tau, m, log_s, a, b):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     d = ((x.to(cdt) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
-    out.copy_((p * (a[:, None] * d + b[:, None])).to(out.dtype))
+    return p * (a[:, None] * d + b[:, None])
+
+
+@no_type_check
+def chunk_grad(x, inv_tau, m, log_s, a, b, out):
+    out.copy_(_grad_values(x, inv_tau, m, log_s, a, b).to(out.dtype))
 
 
 # The capped kernels compute cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): one
@@ -201,30 +172,59 @@ def chunk_stats_capped(x, inv_tau, cap, two_over_cap):
 
 
 @no_type_check
-def chunk_grad_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap, out):
+def _grad_values_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     s = 2 / (torch.exp(x.to(cdt) * two_over_cap) + 1)  # 1 - tanh(x / cap)
     d = (((1 - s) * cap - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
     # d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = s (2 - s), exact where tanh is near 1
-    out.copy_((p * (a[:, None] * d + b[:, None]) * (s * (2 - s))).to(out.dtype))
+    return p * (a[:, None] * d + b[:, None]) * (s * (2 - s))
 
 
-def use_compiled(x: Tensor) -> bool:
-    """Whether ``stats``/``grad`` run the compiled kernels on this tile: always with the
-    ``compiled`` backend selected (``CPSLICE_BACKEND``); never with ``eager``; in ``auto``
-    (and for what ``triton`` does not take) when no compile has failed, the tile's rows
-    are contiguous (a padded vocabulary's valid columns are a view of them) and it holds
-    at least ``AUTO_MIN_ELEMENTS`` elements."""
+@no_type_check
+def chunk_grad_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap, out):
+    out.copy_(_grad_values_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap).to(out.dtype))
+
+
+# The same kernels of the rows ``at`` of a whole tile (an index of a fixed length, the
+# tile's rows a dynamic size): the compiled loop reads each row where it is (an indirect
+# load) and writes its gradient there, with no gathered copy (measured on the CPU: as
+# fast as a chunk of consecutive rows, where a gather into a buffer first costs 1.3x).
+@no_type_check
+def chunk_stats_at(x, at, inv_tau):
+    return chunk_stats(x[at], inv_tau)
+
+
+@no_type_check
+def chunk_grad_at(x, at, inv_tau, m, log_s, a, b, out):
+    out.index_put_((at,), _grad_values(x[at], inv_tau, m, log_s, a, b).to(out.dtype))
+
+
+@no_type_check
+def chunk_stats_capped_at(x, at, inv_tau, cap, two_over_cap):
+    return chunk_stats_capped(x[at], inv_tau, cap, two_over_cap)
+
+
+@no_type_check
+def chunk_grad_capped_at(x, at, inv_tau, m, log_s, a, b, cap, two_over_cap, out):
+    out.index_put_((at,), _grad_values_capped(x[at], inv_tau, m, log_s, a, b, cap, two_over_cap).to(out.dtype))
+
+
+def use_compiled(x: Tensor, rows: Tensor | None = None) -> bool:
+    """Whether ``stats``/``grad`` run the compiled kernels on the ``rows`` of this tile
+    (None: all): always in mode ``1``; never in ``0``; in ``auto`` when no compile has
+    failed, the tile's rows are contiguous (a padded vocabulary's valid columns are a
+    view of them) and its rows to compute hold at least ``AUTO_MIN_ELEMENTS`` elements."""
     mode = backend.compile_mode()
-    if mode == "0" or x.shape[0] == 0 or x.shape[1] == 0:
+    n = count(rows, x.shape[0])
+    if mode == "0" or n == 0 or x.shape[1] == 0:
         return False
     if mode == "1":
         return True
     return (
         backend.selected.broken is None
         and x.stride(-1) == 1
-        and x.numel() >= AUTO_MIN_ELEMENTS
+        and n * x.shape[1] >= AUTO_MIN_ELEMENTS
         and not torch.compiler.is_compiling()
     )
 
@@ -237,11 +237,13 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _kernel(
-    fn: Callable[..., Any], x: Tensor, per_row: bool
+    fn: Callable[..., Any], x: Tensor, per_row: bool, at: Tensor | None = None
 ) -> tuple[tuple[object, ...], Callable[..., Any]]:
-    # a per-row temperature is another variant: its own code object, never a recompile
+    # a per-row temperature is another variant: its own code object, never a recompile;
+    # the rows of an index: the index's length fixed, the tile's rows any number
+    rows = x.shape[0] if at is None else ("at", at.numel())
     state = backend.selected
-    key = (fn.__name__, x.dtype, x.shape[0], x.shape[1], x.stride(), x.device.type, per_row, state.compiler)
+    key = (fn.__name__, x.dtype, rows, x.shape[1], x.stride(), x.device.type, per_row, state.compiler)
     compiled = state.compiled.get(key)
     if compiled is None:
         compiled = torch.compile(_own_code(fn), backend=state.compiler, dynamic=False, fullgraph=True)
@@ -259,13 +261,23 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[0] if first else ''}"
 
 
-def _call(fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object) -> tuple[bool, object]:
-    """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape;
-    ``(False, None)`` if its first call (the compilation) failed in ``auto``, which
-    warns once and turns ``auto`` eager."""
+def _call(
+    fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object, at: Tensor | None = None
+) -> tuple[bool, object]:
+    """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape, or
+    (an ``_at`` kernel) on the rows ``at`` of the tile ``x``, its rows (and the gradient
+    tile's, among ``args``) marked dynamic; ``(False, None)`` if its first call (the
+    compilation) failed in ``auto``, which warns once and turns ``auto`` eager."""
     state = backend.selected
-    key, compiled = _kernel(fn, x, inv_tau.dim() > 0)
+    key, compiled = _kernel(fn, x, inv_tau.dim() > 0, at)
     args = (inv_tau, *args)
+    if at is not None:
+        import torch._dynamo  # imported by torch.compile already
+
+        for t in (x, *args):
+            if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == x.shape[0] and t is not inv_tau:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        args = (at, *args)
     if key in state.ready:
         return True, compiled(x, *args)
     try:
@@ -306,66 +318,69 @@ def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple
     return tuple(torch.full((), v, dtype=dtype, device=device) for v in (softmax.cap, 2.0 / softmax.cap))
 
 
-def _compiled_stats(x: Tensor, softmax: Softmax, chunk: int, out: RowStats) -> bool:
-    """``m``, ``S``, ``A`` of every row into ``out`` by the compiled ``chunk_stats`` (or
-    ``chunk_stats_capped``); False (``out`` not fully written) if it failed to compile
-    (in ``auto``)."""
+
+def _compiled_stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int, out: RowStats) -> bool:
+    """``m``, ``S``, ``A`` of the ``rows`` of ``x`` into ``out`` by the compiled
+    ``chunk_stats`` (or ``chunk_stats_capped``; their ``_at`` forms for an index); False
+    (``out`` not fully written) if it failed to compile (in ``auto``)."""
     cdt = out.max.dtype
     inv_tau = _inv_tau(softmax, cdt, x.device)
     cap = _capped(softmax, cdt, x.device)
     fn = chunk_stats if softmax.cap is None else chunk_stats_capped
-    c, starts = chunk_starts(x.shape[0], chunk)
+    fn_at = chunk_stats_at if softmax.cap is None else chunk_stats_capped_at
+    c, starts = chunk_starts(count(rows, x.shape[0]), chunk)
     for s in starts:
-        rows = slice(s, s + c)
-        ok, result = _call(fn, x[rows], inv_tau if inv_tau.dim() == 0 else inv_tau[rows], *cap)
+        at: At = slice(s, s + c) if rows is None else rows[s : s + c]
+        tau = inv_tau if inv_tau.dim() == 0 else inv_tau[at]
+        ok, result = _call(fn, x[at], tau, *cap) if isinstance(at, slice) else _call(fn_at, x, tau, *cap, at=at)
         if not ok:
             return False
         m, total, a = cast(tuple[Tensor, Tensor, Tensor], result)
-        out.max[rows], out.sum[rows] = m, total
+        out.max[at], out.sum[at] = m, total
         if out.ent is not None:
-            out.ent[rows] = a
+            out.ent[at] = a
     return True
 
 
-def _divide(d: Tensor, tau: Tau, lo: int, hi: int) -> None:
-    """``d /= tau`` of rows ``[lo, hi)`` (in place; nothing for a temperature of 1)."""
+def _divide(d: Tensor, tau: Tau, at: At) -> None:
+    """``d /= tau`` of the rows ``at`` (in place; nothing for a temperature of 1)."""
     if isinstance(tau, float):
         if tau != 1.0:
             d.div_(tau)
     else:
-        d.div_(tau[lo:hi, None])
+        d.div_(tau[at][:, None])
 
 
 def _eager_stats(
-    x: Tensor, softmax: Softmax, chunk: int, runs: list[tuple[int, int]], work: Workspace, out: RowStats
+    x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
 ) -> None:
     vocab = x.shape[1]
     m, s, a = out.max, out.sum, out.ent
     if vocab == 0:  # a shard of padded ids only: no mass, nothing to merge wrong
-        for lo, hi in runs:
-            m[lo:hi], s[lo:hi] = -math.inf, 0.0
-            if a is not None:
-                a[lo:hi] = 0.0
+        every = slice(None) if rows is None else rows
+        m[every], s[every] = -math.inf, 0.0
+        if a is not None:
+            a[every] = 0.0
         return
-    for lo, hi in pieces(runs, chunk):
-        buf, expd = work.take((hi - lo, vocab), m.dtype, x.device)
-        if softmax.cap is None:
-            y = x[lo:hi]
-        else:
+    for at in pieces(rows, x.shape[0], chunk):
+        buf, expd = work.take((size(at), vocab), m.dtype, x.device)
+        y = gather(x, at, buf)  # a view of a slice's rows; an index's in buf
+        if softmax.cap is not None:
             # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
             # (bfloat16: 2e-2 off) and only then widens
-            y = buf.copy_(x[lo:hi]).div_(softmax.cap).tanh_().mul_(softmax.cap)
-        m[lo:hi] = y.amax(1)
+            y = (y if y is buf else buf.copy_(y)).div_(softmax.cap).tanh_().mul_(softmax.cap)
+        top = y.amax(1).to(m.dtype)
+        m[at] = top
         # A row all -inf contributes S = 0 (and A = 0), not NaN.
-        shift = torch.where(m[lo:hi] == -math.inf, 0.0, m[lo:hi])
+        shift = torch.where(top == -math.inf, 0.0, top)
         d = torch.sub(y, shift[:, None], out=buf)
-        _divide(d, softmax.tau, lo, hi)
+        _divide(d, softmax.tau, at)
         if a is not None:
             d.clamp_(min=FLOOR)
         p = torch.exp(d, out=expd)
-        torch.sum(p, 1, out=s[lo:hi])
+        s[at] = p.sum(1)
         if a is not None:
-            torch.sum(p.mul_(d), 1, out=a[lo:hi])
+            a[at] = p.mul_(d).sum(1)
 
 
 def stats(
@@ -374,95 +389,96 @@ def stats(
     out: RowStats,
     *,
     chunks: Chunks,
-    runs: Runs = None,
+    rows: Tensor | None = None,
     work: Workspace | None = None,
 ) -> None:
-    """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the rows of ``runs``
-    of the tile ``x`` into ``out`` (``[n]`` fields of the compute dtype; the other rows are
-    left as they are, e.g. ``stats.placeholders``), of the logits as ``softmax`` reads
-    them (capped, then tempered; the max is the capped logits'). A tile of no columns (a
-    shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. Each run of rows is a
-    tile of its own for the compiled kernels (which read every row of a tile), so a pass
-    over some rows (the response rows) runs them as a pass over all rows does."""
+    """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the ``rows`` of the
+    tile ``x`` (an ascending int64 index on its device, ``_vocab.rows``; None: every
+    row) into ``out`` (``[n]`` fields of the compute dtype; the other rows are neither
+    read nor written, e.g. ``stats.placeholders``), of the logits as ``softmax`` reads
+    them (capped, then tempered; the max is the capped logits'). A tile of no columns
+    (a shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled
+    kernels run on full chunks of the selected rows, whatever their runs."""
     if backend.triton_for(x):
         from .triton import default as tri
 
-        tri.row_stats(x, softmax, out, row_index(runs, x.device))
+        tri.row_stats(x, softmax, out, rows)
         return
-    eager = []
-    for lo, hi in [(0, x.shape[0])] if runs is None else runs:
-        part, rows = x[lo:hi], slice(lo, hi)
-        if not (use_compiled(part) and _compiled_stats(part, softmax.rows(rows), chunks.compiled,
-                                                       out.map(operator.itemgetter(rows)))):
-            eager.append((lo, hi))
-    _eager_stats(x, softmax, chunks.eager, eager, work or Workspace(), out)
+    if not (use_compiled(x, rows) and _compiled_stats(x, rows, softmax, chunks.compiled, out)):
+        _eager_stats(x, softmax, chunks.eager, rows, work or Workspace(), out)
 
 
 def _compiled_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int, out: Tensor
+    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
+    out: Tensor,
 ) -> bool:
-    """``chunk_grad`` (or ``chunk_grad_capped``) of every row into ``out``, then the picked
-    ids' entries; False (``out`` not fully written) if the kernel failed to compile (in
-    ``auto``)."""
-    rows, vocab = x.shape
+    """``chunk_grad`` (or ``chunk_grad_capped``; their ``_at`` forms for an index) of the
+    ``rows`` of ``x`` into ``out``, then the picked ids' entries; False (``out`` not fully
+    written) if the kernel failed to compile (in ``auto``)."""
+    vocab = x.shape[1]
     cdt = row.b.dtype
     inv_tau = _inv_tau(softmax, cdt, x.device)
     cap = _capped(softmax, cdt, x.device)
     fn = chunk_grad if softmax.cap is None else chunk_grad_capped
+    fn_at = chunk_grad_at if softmax.cap is None else chunk_grad_capped_at
     a = torch.zeros_like(row.b) if row.a is None else row.a
-    c, starts = chunk_starts(rows, chunk)
+    c, starts = chunk_starts(count(rows, x.shape[0]), chunk)
     for s in starts:
-        e = s + c
-        tau_s = inv_tau if inv_tau.dim() == 0 else inv_tau[s:e]
-        ok, _ = _call(fn, x[s:e], tau_s, big_m[s:e], log_s[s:e], a[s:e], row.b[s:e], *cap, out[s:e])
+        at: At = slice(s, s + c) if rows is None else rows[s : s + c]
+        terms = (inv_tau if inv_tau.dim() == 0 else inv_tau[at], big_m[at], log_s[at], a[at], row.b[at], *cap)
+        ok, _ = _call(fn, x[at], *terms, out[at]) if isinstance(at, slice) else _call(fn_at, x, *terms, out, at=at)
         if not ok:
             return False
         if row.hot is not None:
             # the picked entries chunk by chunk: the [rows, k] temporaries of a whole
             # tile (the repeated ids' dedup above all) would add ~10 % to the peak of
             # bf16 logits at k = 64
-            rows_s = RowGrad(None if row.a is None else row.a[s:e], row.b[s:e],
-                             row.hot[s:e], row.column[s:e])
-            entry = pick_grad(x[s:e].gather(1, rows_s.column), big_m[s:e], log_s[s:e],
-                              softmax.rows(slice(s, e)), rows_s, vocab)
+            rows_s = row.rows(at)
+            at_rows = numbers(at, x.device)[:, None].expand_as(rows_s.column)
+            entry = pick_grad(x[at_rows, rows_s.column], big_m[at], log_s[at], softmax.rows(at), rows_s, vocab)
             # the entries by (row, column) index: a scatter_ into a bfloat16 tensor takes
             # a slow path that costs as much as the kernel
-            at = torch.arange(s, e, device=out.device)[:, None].expand_as(rows_s.column)
-            out.index_put_((at.reshape(-1), rows_s.column.reshape(-1)), entry.reshape(-1).to(out.dtype))
+            out.index_put_((at_rows.reshape(-1), rows_s.column.reshape(-1)), entry.reshape(-1).to(out.dtype))
     return True
 
 
 def _eager_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
-    runs: list[tuple[int, int]], work: Workspace, out: Tensor,
+    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
+    work: Workspace, out: Tensor,
 ) -> None:
     vocab = x.shape[1]
     cdt = row.b.dtype
     capped = softmax.cap is not None
-    for s, e in pieces(runs, chunk) if vocab else []:
-        bufs = work.take((e - s, vocab), cdt, x.device, 3 if capped else 2)
+    for at in pieces(rows, x.shape[0], chunk) if vocab else []:
+        bufs = work.take((size(at), vocab), cdt, x.device, 3 if capped else 2)
         buf, expd = bufs[0], bufs[1]
+        m = big_m[at]
         if softmax.cap is None:
-            d = torch.sub(x[s:e], big_m[s:e, None], out=buf)
+            d = torch.sub(gather(x, at, buf), m[:, None], out=buf)
         else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
-            t = bufs[2].copy_(x[s:e]).div_(softmax.cap).tanh_()  # in cdt, as in stats
-            d = torch.mul(t, softmax.cap, out=buf).sub_(big_m[s:e, None])
-        _divide(d, softmax.tau, s, e)
-        d.sub_(log_s[s:e, None])
+            y = gather(x, at, bufs[2])
+            t = (y if y is bufs[2] else bufs[2].copy_(y)).div_(softmax.cap).tanh_()  # in cdt, as in stats
+            d = torch.mul(t, softmax.cap, out=buf).sub_(m[:, None])
+        _divide(d, softmax.tau, at)
+        d.sub_(log_s[at][:, None])
         if row.a is not None:
             d.clamp_(min=FLOOR)
         p = torch.exp(d, out=expd)
-        factor = row.b[s:e, None] if row.a is None else d.mul_(row.a[s:e, None]).add_(row.b[s:e, None])
+        b = row.b[at][:, None]
+        factor = b if row.a is None else d.mul_(row.a[at][:, None]).add_(b)
         # Write the float result straight into the gradient when the dtypes agree (and no
         # chain rule follows); otherwise round once, after the one-hot terms are in.
-        target = out[s:e] if out.dtype == cdt and not capped else p
+        direct = isinstance(at, slice) and out.dtype == cdt and not capped
+        target = out[at] if direct else p
         torch.mul(p, factor, out=target)
         if row.hot is not None:
-            target.scatter_add_(1, row.column[s:e], row.hot[s:e].to(target.dtype))
+            target.scatter_add_(1, row.column[at], row.hot[at].to(target.dtype))
         if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
             target.mul_(t.mul_(t).neg_().add_(1.0))
-        if target is p:
-            out[s:e].copy_(p)
+        if isinstance(at, slice) and not direct:
+            out[at].copy_(p)
+        elif not isinstance(at, slice):
+            out.index_copy_(0, at, p.to(out.dtype))
 
 
 def grad(
@@ -474,41 +490,21 @@ def grad(
     out: Tensor,
     *,
     chunks: Chunks,
-    runs: Runs = None,
+    rows: Tensor | None = None,
     work: Workspace | None = None,
     compiled: bool = True,
 ) -> None:
-    """Write the gradient w.r.t. the raw logits of the rows of ``runs`` of the tile ``x``
-    into ``out`` (``[n, V]`` with contiguous rows, its dtype; rows outside ``runs`` are
-    left as they are): ``p * (a log p + b)`` with ``M``, ``log S`` the rows' totals, plus
-    the one-hot terms of ``row``, through the cap's ``tanh``. Each run of rows is a tile
-    of its own for the compiled kernels, as in ``stats``; ``compiled=False`` (invariant
-    mode) runs the eager loop alone."""
+    """Write the gradient w.r.t. the raw logits of the ``rows`` of the tile ``x`` (as
+    ``stats`` takes them; None: every row) into ``out`` (``[n, V]`` with contiguous
+    rows, its dtype; the other rows are neither read nor written): ``p * (a log p +
+    b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``,
+    through the cap's ``tanh``. ``compiled=False`` (invariant mode) runs the eager loop
+    alone."""
     if backend.triton_for(x):
         from .triton import default as tri
 
-        tri.row_grad(x, big_m, log_s, softmax, row, out, row_index(runs, x.device))
+        tri.row_grad(x, big_m, log_s, softmax, row, out, rows)
         return
-    eager = []
-    for s, e in [(0, x.shape[0])] if runs is None else runs:
-        part = x[s:e]
-        if not (compiled and use_compiled(part)
-                and _compiled_grad(part, big_m[s:e], log_s[s:e], softmax.rows(slice(s, e)),
-                                   _row_slice(row, s, e), chunks.compiled, out[s:e])):
-            eager.append((s, e))
-    _eager_grad(x, big_m, log_s, softmax, row, chunks.eager, eager, work or Workspace(), out)
-
-
-def _row_slice(row: RowGrad, s: int, e: int) -> RowGrad:
-    """The terms of rows ``[s, e)``."""
-    return RowGrad(None if row.a is None else row.a[s:e], row.b[s:e],
-                   None if row.hot is None else row.hot[s:e], row.column[s:e])
-
-
-def row_index(runs: Runs, device: torch.device) -> Tensor | None:
-    """The rows of ``runs`` as an int64 index on ``device`` (None for every row)."""
-    if runs is None:
-        return None
-    return torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in runs] or
-                     [torch.zeros(0, dtype=torch.int64)]).to(device)
-
+    if not (compiled and use_compiled(x, rows)
+            and _compiled_grad(x, rows, big_m, log_s, softmax, row, chunks.compiled, out)):
+        _eager_grad(x, rows, big_m, log_s, softmax, row, chunks.eager, work or Workspace(), out)

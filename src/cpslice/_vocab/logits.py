@@ -30,6 +30,7 @@ from .._types import (
 from . import args, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
+from .rows import gather, index_of, pieces
 from .sparse import element_grad, elements, scatter_grad, set_stats
 from .stats import RowStats, Shard, placeholders, shard_of
 from .support import SupportArg
@@ -44,13 +45,13 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     picked_ids = ids[:, None] if ids.dim() == 1 else ids
     column, held = shard.columns(picked_ids)
-    el = None if options.support is None else elements(options.support, ids, shard)
-    runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
+    el = None if options.support is None else elements(options.support, ids, shard, options.rows)
+    need = options.rows
     if el is not None and not options.dense_entropy:
         # rows with a set need no full pass: their log-prob (and entropy) is sparse
-        need = ~el.host_has_set
-        runs = kernels.runs_of(need if options.rows is None else need & options.rows, chunks.eager)
-    dense = _dense(logits, shard, options, chunks, runs, column.shape[1])
+        need = ~el.host_has_set if need is None else ~el.host_has_set & need
+    dense = _dense(logits, shard, options, chunks, None if need is None else index_of(need, logits.device),
+                   column.shape[1])
     picked = softmax.logits(logits.gather(1, column).to(dense.max.dtype))
     dense = dense._replace(picked=torch.where(held, picked, 0.0))
     sets = None
@@ -59,23 +60,24 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
         with_h = options.with_entropy and options.over_support
         tiles = invariant.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h, tiles))
-    return finish(dense, sets, ids, shard, options, runs)
+    return finish(dense, sets, ids, shard, options, need)
 
 
 def _dense(
-    logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, runs: kernels.Runs, k: int
+    logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, rows: Tensor | None, k: int
 ) -> RowStats:
-    """This shard's dense statistics of the rows of ``runs`` (placeholders elsewhere) over
-    the distribution's columns only (a padded vocabulary's rows are no ids of it), with
-    room for ``k`` picked logits: ``[T]`` fields, or per tile in invariant mode."""
-    rows = logits.shape[0]
+    """This shard's dense statistics of the ``rows`` (an ascending index, None: all;
+    placeholders elsewhere) over the distribution's columns only (a padded vocabulary's
+    rows are no ids of it), with room for ``k`` picked logits: ``[T]`` fields, or per
+    tile in invariant mode."""
+    total = logits.shape[0]
     cdt = compute_dtype(logits.dtype)
     if not options.invariant:
-        dense = placeholders(rows, k, cdt, logits.device, options.with_entropy)
-        kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, runs=runs)
+        dense = placeholders(total, k, cdt, logits.device, options.with_entropy)
+        kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, rows=rows)
         return dense
-    dense = invariant.placeholders(shard, rows, k, cdt, logits.device, options.with_entropy)
-    invariant.stats(logits, options.softmax, shard.valid, dense, [(0, rows)] if runs is None else runs, chunks.eager)
+    dense = invariant.placeholders(shard, total, k, cdt, logits.device, options.with_entropy)
+    invariant.stats(logits, options.softmax, shard.valid, dense, rows, chunks.eager)
     return dense
 
 
@@ -89,14 +91,15 @@ def backward(
     rows, vocab = logits.shape
     valid = saved.shard.valid
     chunks = kernels.chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
-    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy, chunks.eager)
-    runs = saved.dense_rows if parts.runs is None else parts.runs
-    covered = runs is None or sum(hi - lo for lo, hi in runs) == rows
-    grad = buffer(logits.shape, logits.dtype, logits.device, zero=not covered)
-    if covered and valid < vocab:
+    row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
+    need = saved.dense_rows if parts.dense is None else parts.dense
+    # the rows to compute; a zeroed buffer when some are not (their gradient is 0)
+    index = None if need is None else index_of(need, logits.device)
+    grad = buffer(logits.shape, logits.dtype, logits.device, zero=index is not None)
+    if index is None and valid < vocab:
         grad[:, valid:].zero_()
     (invariant.grad if opts.invariant else kernels.grad)(
-        logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid], chunks=chunks, runs=runs,
+        logits[:, :valid], saved.max, saved.log_sum, opts.softmax, row, grad[:, :valid], chunks=chunks, rows=index,
     )
     if saved.restricted is not None:
         assert parts.set_lp is not None
@@ -113,21 +116,22 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     cdt = compute_dtype(logits.dtype)
     chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     x = logits[:, : shard.valid]
-    runs = None if options.rows is None else kernels.runs_of(options.rows, chunks.eager)
-    dense = _dense(logits, shard, options._replace(with_entropy=False), chunks, runs, 0)
+    index = None if options.rows is None else index_of(options.rows, logits.device)
+    dense = _dense(logits, shard, options._replace(with_entropy=False), chunks, index, 0)
     width = min(k, vocab)
-    if runs is None and not options.invariant:
+    if index is None and not options.invariant:
         local = topk.of_tile(x, shard.offset, k, cdt, width=width)
-    else:  # the rows of the runs only; the others' candidates are -inf, never read
+    else:  # the rows to compute only; the others' candidates are -inf, never read
         local = topk.Candidates(torch.full((rows, width), -math.inf, dtype=cdt, device=logits.device),
                                 torch.full((rows, width), shard.total, dtype=torch.int64, device=logits.device))
-        for lo, hi in kernels.pieces([(0, rows)] if runs is None else runs, chunks.eager):
-            local.values[lo:hi], local.ids[lo:hi] = (
-                topk.exact(x[lo:hi], shard.offset, k, cdt, width, shard.total) if options.invariant
-                else topk.of_tile(x[lo:hi], shard.offset, k, cdt, width=width)
+        for at in pieces(index, rows, chunks.eager):
+            part = gather(x, at, None)
+            local.values[at], local.ids[at] = (
+                topk.exact(part, shard.offset, k, cdt, width, shard.total) if options.invariant
+                else topk.of_tile(part, shard.offset, k, cdt, width=width)
             )
     log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax, tile_count(shard, options))
-    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, runs)
+    return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, options.rows)
 
 
 class _LogProbs(torch.autograd.Function):

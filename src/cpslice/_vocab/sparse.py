@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from . import invariant
-from .kernels import runs_of
 from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
 from .support import Support, host_offsets
 
@@ -47,9 +46,10 @@ class Elements(NamedTuple):
     bad_row: Tensor
 
 
-def elements(support: Support, targets: Tensor, shard: Shard) -> Elements:
+def elements(support: Support, targets: Tensor, shard: Shard, keep: Tensor | None = None) -> Elements:
     """The elements of every row's ``S_t + {target_t}`` that ``shard`` holds. ``O(K + T)``,
-    no device sync."""
+    no device sync. ``keep`` (CPU bool ``[T]``, None: all) are the rows to compute: the
+    others have no set (no element of theirs counts, whatever their logits)."""
     device = targets.device
     rows = targets.numel()
     ids = support.ids.to(device, non_blocking=True)
@@ -58,21 +58,23 @@ def elements(support: Support, targets: Tensor, shard: Shard) -> Elements:
     set_row = torch.repeat_interleave(
         torch.arange(rows, device=device), counts, output_size=ids.numel()
     )
-    has_set = counts > 0
+    has_set, host_has_set = counts > 0, host_offsets(support).diff() > 0
+    if keep is not None:
+        has_set, host_has_set = has_set & keep.to(device, non_blocking=True), host_has_set & keep
     hit = ids == targets[set_row]
     in_set = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, hit.to(_I64)) > 0
     row = torch.cat([set_row, torch.arange(rows, device=device)])
     outside = ((ids < 0) | (ids >= shard.vocab)).to(_I64)
     bad_row = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, outside) > 0
     col, held = shard.columns(torch.cat([ids, targets]))
-    counted = torch.cat([torch.ones_like(hit), has_set & ~in_set])
+    counted = torch.cat([has_set[set_row], has_set & ~in_set])
     return Elements(
         row,
         col,
         held & counted,
         torch.cat([hit, torch.ones_like(has_set)]),
         has_set,
-        host_offsets(support).diff() > 0,
+        host_has_set,
         bad_row,
     )
 
@@ -122,13 +124,14 @@ class Restricted(NamedTuple):
 class Split(NamedTuple):
     """The upstream gradients split between the dense pass (``g_lp`` ``[T, 1]``,
     ``g_entropy``) and the sets' rows (``set_lp`` ``[T]``, ``set_entropy``, None where
-    not restricted), and ``runs``: the rows that still need the dense pass (None: all)."""
+    not restricted), and ``dense``: CPU bool ``[T]``, the rows that still need the dense
+    pass (None: all)."""
 
     g_lp: Tensor
     g_entropy: Tensor | None
     set_lp: Tensor | None
     set_entropy: Tensor | None
-    runs: list[tuple[int, int]] | None
+    dense: Tensor | None
 
 
 def split(
@@ -136,7 +139,6 @@ def split(
     g_lp: Tensor,
     g_entropy: Tensor | None,
     entropy_over_support: bool,
-    gap: int,
     rows: Tensor | None = None,
 ) -> Split:
     """``Split`` of the upstream gradients (``g_lp`` ``[T, 1]``); without sets, all dense.
@@ -153,11 +155,10 @@ def split(
     if g_entropy is not None and restricted.totals.entropy is not None:
         set_h = torch.where(el.has_set, g_entropy.to(g_lp.dtype), 0.0)
         g_entropy = g_entropy.to(g_lp.dtype) - set_h
-    runs = None
+    dense = None
     if g_entropy is None or entropy_over_support:
-        dense = ~el.host_has_set
-        runs = runs_of(dense if rows is None else dense & rows, gap)
-    return Split(dense_lp, g_entropy, set_lp, set_h, runs)
+        dense = ~el.host_has_set if rows is None else ~el.host_has_set & rows
+    return Split(dense_lp, g_entropy, set_lp, set_h, dense)
 
 
 def element_grad(

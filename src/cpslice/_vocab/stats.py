@@ -272,7 +272,8 @@ Merger = Callable[[Tensor, Tensor, Tensor | None, Tau], tuple[Tensor, Tensor, Te
 """``merge_tiles``' signature: ``(m, s, a, tau)`` ``[n, R]`` tiles to ``(M, S, A)`` ``[R]``."""
 
 
-def write(out: RowStats, at: slice | tuple[slice, slice] | Tensor, m: Tensor, s: Tensor, a: Tensor | None) -> None:
+def write(out: RowStats, at: slice | Tensor | tuple[slice | Tensor, slice], m: Tensor, s: Tensor,
+          a: Tensor | None) -> None:
     """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
     ``s`` and ``a``; ``picked`` left as it is."""
     out.max[at], out.sum[at] = m, s
@@ -406,6 +407,11 @@ class RowGrad(NamedTuple):
     b: Tensor
     hot: Tensor | None
     column: Tensor
+
+    def rows(self, index: Tensor | slice) -> "RowGrad":
+        """The terms of some rows (a slice, or an index)."""
+        return RowGrad(None if self.a is None else self.a[index], self.b[index],
+                       None if self.hot is None else self.hot[index], self.column[index])
 
 
 def row_grad(

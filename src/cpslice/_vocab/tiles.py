@@ -15,6 +15,7 @@ from .._types import HeadWeight, Hidden
 from . import invariant, kernels, topk
 from .engine import Options
 from .invariant import BLOCK_ROWS, BLOCK_TILES
+from .rows import At, gather, pieces, size
 from .sparse import Elements
 from .stats import TILE, RowGrad, RowStats, Shard, merge
 
@@ -107,72 +108,67 @@ def in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
     return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
 
 
-def row_slice(row: RowGrad, s: int, e: int) -> RowGrad:
-    return RowGrad(
-        None if row.a is None else row.a[s:e], row.b[s:e],
-        None if row.hot is None else row.hot[s:e], row.column[s:e],
-    )
-
-
 def dense_pass(
     hidden: Hidden,
     weight: HeadWeight,
     column: Tensor,
     held: Tensor,
     dense: RowStats,
-    runs: list[tuple[int, int]],
+    rows: Tensor | None,
     shard: Shard,
     options: Options,
     best: int | None = None,
 ) -> topk.Candidates | None:
-    """Fill the rows of ``runs`` of ``dense`` (the picked ids' ``column``/``held`` ``[T, k]``
-    included) from the tiles of ``hidden @ weight.T`` over the shard's valid columns;
-    with ``best``, also return each row's ``best`` largest logits and their global ids,
-    padded with -inf to ``min(best, V_local)`` (rows outside ``runs``: -inf only)."""
+    """Fill the ``rows`` (an ascending index, None: all) of ``dense`` (the picked ids'
+    ``column``/``held`` ``[T, k]`` included) from tiles of ``Tiles.rows`` of those rows of
+    ``hidden @ weight.T`` over the shard's valid columns; with ``best``, also return each
+    row's ``best`` largest logits and their global ids, -inf padded to ``min(best, V_local)``
+    (the other rows: -inf only)."""
     assert options.chunk_size is not None
-    rows, vocab = hidden.shape[0], weight.shape[0]
+    total, vocab = hidden.shape[0], weight.shape[0]
     cdt = dense.max.dtype
     fixed = options.invariant
     merged = fixed and dense.max.dim() == 1
-    tiles = Tiles.of(rows, vocab, options.chunk_size, fixed)
+    tiles = Tiles.of(total, vocab, options.chunk_size, fixed)
     blocks = tiles.blocks(shard.valid)
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
-        torch.full((rows, width), -math.inf, dtype=cdt, device=hidden.device),
-        torch.full((rows, width), shard.total, dtype=torch.int64, device=hidden.device),
+        torch.full((total, width), -math.inf, dtype=cdt, device=hidden.device),
+        torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
     work = kernels.Workspace()
-    for s, e in kernels.pieces(runs, tiles.rows):
+    for at in pieces(rows, total, tiles.rows):
+        n, h = size(at), gather(hidden, at, None)
         if not blocks and not fixed:  # a shard of padded ids only: no mass, nothing to merge wrong
-            dense.max[s:e], dense.sum[s:e] = -math.inf, 0.0
+            dense.max[at], dense.sum[at] = -math.inf, 0.0
             if dense.ent is not None:
-                dense.ent[s:e] = 0.0
+                dense.ent[at] = 0.0
             continue
-        chunks = tiles.chunks(e - s, hidden.dtype, hidden.device)
-        softmax = options.softmax.rows(slice(s, e))
+        chunks = tiles.chunks(n, hidden.dtype, hidden.device)
+        softmax = options.softmax.rows(at)
         # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block);
         # invariant mode writes each block's tiles in place, into these rows' own tiles
         # where ``dense`` is merged already (no TP: ``invariant.placeholders``)
         if merged:
-            parts = invariant.tile_placeholders(invariant.tiles(shard.valid), e - s, dense.picked.shape[1], cdt,
+            parts = invariant.tile_placeholders(invariant.tiles(shard.valid), n, dense.picked.shape[1], cdt,
                                                 hidden.device, dense.ent is not None)
-        else:
-            parts = dense.map(operator.itemgetter(slice(s, e))) if fixed else _two_slots(dense, e - s)
+        else:  # (``fixed``, an index's rows: a copy of them, written back below)
+            parts = dense.map(operator.itemgetter(at)) if fixed else _two_slots(dense, n)
         running: topk.Candidates | None = None
         for b, (v0, v1) in enumerate(blocks):
             # the same [rows, V_block] tiles, by the same matmuls, as backward: its
             # recomputed logits are these bit for bit, so the gradient's p and the
             # forward's max and sum agree (a row sure of its target gets exactly 0)
-            x = tiles.logits(hidden[s:e], weight[v0:v1], fixed)
+            x = tiles.logits(h, weight[v0:v1], fixed)
             slot = min(b, 1)
             part = parts if fixed else parts.map(operator.itemgetter(slot))
             if fixed:
-                invariant.stats(x, softmax, v1 - v0, part, [(0, e - s)], e - s, first=v0 // TILE)
+                invariant.stats(x, softmax, v1 - v0, part, None, n, first=v0 // TILE)
             else:
                 kernels.stats(x, softmax, part, chunks=chunks, work=work)
-            inside = held[s:e] & (column[s:e] >= v0) & (column[s:e] < v1)
-            at = torch.where(inside, column[s:e] - v0, 0)
-            picked = torch.where(inside, softmax.logits(x.gather(1, at).to(cdt)), 0.0)
+            inside = held[at] & (column[at] >= v0) & (column[at] < v1)
+            local = torch.where(inside, column[at] - v0, 0)
+            picked = torch.where(inside, softmax.logits(x.gather(1, local).to(cdt)), 0.0)
             if fixed:
                 part.picked.add_(picked)  # placeholders hold 0; one block holds each id
             else:
@@ -185,12 +181,12 @@ def dense_pass(
             if slot and not fixed:
                 _write(parts, 0, merge(parts, softmax.tau))
         if merged:
-            invariant.merge_into(dense, slice(s, e), parts, softmax.tau)
-        elif not fixed:
-            _write(dense, slice(s, e), parts.map(operator.itemgetter(0)))
+            invariant.merge_into(dense, at, parts, softmax.tau)
+        elif not fixed or not isinstance(at, slice):
+            _write(dense, at, parts if fixed else parts.map(operator.itemgetter(0)))
         if running is not None:
             c = running.values.shape[1]
-            found.values[s:e, :c], found.ids[s:e, :c] = running
+            found.values[at, :c], found.ids[at, :c] = running
     return None if best is None else found
 
 
@@ -199,7 +195,7 @@ def _two_slots(like: RowStats, rows: int) -> RowStats:
     return like.map(lambda f: f.new_empty((2, rows, *f.shape[1:])))
 
 
-def _write(into: RowStats, at: int | slice, stats: RowStats) -> None:
+def _write(into: RowStats, at: int | At, stats: RowStats) -> None:
     """``into[at] = stats``, field by field."""
     for field, value in zip(into, stats):
         if field is not None and value is not None:
