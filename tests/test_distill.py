@@ -8,6 +8,7 @@ sample, values and gradients, with CP invariance; every refusal. The TP cases ru
 spawned gloo ranks (``tests/distill_cases.py``)."""
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._types import compute_dtype
-from cpslice._vocab import kernels, topk
+from cpslice._vocab import backend, kernels, topk
 from tests.checked import refused
 
 from . import distill_reference as ref
@@ -83,10 +84,10 @@ def test_log_probs_at_matches_float64_log_softmax(case: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+def compiled() -> Iterator[None]:
     """The compiled chunk kernels on (aot_eager: the plumbing, without a C++ compile)."""
-    monkeypatch.setattr(kernels, "mode", "1")
-    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
+    with backend.using("compiled", compiler="aot_eager"):
+        yield
 
 
 def test_log_probs_at_through_the_compiled_kernels(compiled: None) -> None:

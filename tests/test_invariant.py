@@ -253,7 +253,7 @@ def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
                          0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
     g = torch.cat([torch.randn(10000, generator=gen) * 10.0 ** torch.randint(-30, 30, (10000,), generator=gen),
                    ties.view(torch.float32), torch.tensor([math.nan, -math.nan])])
-    got = (_invariant._bfloat16_bits(g) >> 16).to(torch.int16)
+    got = (_stats._bfloat16_bits(g) >> 16).to(torch.int16)
     want = g.to(torch.bfloat16).view(torch.int16)
     nan = g.isnan()
     assert torch.equal(got[~nan], want[~nan])  # ties to even, overflow to inf, zeros' signs

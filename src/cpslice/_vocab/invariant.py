@@ -37,7 +37,6 @@ for bit against the eager kernel's (a difference warns and turns them off).
 """
 
 import math
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import cast, no_type_check
@@ -138,15 +137,6 @@ def reciprocal(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) ->
     return 1.0 / taus(tau, rows, dtype, device)
 
 
-@no_type_check  # traced inside tile_kernel
-def _halve(parts: list[Tensor]) -> Tensor:
-    """``tree`` over a list: ``parts[i] + parts[i + h]`` until one is left."""
-    while len(parts) > 1:
-        h = len(parts) // 2
-        parts = [parts[i] + parts[i + h] for i in range(h)]
-    return parts[0]
-
-
 @no_type_check
 def tile_kernel(x, r):
     """``(m, s, a)`` ``[R, n]`` of ``x`` ``[R, n * TILE]`` (whole tiles, any float dtype,
@@ -167,10 +157,10 @@ def tile_kernel(x, r):
         e = exp(d)
         es.append(e)
         des.append(d * e)
-    s, a = _halve(es), _halve(des)
+    s, a = _stats._halve(es), _stats._halve(des)
     # [n, R]: each tile's row of statistics contiguous, as the placeholders hold them
-    return (m.t().contiguous(), _halve(list(s.unbind(-1))).t().contiguous(),
-            _halve(list(a.unbind(-1))).t().contiguous())
+    return (m.t().contiguous(), _stats._halve(list(s.unbind(-1))).t().contiguous(),
+            _stats._halve(list(a.unbind(-1))).t().contiguous())
 
 
 def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -209,26 +199,11 @@ def compiled_ok(part: Tensor, rows: Tensor | None = None) -> bool:
     return config.cpp.enable_floating_point_contract_flag == "off" and not config.cpp.enable_unsafe_math_opt_flag
 
 
-def _bits(t: Tensor) -> Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _same(got: Sequence[Tensor], want: Sequence[Tensor]) -> bool:
-    """Bit for bit (a zero's sign included), but a NaN's payload: NaN where the other is
-    NaN is enough (ATen's own bfloat16 rounding gives a NaN one payload in its vector
-    code and another in its scalar code)."""
-    def one(g: Tensor, w: Tensor) -> bool:
-        nan = g.isnan()
-        return bool(torch.equal(nan, w.isnan()) and torch.equal(_bits(g)[~nan], _bits(w)[~nan]))
-
-    return all(g.dtype == w.dtype and one(g, w) for g, w in zip(got, want))
-
-
 def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tuple[object, ...]) -> bool:
     """A compiled kernel's first result (per ``key``) against the eager one's, bit for
     bit: a difference warns once and turns invariant mode's compiled kernels off."""
     state = backend.selected
-    if not _same(got, want):
+    if not _stats._same(got, want):
         state.disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
         warnings.warn(f"cpslice: invariant mode: {state.disagree}; using the eager kernels from now on",
                       RuntimeWarning, stacklevel=4)
@@ -522,7 +497,7 @@ def _compiled_grad(
     its bits one element at a time (measured at T=4096, V=32768: the gradient 1.5x
     slower than with pairs)."""
     width = x.shape[1]
-    pairs = _pairs(x) is not None and _pairs(out) is not None
+    pairs = _stats._pairs(x) is not None and _stats._pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
     chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
     chunks, buf = chunked(x, rows, chunk)
@@ -534,7 +509,7 @@ def _compiled_grad(
         src, dst = gather(x, at, buf), out[at] if into is None or isinstance(at, slice) else into[:c]
         terms = (r[at], m[at], log_s[at], a[at], b[at])
         if pairs:
-            v, o = _pairs(src), _pairs(dst)
+            v, o = _stats._pairs(src), _stats._pairs(dst)
             assert v is not None and o is not None
             ok, _ = kernels._call(pairs_kernel, v, *terms, o)
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
@@ -554,28 +529,6 @@ def _compiled_grad(
     return True
 
 
-def _pairs(t: Tensor) -> Tensor | None:
-    """``[R, w / 2]`` int32 view of bfloat16 ``t`` ``[R, w]`` (two columns an element,
-    the even one in the low half: little-endian), where its shape, strides and offset
-    allow one; else None."""
-    if (t.dtype != torch.bfloat16 or sys.byteorder != "little" or t.shape[1] % 2 or t.stride(1) != 1
-            or t.stride(0) % 2 or t.storage_offset() % 2):
-        return None
-    return t.view(torch.int32)
-
-
-NAN_BITS = 0x7FC00000
-"""The float32 quiet NaN whose bfloat16 rounding is bfloat16's (0x7FC0)."""
-
-
-@no_type_check
-def _bfloat16_bits(g):
-    """The bfloat16 rounding (to nearest, ties to even) of float32 ``g`` as int32 bits in
-    the high half, the low half 0; a NaN the quiet NaN."""
-    bits = torch.where(g != g, NAN_BITS, g.view(torch.int32))
-    return (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-
-
 @no_type_check
 def pairs_kernel(v, r, m, log_s, a, b, out):
     """``grad_kernel`` of bfloat16 logits two columns at a time: ``v`` and ``out`` are
@@ -584,4 +537,4 @@ def pairs_kernel(v, r, m, log_s, a, b, out):
     even; a NaN the quiet NaN) and packed back: all lanes 32 bits wide."""
     even = _values((v << 16).view(torch.float32), r, m, log_s, a, b)
     odd = _values((v & -65536).view(torch.float32), r, m, log_s, a, b)
-    out.copy_(_bfloat16_bits(odd) | ((_bfloat16_bits(even) >> 16) & 0xFFFF))
+    out.copy_(_stats._bfloat16_bits(odd) | ((_stats._bfloat16_bits(even) >> 16) & 0xFFFF))

@@ -27,6 +27,7 @@ Everything is computed in ``compute_dtype`` (float32; float64 for float64 inputs
 """
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, no_type_check
 
@@ -463,3 +464,52 @@ def pick_grad(
     if softmax.cap is None:
         return value
     return value * (1 - torch.square(y / softmax.cap))
+
+
+# invariant mode's helpers that read no spec arithmetic (invariant.py uses them)
+
+
+@no_type_check  # traced inside tile_kernel
+def _halve(parts: list[Tensor]) -> Tensor:
+    """``tree`` over a list: ``parts[i] + parts[i + h]`` until one is left."""
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [parts[i] + parts[i + h] for i in range(h)]
+    return parts[0]
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(got: Sequence[Tensor], want: Sequence[Tensor]) -> bool:
+    """Bit for bit (a zero's sign included), but a NaN's payload: NaN where the other is
+    NaN is enough (ATen's own bfloat16 rounding gives a NaN one payload in its vector
+    code and another in its scalar code)."""
+    def one(g: Tensor, w: Tensor) -> bool:
+        nan = g.isnan()
+        return bool(torch.equal(nan, w.isnan()) and torch.equal(_bits(g)[~nan], _bits(w)[~nan]))
+
+    return all(g.dtype == w.dtype and one(g, w) for g, w in zip(got, want))
+
+
+def _pairs(t: Tensor) -> Tensor | None:
+    """``[R, w / 2]`` int32 view of bfloat16 ``t`` ``[R, w]`` (two columns an element,
+    the even one in the low half: little-endian), where its shape, strides and offset
+    allow one; else None."""
+    if (t.dtype != torch.bfloat16 or sys.byteorder != "little" or t.shape[1] % 2 or t.stride(1) != 1
+            or t.stride(0) % 2 or t.storage_offset() % 2):
+        return None
+    return t.view(torch.int32)
+
+
+NAN_BITS = 0x7FC00000
+"""The float32 quiet NaN whose bfloat16 rounding is bfloat16's (0x7FC0)."""
+
+
+@no_type_check
+def _bfloat16_bits(g):
+    """The bfloat16 rounding (to nearest, ties to even) of float32 ``g`` as int32 bits in
+    the high half, the low half 0; a NaN the quiet NaN."""
+    bits = torch.where(g != g, NAN_BITS, g.view(torch.int32))
+    return (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
