@@ -124,7 +124,9 @@ def triton_for(x: Tensor, invariant: bool = False) -> bool:
     if not selected.has_triton():
         raise RuntimeError("CPSLICE_BACKEND=triton but triton does not import; install it (CUDA builds of "
                            "torch bring it) or choose another backend (auto, eager, compiled)")
-    if where == "cuda" or (where == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+    from .triton import interpreted  # the package only: Triton itself is not imported
+
+    if where == "cuda" or (where == "cpu" and interpreted()):
         return True
     raise RuntimeError(
         f"CPSLICE_BACKEND=triton runs on CUDA tensors (and on CPU tensors only under Triton's "

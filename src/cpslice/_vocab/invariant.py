@@ -270,15 +270,14 @@ def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: 
     from .triton import invariant as tri
 
     cdt = out.sum.dtype
-    index = rows
     if out.max.dim() == 2:
-        tri.tile_stats(x, index, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
+        tri.tile_stats(x, rows, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
                        out.max, out.sum, out.ent, first)
         return
     assert first == 0, "merged statistics of a block of columns"
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    big, total, ent = tri.merged_stats(x, index, 1.0 / tau, tau, softmax.cap, valid, out.ent is not None)
-    at = slice(None) if index is None else index
+    big, total, ent = tri.merged_stats(x, rows, 1.0 / tau, tau, softmax.cap, valid, out.ent is not None)
+    at = slice(None) if rows is None else rows
     write(out, at, big, total, ent)
 
 

@@ -45,12 +45,9 @@ exercise the online merge across blocks in small tests."""
 
 
 @triton.jit
-@no_type_check  # a Triton kernel: checked by running it, not by mypy
-def _stats_kernel(
-    x_ptr, stride_x, rows_ptr, r_ptr, r_scalar, m_ptr, s_ptr, a_ptr, n_cols, cap, two_over_cap,
-    HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr,
-):
+@no_type_check  # a Triton function: checked by running it, not by mypy
+def _row_and_r(rows_ptr, r_ptr, r_scalar, HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr):
+    """This program's row (its index entry, or the program id) and its ``1 / tau``."""
     pid = tl.program_id(0)
     if HAS_ROWS:
         row = tl.load(rows_ptr + pid).to(tl.int64)
@@ -60,6 +57,17 @@ def _stats_kernel(
         r = tl.load(r_ptr + row)
     else:
         r = r_scalar
+    return row, r
+
+
+@triton.jit
+@no_type_check  # a Triton kernel: checked by running it, not by mypy
+def _stats_kernel(
+    x_ptr, stride_x, rows_ptr, r_ptr, r_scalar, m_ptr, s_ptr, a_ptr, n_cols, cap, two_over_cap,
+    HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+):
+    row, r = _row_and_r(rows_ptr, r_ptr, r_scalar, HAS_ROWS, PER_ROW)
     base = x_ptr + row * stride_x
     m = -float("inf")
     s = 0.0
@@ -97,15 +105,7 @@ def _grad_kernel(
     HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr,
     BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + pid).to(tl.int64)
-    else:
-        row = pid.to(tl.int64)
-    if PER_ROW:
-        r = tl.load(r_ptr + row)
-    else:
-        r = r_scalar
+    row, r = _row_and_r(rows_ptr, r_ptr, r_scalar, HAS_ROWS, PER_ROW)
     big_m = tl.load(m_ptr + row)
     log_s = tl.load(log_s_ptr + row)
     b = tl.load(b_ptr + row)
