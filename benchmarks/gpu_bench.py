@@ -59,18 +59,8 @@ def bandwidth() -> float:
     """Bytes per second of a device-to-device copy (read + write counted)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = _event(), _event()
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return float(2 * 2**30 / statistics.median(times))
+    ms = _time(lambda: dst.copy_(src), 10, warmup=3)
+    return 2 * 2**30 / (ms / 1e3)
 
 
 def reference(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -136,19 +126,11 @@ def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tenso
     x.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeat):
-        start, end = _event(), _event()
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = _time(once, repeat, warmup=0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     x.grad = None
     ran = launches - before
     kernels = ",".join(f"{k}x{v}" for k, v in sorted(ran.items())) or "-"
-    ms = statistics.median(times)
     return Row(name, str(x0.dtype).removeprefix("torch."), x0.shape[1], ms, ms / floor, peak, lp_err, h_err, g_err,
                kernels)
 
@@ -158,9 +140,10 @@ def show(row: Row) -> None:
           f"{row.peak_gib:6.2f} | {row.lp_err:.1e} | {row.h_err:.1e} | {row.g_err:.1e} | {row.kernels} |", flush=True)
 
 
-def _time(fn: Callable[[], object], repeat: int = 5) -> float:
-    """Median milliseconds of ``fn`` after two warm-up calls."""
-    for _ in range(2):
+def _time(fn: Callable[[], object], repeat: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of ``repeat`` CUDA-event timed calls of ``fn`` after ``warmup``
+    untimed ones."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
