@@ -36,7 +36,7 @@ from torch import Tensor
 
 from cpslice import Layout, clear_caches, extract_responses
 from cpslice._cli.balancers import block_order, per_document_head_tail_order
-from cpslice._plan import runs, selection
+from cpslice._layout.plan import runs, selection
 from cpslice._types import CpMode, QkvFormat
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
@@ -104,7 +104,7 @@ def _case(
                       cp_rank=min(1, cp - 1), cp_size=cp, align=align)
 
     layout = build()
-    from cpslice._plan import needed_length
+    from cpslice._layout.plan import needed_length
 
     t = needed_length(layout)
     values = torch.randn(t, device=device, requires_grad=True)

@@ -59,7 +59,7 @@ class Result:
 
 def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
     from cpslice import log_probs_and_entropy
-    from cpslice._vocab import backend
+    from cpslice._vocab.backends import selection as backend
 
     torch.manual_seed(0)
     logits = (torch.randn(t, v) * 2).to(getattr(torch, dtype_name)).requires_grad_(True)

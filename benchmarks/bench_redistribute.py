@@ -29,8 +29,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
     from cpslice import Layout, extract_responses, redistribute
-    from cpslice._plan import needed_length, resolve_length
-    from cpslice._redistribute import _route
+    from cpslice._layout.plan import needed_length, resolve_length
+    from cpslice._layout.redistribute import _route
 
     rng = random.Random(0)
     total = [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]
@@ -51,7 +51,7 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
             torch.autograd.backward(loss)
         return step
 
-    from cpslice._redistribute import _element_ids
+    from cpslice._layout.redistribute import _element_ids
 
     ids = _element_ids(src, resolve_length(src), src.cp_rank, 0)  # where this rank's shares sit in the whole responses
     dst_counts = {dst: _route(src, resolve_length(src), dst, resolve_length(dst), CP, 0).dst_counts

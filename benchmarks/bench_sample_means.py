@@ -85,8 +85,8 @@ def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> N
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
     from cpslice import Layout, extract_responses, gather_responses, sample_max, sample_means
     from cpslice import shard_responses as shard
-    from cpslice._plan import needed_length, resolve_length, response_base, selection
-    from cpslice._redistribute import _route
+    from cpslice._layout.plan import needed_length, resolve_length, response_base, selection
+    from cpslice._layout.redistribute import _route
 
     rng = random.Random(0)
     response = [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]

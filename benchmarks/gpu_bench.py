@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 import cpslice
-from cpslice._vocab import backend
-from cpslice._vocab.triton import default as triton_default
-from cpslice._vocab.triton import launches
+from cpslice._vocab.backends import selection as backend
+from cpslice._vocab.backends.triton import default as triton_default
+from cpslice._vocab.backends.triton import launches
 
 T = 16384
 VOCABS = (151936, 151936 // 4)

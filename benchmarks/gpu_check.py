@@ -124,7 +124,7 @@ def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor
     """Eager and compiled kernels of one path against the bandwidth floor: one read of
     the logits in forward, one read and one gradient write in backward, at T = 32768,
     V = 151936 / tp (``log_probs_at``: k = 64 ids per row)."""
-    from cpslice._vocab import backend as _backend
+    from cpslice._vocab.backends import selection as _backend
 
     bw = _bandwidth(device)
     print(f"{name}: device copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -191,7 +191,7 @@ def _response_rows(device: str) -> None:
     values nor the gradient, whose rows there are 0, eager and compiled, default and
     invariant; then a quarter of each sample as the response (8, 16, 64 samples) against
     all rows, T = 4096, V = 32768 float32, forward + backward, time and peak memory."""
-    from cpslice._vocab import backend as _backend
+    from cpslice._vocab.backends import selection as _backend
 
     gen = torch.Generator().manual_seed(4)
     layout = Layout([7, 5, 6], [3, 2, 2], padded_lengths=[9, 8, 8])

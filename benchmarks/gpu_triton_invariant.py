@@ -1,4 +1,4 @@
-"""On a CUDA machine: invariant mode's Triton kernels (``cpslice._vocab.triton.invariant``)
+"""On a CUDA machine: invariant mode's Triton kernels (``cpslice._vocab.backends.triton.invariant``)
 on the GPU against the eager spec on the CPU (ATen), bit for bit (a NaN's payload aside):
 per-tile statistics, their merge, merged statistics of a subset of rows and the logits'
 gradient, float32 and bfloat16, uncapped and capped, with rows holding the edges
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from cpslice._vocab import invariant as inv
 from cpslice._vocab import stats
-from cpslice._vocab.triton import invariant as tri
-from cpslice._vocab.triton import launches
+from cpslice._vocab.backends.triton import invariant as tri
+from cpslice._vocab.backends.triton import launches
 
 DEV = os.environ.get("DEV", "cuda")
 T, V, VALID = (int(v) for v in os.environ.get("SHAPE", "96,20000,19950").split(","))

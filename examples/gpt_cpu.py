@@ -1,5 +1,5 @@
 """megatron-core's GPTModel on the CPU, for train_tiny_gpt.py (next to it) and the tests
-(tests/test_gpt.py imports it from here: pytest puts examples/ on sys.path).
+(tests/distributed/test_gpt.py imports it from here: pytest puts examples/ on sys.path).
 
 megatron-core 0.16 builds a few tensors on CUDA even with ``use_cpu_initialization``;
 four small shims move them to the CPU:

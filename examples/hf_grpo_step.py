@@ -15,7 +15,7 @@ response tokens (verl; TRL's ``logits_to_keep=R + 1`` builds ``[B, R + 1, V]`` o
 instead of ``[B, S, V]``): the growth of the peak RSS (VmHWM) during the step beyond the
 RSS before it, as the benchmarks measure it (benchmarks/harness.py).
 
-tests/test_hf.py runs these functions on a tiny model: the same log-probs, entropy and
+tests/glue/test_hf.py runs these functions on a tiny model: the same log-probs, entropy and
 gradient of every parameter on both paths, and training steps.
 
 Run from the repository root: ``.venv/bin/python examples/hf_grpo_step.py``

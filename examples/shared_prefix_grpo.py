@@ -25,7 +25,7 @@ different lengths:
 Printed: each method's forward tokens and the wall time (wall and CPU) of one forward + backward (of a
 loss of the log-probs and entropy), and per sample the largest difference of its
 log-probs and entropy from ``shared``'s. Exit status 1 when they differ beyond the
-tolerance. tests/test_hf_shared_prefix.py runs these functions on a tiny model and
+tolerance. tests/glue/test_hf_shared_prefix.py runs these functions on a tiny model and
 compares every parameter's gradient too, in float32 and float64.
 
 Run from the repository root: ``.venv/bin/python examples/shared_prefix_grpo.py

@@ -1,4 +1,4 @@
-"""torch's context-parallel load balancers, for tests/test_balancers.py: where torch keeps
+"""torch's context-parallel load balancers, for tests/distributed/test_balancers.py: where torch keeps
 them (a private module: ``load_balancers`` fails, naming it, when torch moves it), the
 cases they index, and what each rank holds, read straight from the index.
 

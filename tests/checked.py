@@ -26,25 +26,26 @@ from .background import Job
 CHECKED = hasattr(cpslice.extract_responses, "__wrapped__")
 
 UNCHECKED = (
-    "tests/test_errors.py", "tests/test_logprob.py::test_refusals",
-    "tests/test_pack.py::test_input_errors", "tests/test_reduce.py::test_reducer_errors",
-    "tests/test_reduce.py::test_error_reducer_arguments",
-    "tests/test_reduce.py::test_a_2d_share_is_refused_as_values",
-    "tests/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
-    "tests/test_logprob.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
-    "tests/test_support.py::test_support_refusals_on_the_hidden_path",
-    "tests/test_arguments.py", "tests/test_distill.py::test_refusals",
-    "tests/test_distill.py::test_response_refusals_name_the_sample",
-    "tests/test_transforms.py::test_refusals",
-    "tests/test_padded.py::test_refusals",
-    "tests/test_support.py::test_support_refusals", "tests/test_support.py::test_log_prob_refusals",
-    "tests/test_support.py::test_from_responses_refusals",
-    "tests/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
-    "tests/test_row_offsets.py::test_refusals",
-    "tests/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
-    "tests/test_depth.py::test_refusals",
-    "tests/test_shared_prefix.py::test_refusals",
-    "tests/test_shared_prefix.py::test_layout_refusals_name_the_group_and_the_rule",
+    "tests/layout/test_errors.py", "tests/vocabulary/test_logprob.py::test_refusals",
+    "tests/layout/test_pack.py::test_input_errors", "tests/layout/test_reduce.py::test_reducer_errors",
+    "tests/layout/test_reduce.py::test_error_reducer_arguments",
+    "tests/layout/test_reduce.py::test_a_2d_share_is_refused_as_values",
+    "tests/layout/test_reduce.py::test_shares_of_one_call_have_one_trailing_shape",
+    "tests/vocabulary/test_logprob.py::test_response_from_hidden_refuses_and_keeps_the_entropy_none",
+    "tests/vocabulary/test_support.py::test_support_refusals_on_the_hidden_path",
+    "tests/glue/test_arguments.py", "tests/vocabulary/test_distill.py::test_refusals",
+    "tests/vocabulary/test_distill.py::test_response_refusals_name_the_sample",
+    "tests/vocabulary/test_transforms.py::test_refusals",
+    "tests/layout/test_padded.py::test_refusals",
+    "tests/vocabulary/test_support.py::test_support_refusals",
+    "tests/vocabulary/test_support.py::test_log_prob_refusals",
+    "tests/vocabulary/test_support.py::test_from_responses_refusals",
+    "tests/vocabulary/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
+    "tests/layout/test_row_offsets.py::test_refusals",
+    "tests/glue/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
+    "tests/layout/test_depth.py::test_refusals",
+    "tests/glue/test_shared_prefix.py::test_refusals",
+    "tests/glue/test_shared_prefix.py::test_layout_refusals_name_the_group_and_the_rule",
 )
 """The tests the unchecked run repeats: every refusal, and the argument kinds every
 entry point accepts (test_arguments), which must be the same with checking on and off."""
@@ -59,7 +60,7 @@ def _unchecked_run() -> dict[str, Job]:
     return {"unchecked": Job(argv, env, Path(__file__).resolve().parent.parent)}
 
 
-background.register("unchecked", "tests/test_errors.py::test_error_tests_pass_unchecked",
+background.register("unchecked", "tests/layout/test_errors.py::test_error_tests_pass_unchecked",
                     _unchecked_run)
 
 

@@ -1,4 +1,4 @@
-"""The compiled training step of ``tests/test_compile.py``, run in fresh interpreters as
+"""The compiled training step of ``tests/glue/test_compile.py``, run in fresh interpreters as
 background jobs (``background.py``): each compiles for about twenty seconds of CPU and
 needs nothing from the session, so both run, niced, beside the other tests, and the
 compile test waits for them.
@@ -94,4 +94,4 @@ def result(first: str, timeout: float = 200) -> Done:
     return background.result("compile", timeout)[first]
 
 
-background.register("compile", "tests/test_compile.py", jobs)
+background.register("compile", "tests/glue/test_compile.py", jobs)

@@ -2,7 +2,7 @@
 
 import torch
 
-from cpslice._vocab import backend as _backend
+from cpslice._vocab.backends import selection as _backend
 
 
 def ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:

@@ -1,4 +1,4 @@
-"""The distillation functions on tensor-parallel gloo ranks (run by tests/test_distill.py
+"""The distillation functions on tensor-parallel gloo ranks (run by tests/vocabulary/test_distill.py
 through ``run_distributed``): every rank holds a shard of the same full logits (or LM-head
 weight) and must get the same values as the float64 reference of the full vocabulary,
 its shard's columns of the gradient, and enter exactly the documented collectives."""

@@ -1,6 +1,6 @@
 """A deliberately naive, loop-by-loop reading of docs/layouts.md, used only as a test oracle.
 
-It shares no code with cpslice._plan, so the library's vectorized arithmetic is
+It shares no code with cpslice._layout.plan, so the library's vectorized arithmetic is
 checked against an independent transcription of the ground truth.
 """
 
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from cpslice import Layout
-from cpslice._layout import closed_mode
+from cpslice._layout.layout import closed_mode
 from cpslice._types import CpMode, QkvFormat
 
 

@@ -1,5 +1,5 @@
 """Bugs planted in copies of the package, and the ``cpslice verify`` runs that must catch
-them (``tests/test_verify_planted.py``), with the reading of verify's result table.
+them (``tests/cli/test_verify_planted.py``), with the reading of verify's result table.
 
 The runs take most of a minute of both cores (each spawns ranks that import torch and
 megatron-core), so they are background jobs (``background.py``), started when the
@@ -30,14 +30,14 @@ PLANTS = {
     # shard_responses all read the same wrong plan, so only expected values computed
     # independently of _plan (the verifier's oracle) can catch it.
     "zigzag chunk": Plant(
-        (("_pieces.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
+        (("_layout/pieces.py", "(2 * c - 1 - r) * chunk", "(2 * c - 2 - r) * chunk"),),
         ("--cp-size", "2", "--mode", "zigzag", "--format", "thd"),
     ),
     # redistribute cuts the allgather pieces at the least local length, not the tensor's
     "redistribute reads the least length": Plant(
-        (("_redistribute.py", "from ._plan import resolve, response_base, select, selection_at",
-          "from ._plan import needed_length, resolve, response_base, select, selection_at"),
-         ("_redistribute.py",
+        (("_layout/redistribute.py", "from .plan import resolve, response_base, select, selection_at",
+          "from .plan import needed_length, resolve, response_base, select, selection_at"),
+         ("_layout/redistribute.py",
           "route = _device_route(src, src_length, dst, dst_length, size, nlists, stacked.device, d)",
           "route = _device_route(src, needed_length(src), dst, needed_length(dst), size, nlists, stacked.device, d)")),
         ("--cp-size", "2", "--mode", "allgather"),
@@ -47,9 +47,9 @@ PLANTS = {
     # other branches' log-probs detached there): the log-probs stay right, so only the
     # verifier's gradient rows, a shared row's summed over the branches, catch it
     "from_cu_seqlens widths off by one, a shared row's gradient not summed": Plant(
-        (("_layout_checks.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
+        (("_layout/checks.py", "widths = tuple(b - a for a, b in zip(bounds, bounds[1:]))",
           "widths = tuple(b - a + 1 for a, b in zip(bounds, bounds[1:]))"),
-         ("_extract.py", "        return values[at, p.slot]",
+         ("_layout/extract.py", "        return values[at, p.slot]",
           "        return torch.where(p.slot == 0, values[at, p.slot], values[at, p.slot].detach())")),
         ("--cp-size", "2", "--format", "thd"),
     ),
@@ -60,11 +60,11 @@ PLANTS = {
     # order[b, r::c], not order[b, r*S/c:(r+1)*S/c]): still a permutation, read alike by
     # every function, so only the oracle's own reading of the order catches it
     "bshd rows: no-CP rounded to even, row offsets ignored, an order's columns strided": Plant(
-        (("_widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
+        (("_layout/widths.py", '        step = 2 * cp_size if mode == "zigzag" else 1\n        return (',
           '        step = 2 * cp_size if mode == "zigzag" else 2\n        return ('),
-         ("_plan.py", "    offset = torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]",
+         ("_layout/plan.py", "    offset = torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]",
           "    offset = 0 * torch.tensor(layout.row_offsets, dtype=_I64)[p.sample]"),
-         ("_pieces.py", "(order + starts[:, None]).view(rows, size, seq // size).transpose(0, 1)",
+         ("_layout/pieces.py", "(order + starts[:, None]).view(rows, size, seq // size).transpose(0, 1)",
           "(order + starts[:, None]).view(rows, seq // size, size).permute(2, 0, 1)")),
         ("--cp-size", "2", "--format", "bshd"),
     ),
@@ -103,7 +103,7 @@ def results(timeout: float = 450) -> dict[str, Done]:
     return background.result("planted", timeout)
 
 
-background.register("planted", "tests/test_verify_planted.py", jobs)
+background.register("planted", "tests/cli/test_verify_planted.py", jobs)
 
 
 def rows(stdout: str) -> dict[str, list[str]]:

@@ -1,5 +1,5 @@
 """Shared-prefix stars (``shared_prefix=``) for the tests: a loop-by-loop oracle of
-docs/layouts.md's star rules that shares no code with ``cpslice._plan``, random star
+docs/layouts.md's star rules that shares no code with ``cpslice._layout.plan``, random star
 batches, and their float64 reference: the SAME samples packed without sharing, each
 sample's full tokens (its group's prompt, then its response) with its own copy of the
 star's rows.

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpslice import LayoutError, log_probs_and_entropy, log_probs_and_entropy_from_hidden
-from cpslice._vocab import backend as _backend
 from cpslice._vocab import hidden as _hidden
 from cpslice._vocab import stats as _stats
+from cpslice._vocab.backends import selection as _backend
 
 from ._dist import counting, tp_groups
 from .compiled import ran

@@ -1,5 +1,5 @@
 """Soft-capping, a padded vocabulary and per-row temperatures on tensor-parallel gloo
-ranks (run by tests/test_transforms.py through ``run_distributed``). With ``V_local`` 5:
+ranks (run by tests/vocabulary/test_transforms.py through ``run_distributed``). With ``V_local`` 5:
 at TP 4 the vocabulary of 20 rows holds 13 ids (shard 2 holds 3 of them, shard 3 only
 padded rows); at TP 2, 10 rows hold 6 ids (shard 1 holds one). Every rank gets the
 float64 reference's values and its shard's columns (rows) of the gradient, zero at

@@ -1,4 +1,4 @@
-"""What tests/test_triton.py (the interpreter) and tests/test_triton_cuda.py (a GPU)
+"""What tests/vocabulary/test_triton.py (the interpreter) and tests/vocabulary/test_triton_cuda.py (a GPU)
 share: the float64 reference, the logits, the softmax options, and the launches seen."""
 
 import math
@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpslice._vocab.triton import launches
+from cpslice._vocab.backends.triton import launches
 
 
 def launched(before: dict[str, int]) -> set[str]:

@@ -22,7 +22,7 @@ first such call and kept. Dynamo must never trace the wrapper itself:
   is marked, once, for dynamo's frame evaluator as a frame to run untraced. Its callees
   are not skipped: the disabled version keeps dynamo out of the planning code, as before.
 
-The graph breaks of a compiled step are where they were (tests/test_compile.py).
+The graph breaks of a compiled step are where they were (tests/glue/test_compile.py).
 Where this torch offers no such mark, every boundary is ``torch.compiler.disable`` at
 definition, as before: correct, and slow to import.
 

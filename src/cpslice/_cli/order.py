@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from .._layout import Layout
+from .._layout.layout import Layout
 from .._types import QkvFormat
 from .balancers import BALANCERS, DEFAULT_BLOCK, Balancer, balancer_order
 

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from .._extract import extraction_strategy
-from .._layout import Layout
-from .._plan import default_length, needed_length, runs, selection, selection_at
+from .._layout.extract import extraction_strategy
+from .._layout.layout import Layout
+from .._layout.plan import default_length, needed_length, runs, selection, selection_at
 from .._types import CpMode, QkvFormat
 from .args import EXIT_FAILURE, Subcommand, one_line
 from .balancers import TorchBalancerMissing

@@ -10,9 +10,9 @@ import itertools
 import torch
 from torch import Tensor
 
-from .._layout import Layout
-from .._layout_checks import star_lengths
-from .._plan import runs, segments, selection_at
+from .._layout.checks import star_lengths
+from .._layout.layout import Layout
+from .._layout.plan import runs, segments, selection_at
 
 
 def _range(lo: int, hi: int) -> str:

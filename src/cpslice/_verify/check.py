@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._distill import response_distillation
-from .._layout import Layout, closed_mode
-from .._pack import pack
-from .._redistribute import redistribute
-from .._response import response_log_probs
-from .._support import Support
+from .._glue.distill import response_distillation
+from .._glue.response import response_log_probs
+from .._glue.support import Support
+from .._layout.layout import Layout, closed_mode
+from .._layout.pack import pack
+from .._layout.redistribute import redistribute
 from .._vocab.logits import log_probs_and_entropy
 from . import oracle
 from .batches import (

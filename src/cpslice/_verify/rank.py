@@ -60,7 +60,7 @@ def rank_main(rank: int, port: int, config: Config, out: Outbox) -> None:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world))
     if config.compile:
-        from .._vocab import backend
+        from .._vocab.backends import selection as backend
 
         backend.selected.name = "compiled"  # CPSLICE_BACKEND=compiled for this process
     where = {"case": -1, "cp_rank": -1}

@@ -27,5 +27,5 @@ computes its tiles of logits its own way and hands them to it:
 
 Each public function's ``torch.autograd.Function`` is a thin shell over the driver's
 module-level ``forward`` and ``backward``. No module here imports the layout half or the
-glue (``tests/test_imports.py``).
+glue (``tests/project/test_imports.py``).
 """

@@ -45,8 +45,9 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from . import backend, kernels
+from . import kernels
 from . import stats as _stats  # merge_tiles read at each call: tests plant another order
+from .backends import selection as backend
 from .memory import buffer
 from .rows import At, chunked, gather, numbers, pieces, size
 from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
@@ -111,7 +112,7 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
     backend of the tiles: the Triton kernel's where it computes (the same bits), else
     torch's. ``stats.combine``'s merger in invariant mode."""
     if isinstance(tau, Tensor) and backend.triton_for(m, invariant=True):
-        from .triton import invariant as tri
+        from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
     return _stats.merge_tiles(m, s, a, tau)
@@ -267,7 +268,7 @@ def stats(
 def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | None, first: int) -> None:
     """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
     ``out``'s ``[T, n_local]`` fields, or each row's tiles merged into its ``[T]`` ones."""
-    from .triton import invariant as tri
+    from .backends.triton import invariant as tri
 
     cdt = out.sum.dtype
     if out.max.dim() == 2:
@@ -445,7 +446,7 @@ def grad(
     a = torch.zeros_like(row.b) if row.a is None else row.a
     chunk = max(chunks.eager, chunks.compiled)
     if backend.triton_for(x, invariant=True):
-        from .triton import invariant as tri
+        from .backends.triton import invariant as tri
 
         tri.grad(x, rows, r, big_m, log_s, row.a, row.b, softmax.cap, out)
         picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)

@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from .._types import compute_dtype
-from . import backend
-from .memory import buffer as buffer  # the gradient's buffer, read here by tests/test_kernels.py
+from .backends import selection as backend
+from .memory import buffer as buffer  # the gradient's buffer, read here by tests/vocabulary/test_kernels.py
 from .rows import At, count, gather, numbers, pieces, size
 from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
 from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
@@ -400,7 +400,7 @@ def stats(
     (a shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled
     kernels run on full chunks of the selected rows, whatever their runs."""
     if backend.triton_for(x):
-        from .triton import default as tri
+        from .backends.triton import default as tri
 
         tri.row_stats(x, softmax, out, rows)
         return
@@ -501,7 +501,7 @@ def grad(
     through the cap's ``tanh``. ``compiled=False`` (invariant mode) runs the eager loop
     alone."""
     if backend.triton_for(x):
-        from .triton import default as tri
+        from .backends.triton import default as tri
 
         tri.row_grad(x, big_m, log_s, softmax, row, out, rows)
         return

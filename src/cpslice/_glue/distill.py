@@ -1,0 +1,455 @@
+"""Distillation against a teacher's top-k: the divergence of two ``[..., k]`` log-prob
+tensors, and its training-step form per sample, from logits or hidden states.
+
+The teacher's side is ``k`` ids per token and their log-probs (from the teacher's
+forward, ``topk_log_probs``, or from the inference engine); the student's are its own
+log-probs at those ids, normalized over its whole vocabulary (``log_probs_at``). Each
+side's ``k`` probabilities become categories (``tail``):
+
+- ``"bin"``: ``k + 1`` categories, the ``k`` ids and one bin holding the rest of the mass,
+  ``1 - sum(exp(x))``, computed as ``-expm1(logsumexp(x))`` (accurate when the ids hold
+  almost everything) and floored at the compute dtype's epsilon (``finfo.eps``: about
+  1.2e-7 in float32, 2.2e-16 in float64). Below it the bin's mass is the rounding of the
+  ``k`` log-probs, not a mass: a sum of exp that rounds to 1 or above (``k = V``, or ids
+  holding all the mass) then gives both sides the same floor, so the bin adds nothing
+  and its gradient is 0, where a log of rounding noise (or of a mass <= 0) would make the
+  divergence, or its gradient, infinite, NaN or arbitrary. The bin is only as accurate
+  as the log-probs given (a bfloat16 teacher's to about 2^-8);
+- ``"renormalize"``: ``k`` categories, each side renormalized over its ``k`` ids.
+
+Over the categories, with ``p`` the teacher's and ``q`` the student's distribution:
+``"forward"`` is ``KL(p || q)``, ``"reverse"`` ``KL(q || p)``, ``"jsd"`` ``beta KL(p || m) +
+(1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``. A category of probability 0
+contributes 0 (never ``0 * log 0`` = NaN): a tail of 0 when the ids hold all the mass.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _checks as checks
+from .._errors import LayoutError
+from .._layout.extract import picked_ids, picked_values, shard, split
+from .._layout.layout import Layout
+from .._layout.pack import check_group_temperatures, temperatures_of
+from .._layout.plan import Local, Read, Span, resolve
+from .._types import (
+    ChunkArg,
+    DivergenceArg,
+    IntArg,
+    RealArg,
+    SampleTemperatureArg,
+    Share1D,
+    TailArg,
+    TensorArg,
+    TopK,
+    compute_dtype,
+)
+from .._vocab import args, dtensor, topk
+from .._vocab import hidden as hidden_driver
+from .._vocab import logits as logits_driver
+from .._vocab.engine import Options
+
+KINDS = {
+    "forward": "KL(teacher || student)",
+    "reverse": "KL(student || teacher)",
+    "jsd": "beta KL(teacher || m) + (1 - beta) KL(student || m), m their mixture",
+}
+TAILS = {"bin": "k + 1 categories, the rest of the mass in one bin", "renormalize": "k categories, renormalized"}
+_LN2 = math.log(2.0)
+
+
+def _log_rest(lse: Tensor) -> Tensor:
+    """``log(1 - exp(lse))``, the mass floored at ``finfo.eps``: the log of the mass outside
+    ids whose log of summed mass is ``lse`` (``log1p(-exp)`` far from 1, ``log(-expm1)``
+    near it; each branch fed only values where it is finite, so no NaN reaches a
+    gradient)."""
+    floor = torch.finfo(lse.dtype).eps
+    far = lse < -_LN2
+    from_far = torch.log1p(-torch.exp(torch.minimum(lse, torch.full_like(lse, -_LN2))))
+    mass = -torch.expm1(torch.maximum(lse, torch.full_like(lse, -_LN2)))
+    return torch.where(far, from_far, torch.log(torch.clamp(mass, min=floor)))
+
+
+def _categories(x: Tensor, tail: str) -> Tensor:
+    """The ``[..., k]`` log-probs ``x`` as the log-probs of ``tail``'s categories."""
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    if tail == "renormalize":
+        return x - lse
+    return torch.cat([x, _log_rest(lse)], -1)
+
+
+def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``sum p (log p - log q)`` over the last dimension; a category with ``p = 0`` adds 0."""
+    p = torch.exp(log_p)
+    counts = p > 0
+    zero = torch.zeros_like(log_p)
+    term = p * (torch.where(counts, log_p, zero) - torch.where(counts, log_q, zero))
+    return torch.where(counts, term, zero).sum(-1)
+
+
+def _check_divergence(kind: object, beta: object, tail: object) -> float:
+    if kind not in KINDS:
+        choices = "; ".join(f"{k!r} ({v})" for k, v in KINDS.items())
+        raise LayoutError(f"kind={kind!r} is not one of {choices}")
+    if tail not in TAILS:
+        choices = "; ".join(f"{k!r} ({v})" for k, v in TAILS.items())
+        raise LayoutError(f"tail={tail!r} is not one of {choices}")
+    b = checks.real("beta", beta)
+    if not 0.0 < b < 1.0:
+        raise LayoutError(
+            f"beta={beta!r} is not allowed: the mixture weight of jsd must be in (0, 1) "
+            "(its ends are kind='forward' and kind='reverse')"
+        )
+    return b
+
+
+def topk_divergence(
+    student: TensorArg,
+    teacher: TensorArg,
+    *,
+    kind: DivergenceArg = "forward",
+    beta: RealArg = 0.5,
+    tail: TailArg = "bin",
+) -> Tensor:
+    """Per-row divergence between a student's and a teacher's log-probs at the same ``k``
+    ids (the module docstring gives the categories and kinds).
+
+    Args:
+        student: ``[..., k]`` the student's log-probs at the ids, normalized over its full
+            vocabulary (``log_probs_at``).
+        teacher: ``[..., k]`` the teacher's, normalized over its full vocabulary
+            (``topk_log_probs``, or the inference engine's).
+        kind: ``"forward"`` (``KL(teacher || student)``), ``"reverse"`` or ``"jsd"``.
+        beta: the teacher's weight in ``"jsd"``'s mixture, ``0 < beta < 1``.
+        tail: ``"bin"`` (``k + 1`` categories) or ``"renormalize"`` (``k``).
+
+    Returns:
+        ``[...]``, float32 (float64 when either input is float64), differentiable w.r.t.
+        both arguments where they require grad (frameworks pass the teacher detached). No
+        NaN from a category of probability 0, and no infinity from a tail bin that rounds
+        to 0 or below (its mass is floored at the compute dtype's epsilon).
+
+    Raises:
+        TypeError: an argument not a floating-point tensor; ``beta`` not a real number.
+        LayoutError: the shapes differ (``k`` or the leading dimensions), a 0-d tensor or
+            ``k = 0``; ``kind`` or ``tail`` not one of the above; ``beta`` outside (0, 1).
+    """
+    tensors = []
+    for name, value in (("student", student), ("teacher", teacher)):
+        x = checks.tensor(name, value, "a torch.Tensor [..., k] of log-probs")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} has dtype {x.dtype}; pass floating-point log-probs")
+        if x.dim() == 0 or x.shape[-1] == 0:
+            raise LayoutError(f"{name} has shape {tuple(x.shape)}; it must be [..., k] with k >= 1")
+        tensors.append(x)
+    s, t = tensors
+    if s.shape != t.shape:
+        raise LayoutError(
+            f"student has shape {tuple(s.shape)} but teacher has {tuple(t.shape)}: both are "
+            "[..., k] log-probs at the same k ids per row"
+        )
+    b = _check_divergence(kind, beta, tail)
+    cdt = compute_dtype(torch.promote_types(s.dtype, t.dtype))
+    log_q, log_p = _categories(s.to(cdt), str(tail)), _categories(t.to(cdt), str(tail))
+    if kind == "forward":
+        return _kl(log_p, log_q)
+    if kind == "reverse":
+        return _kl(log_q, log_p)
+    return b * _kl(log_p, _log_mix(log_p, log_q, b)) + (1.0 - b) * _kl(log_q, _log_mix(log_p, log_q, b))
+
+
+def _log_mix(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
+    """``log(beta p + (1 - beta) q)``; -inf, with no NaN gradient, where both are 0."""
+    a, c = math.log(beta) + log_p, math.log(1.0 - beta) + log_q
+    none = (a == -math.inf) & (c == -math.inf)
+    zero = torch.zeros_like(a)
+    mixed = torch.logaddexp(torch.where(none, zero, a), torch.where(none, zero, c))
+    return torch.where(none, torch.full_like(a, -math.inf), mixed)
+
+
+def _teacher(
+    teacher_log_probs: object, teacher_ids: object, response: tuple[int, ...], total: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The teacher's per-sample ``[R_i, k]`` log-probs and int64 ids, one ``k`` for all,
+    ids (on the CPU, where it costs no sync) inside the vocabulary."""
+    lps = checks.per_sample("teacher_log_probs", dtensor.replicated_each("teacher_log_probs", teacher_log_probs),
+                            response, "response_length", floating=True)
+    ids = checks.per_sample("teacher_ids", dtensor.replicated_each("teacher_ids", teacher_ids), response,
+                            "response_length")
+    k = None
+    for i, (lp, tid) in enumerate(zip(lps, ids)):
+        if tid.dtype != torch.int64:
+            raise TypeError(f"sample {i}: teacher_ids[{i}] has dtype {tid.dtype}; pass int64 ids (.long())")
+        for name, x in (("teacher_log_probs", lp), ("teacher_ids", tid)):
+            if x.dim() != 2 or x.shape[1] < 1:
+                raise LayoutError(
+                    f"sample {i}: {name}[{i}] has shape {tuple(x.shape)}; it must be [R_i, k] "
+                    "(k >= 1 ids per response token)"
+                )
+            k = x.shape[1] if k is None else k
+            if x.shape[1] != k:
+                raise LayoutError(
+                    f"sample {i}: {name}[{i}] has k = {x.shape[1]} ids per token but sample 0's "
+                    f"teacher has {k}; one k for every sample and both tensors"
+                )
+        if tid.device.type == "cpu" and tid.numel():
+            bad = ((tid < 0) | (tid >= total)).nonzero()
+            if bad.numel():
+                r, j = (int(v) for v in bad[0])
+                raise LayoutError(
+                    f"sample {i}: teacher_ids[{i}][{r}, {j}] = {int(tid[r, j])} is outside the "
+                    f"student's vocabulary [0, {total}) ({bad.shape[0]} such ids in the sample)"
+                )
+    return lps, ids
+
+
+def _rows(parts: list[Tensor], k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[r, k]``: this rank's shares of per-sample ``[R_i, k]`` tensors, in extraction
+    order, on ``device`` (``[0, k]`` for a layout of no samples)."""
+    return torch.cat(parts).to(device) if parts else torch.zeros((0, k), dtype=dtype, device=device)
+
+
+class _Step(NamedTuple):
+    """A distillation step's checked arguments: this rank's layout resolved once (its
+    response rows), the vocabulary engine's ``Options`` over every local row, and this
+    rank's shares of the teacher's per-sample log-probs and ids, and their ``k``."""
+
+    local: Local
+    options: Options
+    lps: list[Tensor]
+    ids: list[Tensor]
+    k: int
+
+
+def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tuple[Local, float | Tensor]:
+    """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
+    its per-row temperature."""
+    per_sample = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
+    if isinstance(per_sample, Tensor):
+        check_group_temperatures(per_sample, layout)
+    spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
+    return local, temperatures_of(per_sample, local)
+
+
+def _prepare(
+    x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: ChunkArg,
+    softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
+    teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
+    invariant: bool = False,
+) -> _Step:
+    """Every check of a distillation step, in order, before any collective."""
+    local, tau = _resolved(x, what, layout, temperature)
+    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
+    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+                           invariant=invariant)
+    assert options.vocab_size is not None
+    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, options.vocab_size)
+    _check_divergence(kind, beta, tail)
+    return _Step(local, options, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
+
+
+def _response_rows(options: Options, read: Read) -> Options:
+    """``options`` for the distinct response rows of ``read`` alone (the hidden path's
+    ``[R, H]`` copy; a shared prefix's prompt row once): their temperatures."""
+    rows = read.picks.rows
+    return options._replace(tau=options.tau if isinstance(options.tau, float) else options.tau[rows])
+
+
+def response_distillation(
+    logits: TensorArg,
+    teacher_log_probs: Sequence[TopK],
+    teacher_ids: Sequence[TopK],
+    layout: Layout,
+    *,
+    kind: DivergenceArg = "forward",
+    beta: RealArg = 0.5,
+    tail: TailArg = "bin",
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> list[Share1D]:
+    """This rank's share of each sample's per-token divergence from its teacher's top-k.
+
+    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP
+    shard), or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as
+    ``log_probs_at`` takes it); ``teacher_log_probs[i]`` and ``teacher_ids[i]`` are sample ``i``'s whole
+    ``[R_i, k]`` tensors, aligned with its response tokens and the same on every rank (as
+    tokens are): the logit that predicts response token ``j`` is compared with the
+    teacher's row ``j``. The student's log-probs at the teacher's ids
+    (``log_probs_at``) are computed on the response rows only (no copy of the logits
+    selects them), then ``topk_divergence`` per token. The loss is then, e.g.,
+    ``sum_of_sample_means(div, masks, layout)``.
+
+    ``temperature`` (one real, or one per sample: ``n`` reals or an ``[n]`` tensor),
+    ``softcap``, ``vocab_size`` and ``invariant`` are the student's, as
+    ``response_log_probs``'s; a teacher id ``>= vocab_size`` is refused (the teacher's
+    vocabulary is the student's).
+
+    Returns:
+        One ``[r_i]`` float32 share per sample (float64 for float64 logits), aligned
+        sample by sample, never None; an empty share a zero-length view in the graph.
+        Differentiable w.r.t. ``logits`` (and the teacher's log-probs where they
+        require grad).
+
+    Collectives: those of ``log_probs_at`` (one all-gather over ``tp_group``, entered by
+    every rank, one that holds no response included); no CP communication.
+
+    Raises:
+        TypeError, LayoutError: as ``log_probs_at`` and ``topk_divergence``; the teacher's
+            tensors not one ``[R_i, k]`` per sample with one ``k`` (named by sample), a
+            CPU teacher id outside the vocabulary; logits of a length the layout cannot
+            hold. Raised before any collective.
+    """
+    x, tp = args.logits(logits, tp_group)
+    step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp,
+                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
+    read = step.local.reads["response"]
+    # each element's k teacher ids, a shared row's branches side by side (``picked_ids``)
+    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, x.device), x.shape[0])
+    student, _ = logits_driver.apply(x, picked, step.options._replace(rows=read.mask))
+    teacher = _rows(step.lps, step.k, student.dtype, x.device)
+    div = topk_divergence(picked_values(read, student, step.k), teacher, kind=kind, beta=beta, tail=tail)
+    return list(torch.split(div, read.selection.counts))
+
+
+def response_distillation_from_hidden(
+    hidden: TensorArg,
+    weight: TensorArg,
+    teacher_log_probs: Sequence[TopK],
+    teacher_ids: Sequence[TopK],
+    layout: Layout,
+    *,
+    kind: DivergenceArg = "forward",
+    beta: RealArg = 0.5,
+    tail: TailArg = "bin",
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> list[Share1D]:
+    """``response_distillation`` from the hidden states and the LM-head weight: the
+    response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
+    logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP mesh
+    dimension, as there.
+
+    Returns, collectives and raises as ``response_distillation`` (with
+    ``log_probs_at_from_hidden``'s: one all-gather forward, one all-reduce of the hidden
+    gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    h, w, tp = args.head(hidden, weight, tp_group)
+    step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp,
+                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
+    read = step.local.reads["response"]
+    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, h.device))
+    student, _ = hidden_driver.apply(h[read.picks.rows], w, picked, _response_rows(step.options, read))
+    teacher = _rows(step.lps, step.k, student.dtype, h.device)
+    div = topk_divergence(picked_values(read, student, step.k, local=False), teacher, kind=kind, beta=beta, tail=tail)
+    return list(torch.split(div, read.selection.counts))
+
+
+def _teacher_step(
+    x: Tensor, vocab_local: int, what: str, k: object, layout: Layout, temperature: object,
+    chunk_size: ChunkArg, softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
+    invariant: bool = False,
+) -> tuple[Local, int, Options]:
+    """Every check of a per-sample top-k, in order, before any collective: the layout
+    resolved once, ``k``, and the engine's ``Options`` over every local row."""
+    k_ = args.k_best(k)
+    local, tau = _resolved(x, what, layout, temperature)
+    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
+    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
+                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
+                           invariant=invariant)
+    assert options.vocab_size is not None
+    topk.check_k(k_, options.vocab_size, compute_dtype(x.dtype))
+    return local, k_, options
+
+
+def response_topk_log_probs(
+    logits: TensorArg,
+    k: IntArg,
+    layout: Layout,
+    *,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> tuple[list[TopK], list[TopK]]:
+    """The teacher's side of ``response_distillation``, per sample: each response
+    token's ``k`` most likely ids over the whole (tensor-parallel) vocabulary and their
+    log-probs, this rank's share of every sample.
+
+    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard),
+    or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as ``topk_log_probs``
+    takes it); only the response rows are computed (``topk_log_probs`` of those rows, no copy of
+    the logits selects them). ``temperature`` (one real, or one per sample), ``softcap``,
+    ``vocab_size`` and ``invariant`` as ``response_log_probs``'s: no padded id is ever
+    chosen (in invariant mode ties go to the smaller id).
+
+    Returns:
+        ``(log_probs, ids)``: per sample, ``[r_i, k]`` float32 log-probs (float64 for
+        float64 logits), descending, and ``[r_i, k]`` int64 global ids, aligned with
+        ``extract_responses``' shares and the same on every rank of ``tp_group``; an
+        empty share is a zero-length view, in the graph. Differentiable w.r.t.
+        ``logits`` as ``topk_log_probs``. A teacher's whole ``[R_i, k]`` tensors for
+        ``response_distillation`` are these shares gathered (``gather_responses``) or,
+        without CP, these.
+
+    Collectives: those of ``topk_log_probs`` (one all-gather over ``tp_group``, entered
+    by every rank, one that holds no response included); no CP communication.
+
+    Raises:
+        TypeError, LayoutError: as ``topk_log_probs``; logits of a length the layout
+            cannot hold. Raised before any collective.
+    """
+    x, tp = args.logits(logits, tp_group)
+    local, k_, options = _teacher_step(x, x.shape[1], "logits", k, layout, temperature, chunk_size, softcap,
+                                       vocab_size, tp, invariant)
+    values, ids = logits_driver.apply_topk(x, k_, options._replace(rows=local.reads["response"].mask))
+    return split(local, values)[0], split(local, ids)[0]
+
+
+def response_topk_log_probs_from_hidden(
+    hidden: TensorArg,
+    weight: TensorArg,
+    k: IntArg,
+    layout: Layout,
+    *,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> tuple[list[TopK], list[TopK]]:
+    """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
+    response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
+    the logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP
+    mesh dimension, as there.
+
+    Returns, collectives and raises as ``response_topk_log_probs`` (with
+    ``topk_log_probs_from_hidden``'s); differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    h, w, tp = args.head(hidden, weight, tp_group)
+    local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
+                                       vocab_size, tp, invariant)
+    read = local.reads["response"]
+    values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
+    # the distinct rows' results, back to the elements (a shared row's to each of its branches)
+    values, ids = values.index_select(0, read.picks.element), ids.index_select(0, read.picks.element)
+    counts = read.selection.counts
+    return list(torch.split(values, counts)), list(torch.split(ids, counts))

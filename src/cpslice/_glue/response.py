@@ -1,0 +1,270 @@
+"""One call for a training step: the layout's targets and rows, the vocabulary engine,
+the per-sample split. Where the layout side (``_pack``, ``_extract``) meets the
+vocabulary functions (``_vocab``)."""
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, Unpack, overload
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _checks as checks
+from .._errors import LayoutError
+from .._layout.extract import gather_split as split_rows
+from .._layout.extract import picked_ids, picked_values, split_elements
+from .._layout.layout import Layout
+from .._layout.pack import check_group_temperatures, checked_tokens, temperatures_of
+from .._layout.plan import Local, Read, Span, resolve
+from .._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
+from .._vocab import args, dtensor
+from .._vocab import hidden as hidden_driver
+from .._vocab import logits as logits_driver
+from .._vocab.engine import Options
+from .._vocab.hidden import default_hidden_chunk_rows
+from .support import SupportArg, take_rows
+
+if TYPE_CHECKING:
+    from .._types import SampleKeywords
+    from .support import Support
+
+    Keywords = SampleKeywords[SampleTemperatureArg, Support]
+    """The per-sample functions' keywords beside ``with_entropy``: one temperature per
+    sample (or one for all), a ``cpslice.Support``, the target depth."""
+else:  # beartype reads no subscripted TypedDict (see _types.LogProbKeywords)
+    from .._types import SampleKeywords as Keywords
+
+
+@overload
+def response_log_probs(
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[False] = False, **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], None]: ...
+@overload
+def response_log_probs(
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[True], **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], list[Share]]: ...
+@overload
+def response_log_probs(
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], list[Share] | None]: ...
+def response_log_probs(
+    logits: TensorArg,
+    tokens: Sequence[AnyShare],
+    layout: Layout,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    depth: IntArg = 0,
+    invariant: bool = False,
+) -> tuple[list[Share], list[Share] | None]:
+    """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
+
+    ``shifted_targets`` -> ``log_probs_and_entropy`` -> ``extract_responses``, all in
+    this rank's layout: ``logits`` is the rank's local ``[T, V_local]`` tensor (its TP
+    vocabulary shard) or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension (as
+    ``log_probs_and_entropy`` takes it: its local shard, its mesh's TP group), ``tokens``
+    the whole per-sample token tensors ``[L_i]`` (prompt + response, the same on every
+    rank; a replicated DTensor reads as its local tensor, as does a temperature's).
+    Returns one ``[r_i]`` float32 share per sample,
+    and the entropy shares aligned with them (None unless ``with_entropy``).
+    ``support`` (e.g. ``Support.from_responses(ids, offsets, layout)``, over the ``T``
+    local rows) and ``entropy_over`` restrict the log-probs (and entropy) to the
+    rollout's top-p / top-k sets, and ``softcap`` and ``vocab_size`` match the rollout's
+    distribution, as in ``log_probs_and_entropy``; ``invariant=True`` gives each response
+    token the same bits whatever the layout, CP rank, batch, chunking or TP size that
+    computes it (``log_probs_and_entropy``'s ``invariant``, docs/invariance.md). ``temperature`` is one real, or one
+    per sample (``n`` reals or an ``[n]`` tensor: rollouts sampled at different
+    temperatures), each sample's applied to its rows. ``depth`` ``d`` (an MTP head's
+    logits): position ``p`` predicts token ``p + 1 + d``, the shares as
+    ``extract_responses(..., depth=d)``'s. With a shared prefix, a prompt row that
+    predicts the first response token of several branches is computed once and each
+    branch's target picked from it (its gradient the sum over them); the samples of a
+    group must then share their temperature.
+
+    Collectives: those of ``log_probs_and_entropy`` (one all-gather over ``tp_group``);
+    no CP communication (see ``redistribute`` / ``gather_responses`` for that).
+
+    Raises:
+        TypeError: ``logits`` is not a tensor; as ``shifted_targets``,
+            ``log_probs_and_entropy`` and ``extract_responses``.
+        LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
+            three functions above; a shared-prefix group whose samples' temperatures
+            differ, or whose prompts' tokens differ.
+    """
+    x, tp = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"), tp_group)
+    local, targets, tau = _inputs(x, "logits", tokens, layout, temperature, depth)
+    read = local.reads["response"]
+    ids = picked_ids(read, targets, local.length)
+    options = args.options(
+        x, x.shape[1], ids, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
+        tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
+        vocab_size=vocab_size, invariant=invariant,
+    )
+    # only the response rows get the softmax's statistics; the others' gradient is zero
+    return _computed(lambda t, i, o: logits_driver.apply(t, i, o), x, read, targets, ids,
+                     options._replace(rows=read.mask), local=True)
+
+
+Driver = Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]]
+
+
+def _computed(
+    driver: Driver, base: Tensor, read: Read, targets: Tensor, ids: Tensor, options: Options, local: bool
+) -> tuple[list[Share], list[Share] | None]:
+    """``driver`` over the rows of ``base`` (the local logits, or the distinct response rows'
+    hidden states: ``local`` False) at the picks ``ids``, each element's result per sample.
+
+    A support's sets take one target per row (the restricted distribution is its set plus
+    that target), so where a shared prefix puts several branches' targets on one row, the
+    branches after the first go through a second call on their rows alone (a few rows per
+    group: with a set, no full-vocabulary pass unless the entropy is over it)."""
+    if options.support is None or read.picks.k == 1:
+        log_probs, entropy = driver(base, ids, options)
+        return _shares(read, log_probs, entropy, local)
+    p = read.picks
+    log_probs, entropy = driver(base, ids[:, 0], options)  # each row's first pick
+    extra, host_extra = (p.slot > 0).nonzero()[:, 0], (p.host_slot > 0).nonzero()[:, 0]
+    at = read.rows if local else p.element
+    rows = (read.selection.rows if local else p.host_element)[host_extra]
+    device_rows = at.index_select(0, extra)
+    sub = options._replace(
+        tau=options.tau if isinstance(options.tau, float) else options.tau[device_rows],
+        support=take_rows(options.support, rows), rows=None,
+    )
+    more, more_entropy = driver(base.index_select(0, device_rows), targets.index_select(0, extra), sub)
+    values = log_probs.index_select(0, at).index_put((extra,), more)
+    if entropy is None or more_entropy is None:
+        return split_elements(read, values), None
+    h = entropy.index_select(0, at).index_put((extra,), more_entropy)
+    return split_elements(read, values), split_elements(read, h)
+
+
+def _shares(
+    read: Read, log_probs: Tensor, entropy: Tensor | None, local: bool
+) -> tuple[list[Share], list[Share] | None]:
+    """The engine's results over the local (or distinct) rows, per element, per sample."""
+    if local and read.picks.k == 1:  # one gather and one split per tensor, empty views of the inputs
+        return split_rows(log_probs, read.rows, read.selection.counts), (
+            None if entropy is None else split_rows(entropy, read.rows, read.selection.counts)
+        )
+    at = read.rows if local else read.picks.element
+    return split_elements(read, picked_values(read, log_probs, local=local)), (
+        None if entropy is None else split_elements(read, entropy.index_select(0, at))
+    )
+
+
+def _two_d(name: str, value: object, shape: str, flatten: str) -> Tensor:
+    x = checks.tensor(name, value, f"a torch.Tensor {shape}")
+    if x.dim() != 2:
+        raise LayoutError(
+            f"{name} has shape {tuple(x.shape)}; it must be 2-D {shape} (flatten the batch "
+            f"first: {flatten})"
+        )
+    return x
+
+
+def _inputs(
+    x: Tensor, what: str, tokens: object, layout: Layout, temperature: object, depth: object
+) -> tuple[Local, Tensor, float | Tensor]:
+    """The call's one resolution of ``layout`` (``T`` from ``x``, at ``depth``), each
+    response element's target token (``[E]``) and the per-row temperature, on ``x``'s
+    device (replicated DTensors read as their local tensors: ``dtensor.replicated``)."""
+    d = checks.depth(depth)
+    items = checked_tokens(dtensor.replicated_each("tokens", tokens), layout)
+    tau = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
+    if isinstance(tau, Tensor):
+        check_group_temperatures(tau, layout)
+    spans: tuple[Span, ...] = ("response", "sample") if isinstance(tau, Tensor) else ("response",)
+    local = resolve(layout, int(x.shape[0]), what, spans, x.device, depth=d)
+    read = local.reads["response"]
+    flat = torch.cat(items).to(x.device) if items else torch.zeros(0, dtype=torch.int64, device=x.device)
+    return local, flat.index_select(0, read.targets).to(torch.int64), temperatures_of(tau, local)
+
+
+@overload
+def response_log_probs_from_hidden(
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[False] = False, **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], None]: ...
+@overload
+def response_log_probs_from_hidden(
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: Literal[True], **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], list[Share]]: ...
+@overload
+def response_log_probs_from_hidden(
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
+    *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
+) -> tuple[list[Share], list[Share] | None]: ...
+def response_log_probs_from_hidden(
+    hidden: TensorArg,
+    weight: TensorArg,
+    tokens: Sequence[AnyShare],
+    layout: Layout,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None,
+    support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None,
+    depth: IntArg = 0,
+    invariant: bool = False,
+) -> tuple[list[Share], list[Share] | None]:
+    """``response_log_probs`` from the hidden states and the LM-head weight, computing
+    only the response rows: ``R x V_local`` work instead of ``T x V_local``.
+
+    ``hidden`` is this rank's ``[T, H]`` final hidden states in its layout (the same on
+    every TP rank), ``weight`` its ``[V_local, H]`` LM-head shard (or a DTensor sharded
+    ``Shard(0)`` on the TP mesh dimension, as ``log_probs_and_entropy_from_hidden``
+    takes it, with ``hidden`` plain or replicated), ``tokens`` the whole
+    per-sample token tensors ``[L_i]``. The rows ``response_rows`` names are taken from
+    ``hidden`` (an ``[R, H]`` copy), their targets from ``shifted_targets``, and
+    ``log_probs_and_entropy_from_hidden`` runs on them; the result is split per sample.
+    Returns what ``response_log_probs(hidden @ weight.T, tokens, layout, ...)`` returns:
+    one ``[r_i]`` float32 share per sample (an empty share is a zero-length view, in the
+    graph) and the entropy shares aligned with them (None unless ``with_entropy``).
+    ``support`` is over the ``T`` rows of ``hidden``, as ``response_log_probs`` takes it
+    (``Support.from_responses``); the response rows' sets are taken from it, and its
+    errors name its own rows. ``depth``, a shared prefix and ``invariant`` as
+    ``response_log_probs`` (a shared row's hidden state goes through the head once).
+
+    Collectives: those of ``log_probs_and_entropy_from_hidden`` (one all-gather over
+    ``tp_group`` forward, one all-reduce backward); no CP communication.
+
+    Raises:
+        TypeError, LayoutError: as ``shifted_targets`` and
+            ``log_probs_and_entropy_from_hidden``; ``hidden`` of a length the layout cannot
+            hold; a support over another number of rows than ``hidden``'s.
+    """
+    h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
+    local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature, depth)
+    read = local.reads["response"]
+    # every argument against the whole hidden (a support's errors name the caller's
+    # rows), then the distinct response rows' temperatures and sets
+    whole = args.options(
+        h, w.shape[0], picked_ids(read, targets, local.length), what="hidden",
+        default_chunk=default_hidden_chunk_rows(w.shape[0]), with_entropy=with_entropy, entropy_grad=entropy_grad,
+        temperature=tau, tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over,
+        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
+    )
+    rows = read.picks.rows
+    options = whole._replace(
+        tau=whole.tau if isinstance(whole.tau, float) else whole.tau[rows],
+        support=None if whole.support is None else take_rows(whole.support, read.picks.host_rows),
+    )
+    return _computed(lambda t, i, o: hidden_driver.apply(t, w, i, o), h[rows], read, targets,
+                     picked_ids(read, targets), options, local=False)

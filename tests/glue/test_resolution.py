@@ -1,0 +1,141 @@
+"""One reading of the layout per call: every public function resolves its layout and
+local length once, at its entry (``_plan.resolve``), builds no other ``Layout``, and
+hands the resolved record to private workers; followed through a call, the layout's
+trip (the cpslice functions it, or its resolved record, is passed to) enters each
+file at most once more after leaving it."""
+
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+
+import cpslice
+from cpslice import Layout
+from cpslice._layout import plan as _plan
+
+PACKAGE = Path(cpslice.__file__).parent
+# the functions themselves, under debug mode's wrappers (which share one code object)
+RESOLVE = inspect.unwrap(_plan._resolve_length).__code__
+BUILD = inspect.unwrap(Layout.__init__).__code__
+
+
+class Trace:
+    """What one call did with ``layout``: resolutions, Layouts built, and the files of
+    the cpslice functions that received the layout or its resolved record."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.resolutions = 0
+        self.built = 0
+        self.files: list[str] = []
+
+    def _carries(self, frame: FrameType) -> bool:
+        code = frame.f_code
+        for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            value = frame.f_locals.get(name)
+            if value is self.layout or (isinstance(value, _plan.Local) and value.layout is self.layout):
+                return True
+        return False
+
+    def __call__(self, frame: FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code is RESOLVE:
+            self.resolutions += 1
+        if code is BUILD:
+            self.built += 1
+        path = Path(code.co_filename)
+        # the Layout's own methods read the record (a property, a cache's __eq__): no trip
+        own = path.name == "layout.py" and path.parent.name == "_layout" and code.co_qualname.startswith("Layout.")
+        if PACKAGE in path.parents and not own and self._carries(frame):
+            file = str(path.relative_to(PACKAGE))
+            if not self.files or self.files[-1] != file:
+                self.files.append(file)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        sys.setprofile(self)
+        try:
+            return fn()
+        finally:
+            sys.setprofile(None)
+
+    def returns(self) -> dict[str, int]:
+        """Per file, how often the trip entered it again after leaving it."""
+        seen: dict[str, int] = {}
+        for f in self.files:
+            seen[f] = seen.get(f, -1) + 1
+        return seen
+
+
+def _batch(cp_mode: str) -> tuple[Layout, list[torch.Tensor], torch.Tensor]:
+    total, response = [9, 4, 7], [3, 0, 4]
+    size = 2 if cp_mode != "none" else 1
+    layout = Layout(total, response, cp_mode=cp_mode, cp_size=size, cp_rank=size - 1,  # type: ignore[arg-type]
+                    local_length=None if cp_mode != "allgather" else 11)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, 6, (t,), generator=gen) for t in total]
+    rows = 11 if cp_mode == "allgather" else cpslice.pack(tokens, layout).shape[0]
+    return layout, tokens, torch.randn(rows, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+
+
+def _calls(layout: Layout, tokens: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    eye = torch.eye(6, dtype=torch.float64)
+    teacher = [torch.log_softmax(torch.randn(r, 6, dtype=torch.float64), -1).topk(2) for r in layout.response_lengths]
+    lps, ids = [t.values for t in teacher], [t.indices for t in teacher]
+    taus = [0.7, 1.0, 1.3]
+    return {
+        "response_log_probs": lambda: cpslice.response_log_probs(x, tokens, layout, with_entropy=True,
+                                                                 temperature=taus),
+        "response_log_probs_from_hidden": lambda: cpslice.response_log_probs_from_hidden(
+            x, eye, tokens, layout, with_entropy=True, temperature=taus),
+        "response_distillation": lambda: cpslice.response_distillation(x, lps, ids, layout, temperature=taus),
+        "response_distillation_from_hidden": lambda: cpslice.response_distillation_from_hidden(
+            x, eye, lps, ids, layout),
+        "extract_responses": lambda: cpslice.extract_responses(x[:, 0], layout, x[:, 1]),
+        "pack": lambda: cpslice.pack(tokens, layout),
+        "shifted_targets": lambda: cpslice.shifted_targets(tokens, layout),
+        "response_rows": lambda: cpslice.response_rows(layout),
+        "shard_responses": lambda: cpslice.shard_responses([torch.zeros(r) for r in layout.response_lengths],
+                                                          layout),
+        "sum_of_sample_means": lambda: cpslice.sum_of_sample_means(
+            cpslice.extract_responses(x[:, 0], layout)[0], [torch.ones(r) for r in layout.response_lengths],
+            layout),
+    }
+
+
+NAMES = list(_calls(*_batch("none")))
+FOLLOWED = ("response_log_probs", "response_log_probs_from_hidden", "response_distillation",
+            "response_distillation_from_hidden", "extract_responses", "pack")
+
+
+@pytest.mark.parametrize("cp_mode", ["none", "zigzag", "allgather"])
+@pytest.mark.parametrize("name", NAMES)
+def test_one_resolution_per_call_and_no_layout_built(cp_mode: str, name: str) -> None:
+    layout, tokens, x = _batch(cp_mode)
+    if name == "sum_of_sample_means" and cp_mode != "none":
+        pytest.skip("needs a process group: tests/distributed/test_sample_means.py")
+    call = _calls(layout, tokens, x)[name]
+    call()  # warm the caches: a step reads the same layout again
+    for _ in range(2):
+        trace = Trace(layout)
+        trace.run(call)
+        resolutions = 2 if name == "sum_of_sample_means" else 1  # its extract_responses too
+        assert trace.resolutions == resolutions, (name, trace.files)
+        assert trace.built == 0, name
+        if name in FOLLOWED:
+            assert max(trace.returns().values()) <= 1, (name, trace.files)
+
+
+def test_the_trace_sees_what_it_counts() -> None:
+    """The instrument itself: a call that resolves twice and builds a Layout is seen so."""
+    layout, tokens, x = _batch("zigzag")
+    trace = Trace(layout)
+    trace.run(lambda: (cpslice.pack(tokens, layout), cpslice.pack(tokens, layout.for_rank(0))))
+    assert trace.resolutions == 2 and trace.built == 1
+    assert trace.files[0] == "_layout/pack.py" and "_layout/plan.py" in trace.files

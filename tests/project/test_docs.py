@@ -1,0 +1,103 @@
+"""The documentation runs and holds together: README.md and every docs/*.md.
+
+- Every ```python block runs as written, one test per (page, block). Each block runs
+  alone in a fresh namespace, on every page: a block starts with its own imports and
+  builds its own data, so a reader can copy any one of them. A block that needs several
+  processes (megatron-core's parallel_state, a CP group) plays one rank in one process,
+  or only defines the functions a rank would call (tests/distributed/test_gpt.py and
+  tests/distributed/test_sample_means.py run those on real gloo ranks).
+- Every relative link of a page points at a file of the repository (and at a heading
+  of it, for a ``#anchor``); no page refers to anything outside the repository.
+- The README links every docs page (it is the map), and its API table lists exactly
+  ``cpslice.__all__``, each name once.
+- Every ```text transcript of ``$ cpslice plan ...`` is what that command prints.
+"""
+
+import inspect
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import cpslice
+from cpslice import _cli
+
+from .._docs import DOCS, PAGES, ROOT, blocks, page_name, run_block
+
+PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
+README = ROOT / "README.md"
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of the page's headings: lower case, punctuation dropped, spaces
+    as hyphens."""
+    heads = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+def test_the_pages_have_examples() -> None:
+    assert {page.name for page, _, _ in PYTHON} >= {"README.md", "recipes.md", "api-guide.md"}
+
+
+@pytest.mark.parametrize(("page", "index", "source"), PYTHON,
+                         ids=[f"{page_name(p)}-{i}" for p, i, _ in PYTHON])
+def test_python_block_runs(page: Path, index: int, source: str) -> None:
+    run_block(source, f"{page_name(page)} block {index}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_links_resolve(page: Path) -> None:
+    text = page.read_text()
+    assert "shared/" not in text, f"{page_name(page)} refers outside the repository"
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        assert file.is_relative_to(ROOT) and file.exists(), f"{page_name(page)}: {target}"
+        if anchor:
+            assert anchor in _anchors(file), f"{page_name(page)}: no heading for {target}"
+
+
+def test_the_readme_maps_every_docs_page() -> None:
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in _LINK.findall(README.read_text())}
+    missing = [page_name(p) for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"README.md links no {missing}"
+
+
+def test_the_readme_api_table_is_the_public_api() -> None:
+    text = README.read_text()
+    rows = re.findall(r"^\| `(\w+)[`(]", text[text.index("## The API") :], re.M)
+    assert sorted(rows) == sorted(cpslice.__all__), "one row per public name, each once"
+
+
+def test_the_readme_api_table_writes_every_argument_by_its_name() -> None:
+    """Each argument a row of the table writes (``name`` or ``name=...``, ``...`` for the
+    rest) is a parameter of that function, in the signature's order."""
+    text = README.read_text()
+    calls = re.findall(r"^\| `(\w+)\(([^)`]*)\)`", text[text.index("## The API") :], re.M)
+    assert len(calls) > 20
+    for name, written in calls:
+        target = getattr(cpslice, name)
+        params = list(inspect.signature(target.__init__ if inspect.isclass(target) else target).parameters)
+        names = [a.split("=")[0].strip() for a in written.split(",") if a.strip() not in ("", "...")]
+        assert all(n in params for n in names), (name, names, params)
+        assert names == sorted(names, key=params.index), (name, "out of the signature's order")
+
+
+PLANS = [body for page in PAGES for body in blocks(page, "text") if body.startswith("$ cpslice plan ")]
+
+
+def test_there_are_plan_transcripts() -> None:
+    assert PLANS
+
+
+@pytest.mark.parametrize("transcript", PLANS, ids=range(len(PLANS)))
+def test_plan_transcript_is_what_plan_prints(
+    transcript: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command, _, printed = transcript.partition("\n")
+    assert _cli.main([*shlex.split(command)[2:], "--color", "never"]) == 0
+    assert capsys.readouterr().out == printed

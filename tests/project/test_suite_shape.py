@@ -1,0 +1,87 @@
+"""The suite's own shape, kept by a test: test files live in the folders of their half
+(layout, vocabulary, glue, distributed, cli, project), shared helpers in helper modules
+(files of tests/ not named ``test_*``, or conftest.py), so no test file imports another test file;
+every test file holds tests; and only the verifier's own tests import the verifier
+(``cpslice._verify*``, which may move), so the rest of the suite never depends on it."""
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+FOLDERS = {"layout", "vocabulary", "glue", "distributed", "cli", "project"}
+VERIFIER_TESTS = {"test_cli_verify.py", "_verify_ranks.py", "test_verify_oracle.py"}
+
+
+def imported(source: str, package: str = "tests") -> set[str]:
+    """Every module a source imports anywhere (function bodies too), by its full name,
+    a module of tests/ as ``tests.name`` (``package``: the importing file's package);
+    ``from package import name`` counts both ``package`` and ``package.name``, which may
+    be a module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(filter(None, [*base, node.module or ""]))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_import_reader_sees_every_form() -> None:
+    source = """
+import tests.test_a
+from tests.test_b import x
+from tests import test_c
+from .test_d import y
+from . import test_e, helper
+import cpslice._verify as v
+
+def later():
+    from .test_f import z
+"""
+    names = imported(source)
+    assert {"tests.test_a", "tests.test_b", "tests.test_c", "tests.test_d", "tests.test_e",
+            "tests.test_f", "tests.helper", "cpslice._verify"} <= names
+    assert "tests.test_g" not in names
+
+
+def module_of(path: Path) -> str:
+    return ".".join(("tests", *path.relative_to(TESTS).with_suffix("").parts))
+
+
+def test_every_test_file_sits_in_a_folder_of_its_half() -> None:
+    loose = sorted(path.name for path in TESTS.glob("test_*.py"))
+    assert loose == [], "move these into a folder of tests/: " + ", ".join(loose)
+    folders = {path.parent.name for path in TESTS.rglob("test_*.py")}
+    assert folders == FOLDERS, sorted(folders ^ FOLDERS)
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    test_files = sorted(TESTS.rglob("test_*.py"))
+    modules = {module_of(path) for path in test_files}
+    offenders = {path.name: sorted(imported(path.read_text(), module_of(path).rpartition(".")[0]) & modules)
+                 for path in test_files}
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_every_test_file_holds_tests() -> None:
+    empty = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+                   or isinstance(node, ast.ClassDef) and node.name.startswith("Test")
+                   for node in tree.body):
+            empty.append(path.name)
+    assert empty == []
+
+
+def test_only_the_verifier_tests_import_the_verifier() -> None:
+    offenders = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        package = module_of(path).rpartition(".")[0]
+        found = sorted(m for m in imported(path.read_text(), package) if m.startswith("cpslice._verify"))
+        if found and path.name not in VERIFIER_TESTS:
+            offenders[path.name] = found
+    assert offenders == {}

@@ -1,0 +1,264 @@
+"""The Triton backend's default kernels on the CPU, through Triton's interpreter
+(``TRITON_INTERPRET=1``, set for the session by conftest.py): ``log_probs_and_entropy``,
+``log_probs_at`` and ``topk_log_probs`` with every softmax option against float64, values
+and gradients; a Triton launch is asserted for each (a silent fallback to another backend
+fails); TP 2 on gloo ranks; the ``CPSLICE_BACKEND`` setting and its refusals.
+tests/vocabulary/test_triton_cuda.py runs the same natively where a GPU exists."""
+
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
+from cpslice._vocab import stats as _stats
+from cpslice._vocab.backends import selection as backend
+from cpslice._vocab.backends.triton import launches
+
+from .. import tp_cases
+from .._dist import counting, run_distributed, tp_groups
+from ..reference import support_reference
+from ..supports import csr
+from ..triton_cases import OPTIONS, launched, logits, reference
+
+pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture
+def triton_backend() -> Iterator[None]:
+    with backend.using("triton"):
+        yield
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torch.dtype,
+                                               options: dict[str, Any]) -> None:
+    t, v = 6, 700
+    opts = dict(options)
+    if opts.get("temperature") == "per-row":
+        opts["temperature"] = torch.linspace(0.5, 1.5, t)
+    with_entropy = opts.pop("with_entropy", True)
+    entropy_grad = opts.get("entropy_grad", True)
+    vocab = opts.get("vocab_size")
+    x0 = logits(t, v, dtype, 1)
+    targets = torch.tensor([0, 500, 699, 3, 250, 11]) % (vocab or v)
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp, h = log_probs_and_entropy(x, targets, with_entropy=with_entropy, **opts)
+    assert launched(before) == {"default.stats"}
+    g_lp, g_h = torch.randn(t), torch.randn(t)
+    use_h = with_entropy and entropy_grad
+    loss = (lp * g_lp).sum() + ((h * g_h).sum() if use_h and h is not None else 0.0)
+    loss.backward()
+    assert launched(before) == {"default.stats", "default.grad"}
+    ref_lp, ref_h, ref_grad = reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
+                                         vocab, g_lp[:, None], g_h if use_h else torch.zeros(t))
+    torch.testing.assert_close(lp.double(), ref_lp[:, 0], rtol=0, atol=2e-5)
+    if with_entropy:
+        assert h is not None
+        torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
+    assert x.grad is not None and x.grad.dtype == dtype
+    # float32: a few roundings; bfloat16: the gradient's own rounding (8 bits)
+    rel = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+    if vocab is not None:
+        assert not x.grad[:, vocab:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.dtype) -> None:
+    t, v = 5, 600
+    x0 = logits(t, v, dtype, 2)
+    ids = torch.tensor([[3, 3, 599], [0, 400, 400], [599, 1, 2], [7, 7, 7], [100, 200, 300]])
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp = log_probs_at(x, ids, temperature=0.9, softcap=25.0)
+    g = torch.randn(t, 3)
+    (lp * g).sum().backward()  # type: ignore[no-untyped-call]
+    assert launched(before) == {"default.stats", "default.grad"}
+    ref_lp, _, ref_grad = reference(x0, ids, 0.9, 25.0, None, g, torch.zeros(t))
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    rel = 2e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    top, top_ids = topk_log_probs(x, 4, temperature=0.9)
+    g = torch.randn(t, 4)
+    (top * g).sum().backward()  # type: ignore[no-untyped-call]
+    assert {"default.stats", "default.grad"} <= launched(before)
+    ref_lp, _, ref_grad = reference(x0, top_ids, 0.9, None, None, g, torch.zeros(t))
+    want = torch.log_softmax(x0.double() / 0.9, -1).topk(4, -1)
+    torch.testing.assert_close(top.double(), want.values, rtol=0, atol=2e-5)
+    torch.testing.assert_close(top.double(), ref_lp, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
+
+
+def test_empty_and_all_masked_rows(triton_backend: None) -> None:
+    x = torch.full((3, 300), -math.inf)
+    x[0] = torch.randn(300)
+    x[2, 5] = 0.0
+    x.requires_grad_()
+    lp, h = log_probs_and_entropy(x, torch.tensor([1, 0, 5]), with_entropy=True)
+    assert lp[2] == 0 and h[2] == 0  # one finite logit: p = 1
+    empty = torch.zeros((0, 300), requires_grad=True)
+    lp0, _ = log_probs_and_entropy(empty, torch.zeros(0, dtype=torch.int64))
+    assert lp0.shape == (0,)
+
+
+def test_backend_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, want in [(None, "auto"), ("", "auto"), ("auto", "auto"), ("eager", "eager"),
+                        ("compiled", "compiled"), ("triton", "triton")]:
+        if value is None:
+            monkeypatch.delenv("CPSLICE_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("CPSLICE_BACKEND", value)
+        assert backend.setting() == want
+    for bad in ("1", "0", "cuda", "Triton", "inductor"):
+        monkeypatch.setenv("CPSLICE_BACKEND", bad)
+        with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid; use one of.*'auto'.*'eager'"
+                                             r".*'compiled'.*'triton'"):
+            backend.setting()
+
+
+def test_triton_on_a_cpu_tensor_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with backend.using("triton"), pytest.raises(RuntimeError, match="CPSLICE_BACKEND=triton runs on CUDA tensors"):
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
+    # auto never takes Triton for a CPU tensor
+    before = dict(launches)
+    with backend.using("auto"):
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
+    assert launched(before) == set()
+
+
+def test_float64_falls_back(triton_backend: None) -> None:
+    """float64 logits are not the Triton kernels' (documented): the selection falls back."""
+    before = dict(launches)
+    x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
+    lp, _ = log_probs_and_entropy(x, torch.tensor([0, 1, 2]))
+    lp.sum().backward()  # type: ignore[no-untyped-call]
+    assert launched(before) == set()
+    torch.testing.assert_close(lp, torch.log_softmax(x.detach(), -1)[[0, 1, 2], [0, 1, 2]])
+
+
+def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
+    """tests/tp_cases.py's logits cases through the Triton kernels at every TP size of the
+    world: one all-gather forward, none backward, float64 references."""
+    calls: list[str] = []
+    done = []
+    with backend.using("triton"), counting(_stats, "_all_gather", calls):
+        for group, tp, tp_rank in tp_groups(rank, world):
+            before = dict(launches)
+            done.append((tp, tp_cases._run_logits(tp_cases.LOGITS_CASES, group, tp, tp_rank, calls)))
+            assert {"default.stats", "default.grad"} <= launched(before)
+    dist.barrier()
+    return done
+
+
+def test_tensor_parallel_on_gloo() -> None:
+    results = run_distributed(tp_worker, 2, timeout=200)
+    assert all(dict(r)[2] == len(tp_cases.LOGITS_CASES) for r in results)
+
+
+@pytest.mark.parametrize("over", ["full", "support"])
+def test_supports_against_float64(triton_backend: None, over: Literal["full", "support"]) -> None:
+    """A support's set statistics stay in torch; the dense ones (every row with entropy
+    over the full vocabulary, the rows without a set) are the Triton kernels'."""
+    t, v = 5, 400
+    x0 = logits(t, v, torch.float32, 5)
+    x0[1] = torch.randn(v)  # a set's row with finite logits
+    targets = torch.tensor([3, 17, 399, 0, 250])
+    sets = [[1, 2, 3, 100], [17], [], [5, 6, 350, 399], list(range(0, 400, 7))]
+    x = x0.clone().requires_grad_()
+    before = dict(launches)
+    lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.8, support=csr(sets),
+                                  entropy_over=over)
+    g_lp, g_h = torch.randn(t), torch.randn(t)
+    ((lp * g_lp).sum() + (h * g_h).sum()).backward()  # type: ignore[no-untyped-call]
+    assert {"default.stats", "default.grad"} <= launched(before)
+    ref_lp, ref_h, ref_grad = support_reference(x0, targets, sets, 0.8, over, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=2e-6, atol=2e-6 * float(ref_grad.abs().max()))
+
+
+INVARIANT_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": "per-row", "softcap": 15.0},
+    {"vocab_size": 650, "softcap": 30.0},
+]
+
+
+def _invariant_call(which: str, x0: Tensor, targets: Tensor, opts: dict[str, Any],
+                    tp_group: Any = None) -> tuple[Tensor, ...]:
+    """log-prob, entropy, the gradient and top-3 (values, ids) of ``invariant=True`` under
+    the backend ``which``."""
+    with backend.using(which):
+        x = x0.clone().requires_grad_()
+        lp, h = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True, tp_group=tp_group, **opts)
+        g = torch.linspace(-1, 1, x0.shape[0])
+        ((lp * g).sum() + (h * g.flip(0)).sum()).backward()
+        top, ids = topk_log_probs(x0, 3, invariant=True, tp_group=tp_group, **opts)
+    assert x.grad is not None
+    return lp.detach(), h.detach(), x.grad, top, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", INVARIANT_OPTIONS, ids=lambda o: ",".join(o) or "plain")
+def test_invariant_mode_gives_the_eager_bits(dtype: torch.dtype, options: dict[str, Any]) -> None:
+    t, v = 5, 700
+    opts = dict(options)
+    if opts.get("temperature") == "per-row":
+        opts["temperature"] = torch.linspace(0.5, 1.5, t)
+    x0 = logits(t, v, dtype, 6)
+    x0[3, :10] = x0[3, 10:20]  # ties for the top-k
+    targets = torch.tensor([0, 500, 649, 3, 250])
+    before = dict(launches)
+    got = _invariant_call("triton", x0, targets, opts)
+    assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+    want = _invariant_call("eager", x0, targets, opts)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def invariant_tp_worker(rank: int, world: int) -> int:
+    """Invariant mode through the Triton kernels at TP 2: the bits of the eager backend at
+    TP 1 on the whole rows (each rank's gradient its shard's columns)."""
+    checked = 0
+    for dtype in DTYPES:
+        for options in INVARIANT_OPTIONS:
+            opts = dict(options)
+            if opts.get("temperature") == "per-row":
+                opts["temperature"] = torch.linspace(0.5, 1.5, 5)
+            if "vocab_size" in opts:
+                opts["vocab_size"] = 700
+            full = logits(5, 768, dtype, 7)
+            targets = torch.tensor([0, 500, 699, 3, 250])
+            shard = full[:, rank * 384 : (rank + 1) * 384].contiguous()
+            before = dict(launches)
+            got = _invariant_call("triton", shard, targets, opts, dist.group.WORLD)
+            assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+            want = _invariant_call("eager", full, targets, opts)
+            cols = slice(rank * 384, (rank + 1) * 384)
+            for i, (g, w) in enumerate(zip(got, want)):
+                w = w[:, cols] if i == 2 else w
+                assert g.dtype == w.dtype and torch.equal(g, w), (dtype, options, i)
+            checked += 1
+    dist.barrier()
+    return checked
+
+
+def test_invariant_mode_at_tp_2_on_gloo() -> None:
+    assert run_distributed(invariant_tp_worker, 2, timeout=200) == [8, 8]
