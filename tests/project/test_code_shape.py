@@ -1,6 +1,9 @@
-"""The library's size limits, kept by a test: no module of src/cpslice over 550 lines,
-no function over 80 (its docstring included), the ``Layout`` class at most 250 (its
-validation lives in module functions)."""
+"""The library's shape, kept by tests where a linter cannot: the ``Layout`` class is a
+record: its arguments' checks live in module functions (``_layout/checks.py``), which
+raise its errors.
+
+Sizes are not capped: ruff's complexity rule (``C901``, pyproject.toml) keeps functions
+simple, and modules are split by concern, not by length."""
 
 import ast
 from pathlib import Path
@@ -8,29 +11,29 @@ from pathlib import Path
 import cpslice
 
 PACKAGE = Path(cpslice.__file__).resolve().parent
-MODULE_LINES, FUNCTION_LINES, LAYOUT_LINES = 550, 80, 250
 
 
-def _span(node: ast.AST) -> int:
-    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-    assert node.end_lineno is not None
-    return node.end_lineno - node.lineno + 1
+def _layout_class(source: str) -> ast.ClassDef:
+    tree = ast.parse(source)
+    (layout,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Layout"]
+    return layout
 
 
-def test_modules_and_functions_are_small() -> None:
-    too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        text = path.read_text()
-        name = str(path.relative_to(PACKAGE))
-        if text.count("\n") > MODULE_LINES:
-            too_long.append(f"{name}: {text.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _span(node) > FUNCTION_LINES:
-                too_long.append(f"{name}: {node.name} is {_span(node)} lines")
-    assert too_long == []
+def _errors_raised(node: ast.AST) -> list[str]:
+    """The exceptions a class raises itself (not through the functions it calls)."""
+    return [ast.unparse(n.exc.func if isinstance(n.exc, ast.Call) else n.exc)
+            for n in ast.walk(node) if isinstance(n, ast.Raise) and n.exc is not None]
 
 
 def test_the_layout_class_is_a_record() -> None:
-    tree = ast.parse((PACKAGE / "_layout" / "layout.py").read_text())
-    (layout,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Layout"]
-    assert _span(layout) <= LAYOUT_LINES, _span(layout)
+    """It raises no LayoutError itself: its checks do, in their order, from
+    ``_layout/checks.py``; only immutability is its own rule."""
+    layout = _layout_class((PACKAGE / "_layout" / "layout.py").read_text())
+    assert _errors_raised(layout) == ["AttributeError"]
+
+
+def test_the_record_rules_can_fail() -> None:
+    planted = ('class Layout:\n    def f(self, n):\n        if n < 0:\n            raise LayoutError("n")\n'
+               '        return n\n')
+    layout = _layout_class(planted)
+    assert _errors_raised(layout) == ["LayoutError"]
