@@ -93,13 +93,7 @@ def temperature(value: object) -> float:
         TypeError: not a real number.
         LayoutError: not finite, or <= 0.
     """
-    tau = real("temperature", value)
-    if not (math.isfinite(tau) and tau > 0):
-        raise LayoutError(
-            f"temperature={value!r} is not allowed: it must be finite and > 0 "
-            "(the logits are divided by it)"
-        )
-    return tau
+    return _finite_positive("temperature", value, "the logits are divided by it")
 
 
 def temperatures(value: object, count: int, each: str) -> float | Tensor:
@@ -227,13 +221,20 @@ def softcap(value: object) -> float | None:
     """
     if value is None:
         return None
-    cap = real("softcap", value)
-    if not (math.isfinite(cap) and cap > 0):
-        raise LayoutError(
-            f"softcap={value!r} is not allowed: it must be finite and > 0 (the softmax "
-            "reads softcap * tanh(logits / softcap))"
-        )
-    return cap
+    return _finite_positive("softcap", value, "the softmax reads softcap * tanh(logits / softcap)")
+
+
+def _finite_positive(name: str, value: object, why: str) -> float:
+    """A real number ``name``, finite and > 0; ``why`` says what it does, in the message.
+
+    Raises:
+        TypeError: not a real number.
+        LayoutError: not finite, or <= 0.
+    """
+    x = real(name, value)
+    if not (math.isfinite(x) and x > 0):
+        raise LayoutError(f"{name}={value!r} is not allowed: it must be finite and > 0 ({why})")
+    return x
 
 
 def vocab_size(value: object, total: int) -> int:
@@ -320,13 +321,7 @@ def tensor_list(name: str, value: object, count: int, what: str) -> list[Tensor]
 
 
 def per_sample(
-    name: str,
-    value: object,
-    want: Sequence[int],
-    which: str,
-    *,
-    uniform: bool = False,
-    one_dim: bool = False,
+    name: str, value: object, want: Sequence[int], which: str, *, uniform: bool = False, one_dim: bool = False,
     floating: bool = False,
 ) -> list[Tensor]:
     """One tensor per sample whose dimension 0 is ``want[i]``.
