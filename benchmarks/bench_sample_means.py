@@ -52,6 +52,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.harness import join_store, median_ms, spawn_ranks
+from cpslice import Layout, extract_responses, gather_responses, sample_max, sample_means
+from cpslice import shard_responses as shard
+from cpslice._layout.plan import needed_length, resolve_length, response_base, selection
+from cpslice._layout.redistribute import _route
 
 CP = 4
 M = 4  # the statistics of the second table
@@ -79,156 +83,189 @@ class _GatherShare(torch.autograd.Function):
 _gather_share = cast(Callable[[Tensor], Tensor], _GatherShare.apply)
 
 
-def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> None:
-    dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=CP)
-    # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
-    from cpslice import Layout, extract_responses, gather_responses, sample_max, sample_means
-    from cpslice import shard_responses as shard
-    from cpslice._layout.plan import needed_length, resolve_length, response_base, selection
-    from cpslice._layout.redistribute import _route
+class _Batch:
+    """One rank's batch: ``n`` samples of about ``mean`` response tokens in zigzag at cp
+    ``CP``, its log-probs (a ``[T]`` leaf) and the rollout's shares; and, for the
+    per-sample all-gathers, where every rank's share of each sample sits in the whole
+    response."""
 
-    rng = random.Random(0)
-    response = [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]
-    total = [r + rng.randint(16, mean // 2) for r in response]
-    gen = torch.Generator().manual_seed(0)
-    old_whole = [-torch.rand(r, generator=gen) for r in response]
-    adv_whole = [torch.full((r,), float(torch.randn(1, generator=gen))) for r in response]
-    masks = [torch.rand(r, generator=gen) > 0.1 for r in response]
-    layouts = [Layout(total, response, cp_mode="zigzag", cp_rank=q, cp_size=CP) for q in range(CP)]
-    layout = layouts[rank]
-    world = dist.group.WORLD  # the CP group: every process
-    whole = Layout(total, response)
-    values = torch.randn(needed_length(layout), requires_grad=True)
-    old, adv = shard(old_whole, layout), shard(adv_whole, layout)
-    adv_sums = torch.stack([a.sum() for a in adv])
-    mask_f = [m.float() for m in masks]
-    mask_sums = torch.stack([m.sum() for m in mask_f])
+    def __init__(self, rank: int, n: int, mean: int) -> None:
+        rng = random.Random(0)
+        self.n = n
+        self.response = [rng.randint(mean // 2, mean + mean // 2) for _ in range(n)]
+        self.total = [r + rng.randint(16, mean // 2) for r in self.response]
+        gen = torch.Generator().manual_seed(0)
+        old_whole = [-torch.rand(r, generator=gen) for r in self.response]
+        adv_whole = [torch.full((r,), float(torch.randn(1, generator=gen))) for r in self.response]
+        self.masks = [torch.rand(r, generator=gen) > 0.1 for r in self.response]
+        self.layouts = [Layout(self.total, self.response, cp_mode="zigzag", cp_rank=q, cp_size=CP)
+                        for q in range(CP)]
+        self.layout = self.layouts[rank]
+        self.world = dist.group.WORLD  # the CP group: every process
+        self.values = torch.randn(needed_length(self.layout), requires_grad=True)
+        self.old = shard(old_whole, self.layout)
+        self.adv_sums = torch.stack([a.sum() for a in shard(adv_whole, self.layout)])
+        self.mask_f = [m.float() for m in self.masks]
+        self.mask_sums = torch.stack([m.sum() for m in self.mask_f])
+        self.pad, self.order = self._places()
 
-    # every rank's share of every sample: where it sits in the whole response
-    sels = [selection(q, needed_length(q), "response") for q in layouts]
-    places = [s.sources(response_base(q)) for s, q in zip(sels, layouts)]
-    starts = [[0, *torch.tensor(s.counts).cumsum(0).tolist()] for s in sels]
-    share = [[s.counts[i] for s in sels] for i in range(n)]  # [sample][rank]
-    pad = [max(c) for c in share]
-    # for the gathered [CP * pad_i] of sample i: which element is response position k
-    order = []
-    for i in range(n):
-        idx = torch.empty(response[i], dtype=torch.int64)
-        for q in range(CP):
-            pos = places[q][starts[q][i] : starts[q][i + 1]]
-            idx[pos] = q * pad[i] + torch.arange(share[i][q])
-        order.append(idx)
+    def _places(self) -> tuple[list[int], list[Tensor]]:
+        """Per sample, the longest share on any rank, and for the gathered ``[CP * pad_i]``
+        which element is response position ``k``."""
+        sels = [selection(q, needed_length(q), "response") for q in self.layouts]
+        places = [s.sources(response_base(q)) for s, q in zip(sels, self.layouts)]
+        starts = [[0, *torch.tensor(s.counts).cumsum(0).tolist()] for s in sels]
+        share = [[s.counts[i] for s in sels] for i in range(self.n)]  # [sample][rank]
+        pad = [max(c) for c in share]
+        order = []
+        for i in range(self.n):
+            idx = torch.empty(self.response[i], dtype=torch.int64)
+            for q in range(CP):
+                pos = places[q][starts[q][i] : starts[q][i + 1]]
+                idx[pos] = q * pad[i] + torch.arange(share[i][q])
+            order.append(idx)
+        return pad, order
 
-    def loss_of(ratio: Tensor) -> Tensor:
-        return (ratio * adv_sums).sum()
 
-    def ours() -> Tensor:
-        lp, _ = extract_responses(values, layout)
-        ratio = sample_means([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world).exp()
-        torch.autograd.backward(loss_of(ratio))
+class _Methods:
+    """Each table's methods over one batch, forward and backward; each returns what it
+    computed (detached), its gradient left in ``batch.values.grad``."""
+
+    def __init__(self, batch: _Batch) -> None:
+        self.b = batch
+
+    def _log_ratios(self) -> tuple[list[Tensor], list[Tensor]]:
+        """This rank's log-prob shares and their log-ratios to the rollout's."""
+        lp, _ = extract_responses(self.b.values, self.b.layout)
+        return lp, [a - b for a, b in zip(lp, self.b.old)]
+
+    def _whole(self, lp: list[Tensor], i: int) -> tuple[Tensor, Tensor]:
+        """Sample ``i``'s whole log-probs and old log-probs, all-gathered (slime's way)."""
+        gap = self.b.pad[i] - lp[i].shape[0]
+        full_lp = _gather_share(torch.nn.functional.pad(lp[i], (0, gap)))[self.b.order[i]]
+        with torch.no_grad():
+            full_old = _gather_share(torch.nn.functional.pad(self.b.old[i], (0, gap)))[self.b.order[i]]
+        return full_lp, full_old
+
+    def _ratio_step(self, ratio: Tensor) -> Tensor:
+        """GSPO's loss part of ``ratio``, backward; the ratio."""
+        torch.autograd.backward((ratio * self.b.adv_sums).sum())
         return ratio.detach()
 
-    def per_sample() -> Tensor:
-        lp, _ = extract_responses(values, layout)
+    def ours(self) -> Tensor:
+        _, d = self._log_ratios()
+        return self._ratio_step(sample_means(d, self.b.masks, self.b.layout, cp_group=self.b.world).exp())
+
+    def per_sample(self) -> Tensor:
+        lp, _ = extract_responses(self.b.values, self.b.layout)
         means = []
-        for i in range(n):
-            gap = pad[i] - lp[i].shape[0]
-            full_lp = _gather_share(torch.nn.functional.pad(lp[i], (0, gap)))[order[i]]
-            with torch.no_grad():
-                full_old = _gather_share(torch.nn.functional.pad(old[i], (0, gap)))[order[i]]
-            means.append(((full_lp - full_old) * mask_f[i]).sum() / mask_sums[i])
-        ratio = torch.stack(means).exp()
-        torch.autograd.backward(loss_of(ratio))
-        return ratio.detach()
+        for i in range(self.b.n):
+            full_lp, full_old = self._whole(lp, i)
+            means.append(((full_lp - full_old) * self.b.mask_f[i]).sum() / self.b.mask_sums[i])
+        return self._ratio_step(torch.stack(means).exp())
 
-    def gathered() -> Tensor:
-        lp, _ = extract_responses(values, layout)
-        full = gather_responses([a - b for a, b in zip(lp, old)], layout, cp_group=world)
-        ratio = torch.stack([(f * m).sum() for f, m in zip(full, mask_f)]).div(mask_sums).exp()
-        torch.autograd.backward(loss_of(ratio))
-        return ratio.detach()
+    def gathered(self) -> Tensor:
+        _, d = self._log_ratios()
+        full = gather_responses(d, self.b.layout, cp_group=self.b.world)
+        return self._ratio_step(torch.stack([(f * m).sum() for f, m in zip(full, self.b.mask_f)])
+                                .div(self.b.mask_sums).exp())
 
-    def statistics(lp: Tensor, old: Tensor) -> Tensor:
+    @staticmethod
+    def _statistics(lp: Tensor, old: Tensor) -> Tensor:
         """``[r, M]`` per token: d, the k3 KL, -log p, the chi-square term."""
         d = lp - old
         return torch.stack([d, torch.exp(-d) - 1 + d, -lp, (torch.exp(d) - 1) ** 2], -1)
 
-    def corrections(means: Tensor, largest: Tensor) -> Tensor:
+    def _corrections(self, means: Tensor, largest: Tensor) -> Tensor:
         """The step's loss: the ratio of the samples their largest log-ratio does not
         reject (here the half above the median is, alike on every rank), and the KL and
         chi-square means; backward. Returns the statistics and the max."""
         keep = (largest <= largest.median()).float()
-        loss = loss_of(means[:, 0].exp() * keep) + 0.1 * means[:, 1].sum() + 0.01 * means[:, 3].sum()
+        loss = ((means[:, 0].exp() * keep * self.b.adv_sums).sum() + 0.1 * means[:, 1].sum()
+                + 0.01 * means[:, 3].sum())
         torch.autograd.backward(loss)
         return torch.cat([means.detach(), largest[:, None]], 1)
 
-    def ours_stats() -> Tensor:
-        lp, _ = extract_responses(values, layout)
-        stats = [statistics(a, b) for a, b in zip(lp, old)]
-        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world)
-        return corrections(sample_means(stats, masks, layout, cp_group=world), largest)
+    def ours_stats(self) -> Tensor:
+        lp, d = self._log_ratios()
+        stats = [self._statistics(a, b) for a, b in zip(lp, self.b.old)]
+        largest = sample_max(d, self.b.masks, self.b.layout, cp_group=self.b.world)
+        return self._corrections(sample_means(stats, self.b.masks, self.b.layout, cp_group=self.b.world), largest)
 
-    def one_per_statistic() -> Tensor:
-        lp, _ = extract_responses(values, layout)
-        stats = [statistics(a, b) for a, b in zip(lp, old)]
-        means = [sample_means([s[:, j] for s in stats], masks, layout, cp_group=world) for j in range(M)]
-        largest = sample_max([a - b for a, b in zip(lp, old)], masks, layout, cp_group=world)
-        return corrections(torch.stack(means, 1), largest)
+    def one_per_statistic(self) -> Tensor:
+        lp, d = self._log_ratios()
+        stats = [self._statistics(a, b) for a, b in zip(lp, self.b.old)]
+        means = [sample_means([s[:, j] for s in stats], self.b.masks, self.b.layout, cp_group=self.b.world)
+                 for j in range(M)]
+        largest = sample_max(d, self.b.masks, self.b.layout, cp_group=self.b.world)
+        return self._corrections(torch.stack(means, 1), largest)
 
-    def per_sample_stats() -> Tensor:
-        lp, _ = extract_responses(values, layout)
+    def per_sample_stats(self) -> Tensor:
+        lp, _ = extract_responses(self.b.values, self.b.layout)
         means, largest = [], []
-        for i in range(n):
-            gap = pad[i] - lp[i].shape[0]
-            full_lp = _gather_share(torch.nn.functional.pad(lp[i], (0, gap)))[order[i]]
-            with torch.no_grad():
-                full_old = _gather_share(torch.nn.functional.pad(old[i], (0, gap)))[order[i]]
-            stats = statistics(full_lp, full_old)
-            means.append((stats * mask_f[i][:, None]).sum(0) / mask_sums[i])
-            d = (full_lp - full_old).detach()[masks[i]]
+        for i in range(self.b.n):
+            full_lp, full_old = self._whole(lp, i)
+            means.append((self._statistics(full_lp, full_old) * self.b.mask_f[i][:, None]).sum(0)
+                         / self.b.mask_sums[i])
+            d = (full_lp - full_old).detach()[self.b.masks[i]]
             largest.append(d.max() if len(d) else d.new_tensor(float("-inf")))
-        return corrections(torch.stack(means), torch.stack(largest))
+        return self._corrections(torch.stack(means), torch.stack(largest))
 
-    def result(fn: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
-        values.grad = None
+    def result(self, fn: Callable[[], Tensor]) -> tuple[Tensor, Tensor]:
+        """What ``fn`` returns and the gradient it leaves."""
+        self.b.values.grad = None
         ratio = fn()
-        grad: Tensor | None = values.grad  # set by fn's backward
+        grad: Tensor | None = self.b.values.grad  # set by fn's backward
         assert grad is not None
         return ratio, grad.clone()
 
-    for first, others in ((ours, (per_sample, gathered)),
-                          (ours_stats, (one_per_statistic, per_sample_stats))):
-        ref, ref_grad = result(first)
-        for fn in others:  # the same results and the same gradients
-            got, grad = result(fn)
-            assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (fn.__name__, (got - ref).abs().max())
-            assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6), fn.__name__
+    def check(self) -> None:
+        """Every method of a table gives its first's results and gradients."""
+        for first, others in ((self.ours, (self.per_sample, self.gathered)),
+                              (self.ours_stats, (self.one_per_statistic, self.per_sample_stats))):
+            ref, ref_grad = self.result(first)
+            for fn in others:
+                got, grad = self.result(fn)
+                assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (fn.__name__, (got - ref).abs().max())
+                assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-6), fn.__name__
 
+
+def _tables(m: _Methods, rank: int, repeat: int) -> tuple[list[Row], list[Row]]:
+    """Both tables' rows: each method's collectives, bytes sent and median time."""
+    b = m.b
     itemsize = 4
     ring = 2 * (CP - 1) / CP
-    route = _route(layout, resolve_length(layout), whole, resolve_length(whole), CP, 0)
+    whole = Layout(b.total, b.response)
+    route = _route(b.layout, resolve_length(b.layout), whole, resolve_length(whole), CP, 0)
     a2a_fwd = sum(int(i.numel()) for j, i in enumerate(route.send_index) if j != rank)
     a2a_bwd = sum(s for j, s in enumerate(route.recv_splits) if j != rank)
+    gathers = 3 * (CP - 1) * sum(b.pad) * itemsize
     rows: list[Row] = [
-        ("sample_means", 2, int(2 * ring * n) * itemsize, median_ms(ours, repeat)),
-        ("per-sample all-gather", 3 * n, 3 * (CP - 1) * sum(pad) * itemsize,
-         median_ms(per_sample, repeat)),
-        ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, median_ms(gathered, repeat)),
+        ("sample_means", 2, int(2 * ring * b.n) * itemsize, median_ms(m.ours, repeat)),
+        ("per-sample all-gather", 3 * b.n, gathers, median_ms(m.per_sample, repeat)),
+        ("gather_responses", 2, (a2a_fwd + a2a_bwd) * itemsize, median_ms(m.gathered, repeat)),
     ]
     # an all_reduce of N elements sends ring * N: the means' [n, M] forward and backward
     # (in one call or in M), the maximum's [2, n] (values, NaN flags) forward only
-    means_bytes, max_bytes = int(2 * ring * M * n) * itemsize, int(ring * 2 * n) * itemsize
+    means_bytes, max_bytes = int(2 * ring * M * b.n) * itemsize, int(ring * 2 * b.n) * itemsize
     stats_rows: list[Row] = [
-        ("sample_means [n, 4] + sample_max", 3, means_bytes + max_bytes,
-         median_ms(ours_stats, repeat)),
+        ("sample_means [n, 4] + sample_max", 3, means_bytes + max_bytes, median_ms(m.ours_stats, repeat)),
         ("sample_means per statistic + sample_max", 2 * M + 1, means_bytes + max_bytes,
-         median_ms(one_per_statistic, repeat)),
-        ("per-sample all-gather", 3 * n, 3 * (CP - 1) * sum(pad) * itemsize,
-         median_ms(per_sample_stats, repeat)),
+         median_ms(m.one_per_statistic, repeat)),
+        ("per-sample all-gather", 3 * b.n, gathers, median_ms(m.per_sample_stats, repeat)),
     ]
+    return rows, stats_rows
+
+
+def _worker(rank: int, port: int, n: int, mean: int, repeat: int, out: Any) -> None:
+    dist.init_process_group("gloo", store=join_store(port), rank=rank, world_size=CP)
+    # CP ranks share this machine's cores: one intra-op thread each, no oversubscription
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // CP))
+    methods = _Methods(_Batch(rank, n, mean))
+    methods.check()
+    rows, stats_rows = _tables(methods, rank, repeat)
     if rank == 0:
-        out.put((n, sum(response), rows, stats_rows))
+        out.put((n, sum(methods.b.response), rows, stats_rows))
     dist.destroy_process_group()
 
 

@@ -93,13 +93,7 @@ def temperature(value: object) -> float:
         TypeError: not a real number.
         LayoutError: not finite, or <= 0.
     """
-    tau = real("temperature", value)
-    if not (math.isfinite(tau) and tau > 0):
-        raise LayoutError(
-            f"temperature={value!r} is not allowed: it must be finite and > 0 "
-            "(the logits are divided by it)"
-        )
-    return tau
+    return _finite_positive("temperature", value, "the logits are divided by it")
 
 
 def temperatures(value: object, count: int, each: str) -> float | Tensor:
@@ -144,6 +138,80 @@ def temperatures(value: object, count: int, each: str) -> float | Tensor:
     return taus
 
 
+def sample_temperatures(value: object, count: int, groups: tuple[int, ...] | None) -> float | Tensor:
+    """A per-sample function's temperature: ``temperatures(value, count, "sample")``, and
+    with a shared prefix (``groups``, its group sizes) one temperature per group: a
+    group's prompt rows are computed once (one host read of a device tensor).
+
+    Raises:
+        TypeError, LayoutError: as ``temperatures``.
+        LayoutError: a sample's temperature differs from its group's first's.
+    """
+    tau = temperatures(value, count, "sample")
+    if not isinstance(tau, Tensor) or groups is None:
+        return tau
+    sizes = torch.tensor(groups, dtype=torch.int64)
+    first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes, output_size=count)
+    host = tau.detach().to("cpu")
+    bad = (host != host[first]).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        lead, group = _group_of(groups, i)
+        raise LayoutError(
+            f"sample {i}: temperature {float(host[i])} differs from sample {lead}'s "
+            f"{float(host[lead])}, group {group}'s first (the samples of a shared_prefix group "
+            "share their prompt's rows, whose statistics are computed once: one temperature "
+            "per group)"
+        )
+    return tau
+
+
+def shared_prompts(
+    items: list[Tensor], what: str, total: tuple[int, ...], groups: tuple[int, ...],
+    pairs: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """With a shared prefix (``groups``, its group sizes), every sample's prompt rows
+    equal its group's first sample's (one host read). ``items`` are the samples' checked
+    tensors (``total`` their lengths, named ``what``), ``pairs`` the layout's
+    ``(copy, first, sample)``: each repeated prompt element, as an index into the
+    concatenated samples, the same element of its group's first, and its sample.
+
+    Raises:
+        LayoutError: a prompt element differs (NaN equals NaN here), named by sample,
+            position and group.
+    """
+    if not items:
+        return
+    copy, first, sample = (t.to(items[0].device) for t in pairs)
+    flat = torch.cat(items)
+    a, b = flat.index_select(0, copy), flat.index_select(0, first)
+    differ = a != b
+    if a.is_floating_point() or a.is_complex():
+        differ &= ~(torch.isnan(a) & torch.isnan(b))  # NaN equals NaN here (torch.equal says not)
+    differ = differ.reshape(differ.shape[0], -1).any(1) if differ.dim() > 1 else differ
+    bad = differ.nonzero()
+    if bad.numel():
+        j = int(bad[0, 0])
+        i = int(sample[j])
+        position = int(copy[j]) - sum(total[:i])
+        lead, group = _group_of(groups, i)
+        raise LayoutError(
+            f"sample {i}: {what}[{i}][{position}] differs from {what}[{lead}]"
+            f"[{position}], the prompt of sample {lead}, group {group}'s first "
+            "(the samples of a shared_prefix group share one prompt: its tokens are packed once)"
+        )
+
+
+def _group_of(groups: tuple[int, ...], sample: int) -> tuple[int, int]:
+    """The first sample and the index of the shared-prefix group holding ``sample``."""
+    first = 0
+    for j, g in enumerate(groups):
+        if sample < first + g:
+            return first, j
+        first += g
+    raise AssertionError(sample)
+
+
 def softcap(value: object) -> float | None:
     """None, or a soft-cap: a real number, finite and > 0.
 
@@ -153,13 +221,20 @@ def softcap(value: object) -> float | None:
     """
     if value is None:
         return None
-    cap = real("softcap", value)
-    if not (math.isfinite(cap) and cap > 0):
-        raise LayoutError(
-            f"softcap={value!r} is not allowed: it must be finite and > 0 (the softmax "
-            "reads softcap * tanh(logits / softcap))"
-        )
-    return cap
+    return _finite_positive("softcap", value, "the softmax reads softcap * tanh(logits / softcap)")
+
+
+def _finite_positive(name: str, value: object, why: str) -> float:
+    """A real number ``name``, finite and > 0; ``why`` says what it does, in the message.
+
+    Raises:
+        TypeError: not a real number.
+        LayoutError: not finite, or <= 0.
+    """
+    x = real(name, value)
+    if not (math.isfinite(x) and x > 0):
+        raise LayoutError(f"{name}={value!r} is not allowed: it must be finite and > 0 ({why})")
+    return x
 
 
 def vocab_size(value: object, total: int) -> int:
@@ -246,13 +321,7 @@ def tensor_list(name: str, value: object, count: int, what: str) -> list[Tensor]
 
 
 def per_sample(
-    name: str,
-    value: object,
-    want: Sequence[int],
-    which: str,
-    *,
-    uniform: bool = False,
-    one_dim: bool = False,
+    name: str, value: object, want: Sequence[int], which: str, *, uniform: bool = False, one_dim: bool = False,
     floating: bool = False,
 ) -> list[Tensor]:
     """One tensor per sample whose dimension 0 is ``want[i]``.

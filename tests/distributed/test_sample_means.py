@@ -270,6 +270,25 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
     torch.set_num_threads(1)
     pair = tp_groups(rank, world)[1][0]  # {0, 1} or {2, 3}, made once per rank
     calls: Calls = []
+    _count_all_reduces(world, calls)
+    docs = _doc_functions()
+    out: dict[Any, Any] = {}
+    for cp in GROUPS:
+        group = dist.group.WORLD if cp == WORLD else pair
+        out |= _reductions(rank, cp, group, calls)
+        out |= _refusals(rank, cp, group, calls)
+        # docs/api-guide.md's examples, zigzag
+        batch = _rl_batch(cp)
+        layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=rank % cp,
+                        cp_size=cp)
+        for fn in DOC_LOSSES:
+            out[cp, "docs", fn, rank] = _rl_loss(docs[fn], batch, layout, group)
+    return out
+
+
+def _count_all_reduces(world: int, calls: Calls) -> None:
+    """In this spawned rank, every ``dist.all_reduce`` is the real one, recorded in
+    ``calls`` (shape, op, the group's ranks)."""
     real = dist.all_reduce
 
     def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:  # the real collective
@@ -280,57 +299,59 @@ def _worker(rank: int, world: int) -> dict[Any, Any]:
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counted
-    docs = _doc_functions()
+
+
+def _reductions(rank: int, cp: int, group: dist.ProcessGroup | None, calls: Calls) -> dict[Any, Any]:
+    """This rank's means (per mode, aligned, in columns) and extremes (an unmasked NaN
+    on each rank in turn too) in its CP group of size ``cp``."""
+    me, replica = rank % cp, rank // cp
     out: dict[Any, Any] = {}
-    for cp in GROUPS:
-        group = dist.group.WORLD if cp == WORLD else pair
-        me, replica = rank % cp, rank // cp
-        for mode in MODES + ALIGNED:
-            for name in CASES if mode in MODES else ("mixed", "sparse"):
-                out[cp, mode, name, rank] = _means(Case(name, cp, mode, replica), mode, cp, me,
-                                                   group, calls, columns=False)
-        for name in COLUMN_CASES:
-            out[cp, "columns", name, rank] = _means(Case(name, cp, "zigzag", replica), "zigzag",
-                                                    cp, me, group, calls, columns=True)
-        for name in EXTREME_CASES:
-            for columns in (False, True):
-                out[cp, "extremes", name, columns, rank] = _extremes(
-                    Case(name, cp, "zigzag", replica), cp, me, group, calls, columns=columns)
-        for holder in range(cp):  # an unmasked NaN on each rank in turn
-            for columns in (False, True):
-                out[cp, "nan", holder, columns, rank] = _extremes(
-                    Case("mixed", cp, "zigzag", replica, nan_on=holder), cp, me, group, calls,
-                    columns=columns)
-        # a layout for another group size: refused on every rank, before any collective
-        wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
-        try:
-            sample_means(shard_responses([torch.zeros(2)], wrong), [torch.ones(2)], wrong,
-                         cp_group=group)
-        except LayoutError as e:
-            out[cp, "wrong group", rank] = str(e)
-        # cp_group=None is no group (as tp_group=None is no TP): refused under CP, on
-        # every rank and before any collective; fine without CP
-        mine = Layout([5], [2], cp_mode="zigzag", cp_rank=me, cp_size=cp)
-        for reducer in (sample_means, sample_max):
-            calls.clear()
-            try:
-                reducer(shard_responses([torch.zeros(2)], mine), [torch.ones(2)], mine,
-                        cp_group=None)
-            except LayoutError as e:
-                out[cp, "no group", reducer.__name__, rank] = (str(e), len(calls))
-        whole = Layout([5], [2])
+    for mode in MODES + ALIGNED:
+        for name in CASES if mode in MODES else ("mixed", "sparse"):
+            out[cp, mode, name, rank] = _means(Case(name, cp, mode, replica), mode, cp, me,
+                                               group, calls, columns=False)
+    for name in COLUMN_CASES:
+        out[cp, "columns", name, rank] = _means(Case(name, cp, "zigzag", replica), "zigzag",
+                                                cp, me, group, calls, columns=True)
+    for name in EXTREME_CASES:
+        for columns in (False, True):
+            out[cp, "extremes", name, columns, rank] = _extremes(
+                Case(name, cp, "zigzag", replica), cp, me, group, calls, columns=columns)
+    for holder in range(cp):  # an unmasked NaN on each rank in turn
+        for columns in (False, True):
+            out[cp, "nan", holder, columns, rank] = _extremes(
+                Case("mixed", cp, "zigzag", replica, nan_on=holder), cp, me, group, calls,
+                columns=columns)
+    return out
+
+
+def _refusals(rank: int, cp: int, group: dist.ProcessGroup | None, calls: Calls) -> dict[Any, Any]:
+    """A layout for another group size, and ``cp_group=None`` under CP: refused on every
+    rank before any collective; ``cp_group=None`` without CP: fine."""
+    me = rank % cp
+    out: dict[Any, Any] = {}
+    wrong = Layout([5], [2], cp_mode="zigzag", cp_rank=me % (6 - cp), cp_size=6 - cp)
+    try:
+        sample_means(shard_responses([torch.zeros(2)], wrong), [torch.ones(2)], wrong,
+                     cp_group=group)
+    except LayoutError as e:
+        out[cp, "wrong group", rank] = str(e)
+    # cp_group=None is no group (as tp_group=None is no TP)
+    mine = Layout([5], [2], cp_mode="zigzag", cp_rank=me, cp_size=cp)
+    for reducer in (sample_means, sample_max):
         calls.clear()
-        out[cp, "no cp", rank] = (
-            sample_means([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
-            sample_max([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
-            len(calls),
-        )
-        # docs/api-guide.md's examples, zigzag
-        batch = _rl_batch(cp)
-        layout = Layout(batch["total"], batch["response"], cp_mode="zigzag", cp_rank=me,
-                        cp_size=cp)
-        for fn in DOC_LOSSES:
-            out[cp, "docs", fn, rank] = _rl_loss(docs[fn], batch, layout, group)
+        try:
+            reducer(shard_responses([torch.zeros(2)], mine), [torch.ones(2)], mine,
+                    cp_group=None)
+        except LayoutError as e:
+            out[cp, "no group", reducer.__name__, rank] = (str(e), len(calls))
+    whole = Layout([5], [2])
+    calls.clear()
+    out[cp, "no cp", rank] = (
+        sample_means([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
+        sample_max([torch.ones(2)], [torch.ones(2)], whole, cp_group=None).tolist(),
+        len(calls),
+    )
     return out
 
 

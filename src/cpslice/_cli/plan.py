@@ -11,6 +11,7 @@ import itertools
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Literal, NamedTuple, cast
 
 import torch
@@ -71,6 +72,33 @@ def _group_sizes(text: str) -> tuple[int, ...]:
     return _lengths(text, "one size per group (e.g. 4,1,3: the samples 0-3, 4 and 5-7)")
 
 
+class _Valued(NamedTuple):
+    """An optional flag that takes one value: ``--flag METAVAR``."""
+
+    flag: str
+    type: Callable[[str], int | tuple[int, ...]]
+    metavar: str
+    help: str
+    default: int | None = None
+
+
+_VALUED = (
+    _Valued("--max-seq-len", int, "S", "bshd row length"),
+    _Valued("--local-length", int, "T", "length of each rank's local tensor (default: the least that fits)"),
+    _Valued("--align", int, "N", "thd: pad every sample on the right to a multiple of N (verl, Megatron-Bridge: "
+            "tp * cp * 2 under CP); under zigzag a multiple of 2 * cp-size"),
+    _Valued("--padded-lengths", _lengths, "W0,W1,...", "thd: the positions W_i >= L_i each sample occupies, its "
+            "padding included (the differences of cu_seqlens_padded)"),
+    _Valued("--row-offsets", _lengths, "O0,O1,...", "bshd: the column where each sample starts in its row, the "
+            "columns before it padding (a left-padded prompt: Hugging Face trainers)"),
+    _Valued("--shared-prefix", _group_sizes, "G0,G1,...", "thd: group sizes; the G_j consecutive samples of group "
+            "j share one prompt, packed once as a star: the prompt, then each response (GRPO's G responses)"),
+    _Valued("--depth", int, "D", "the shares at target depth D: position p predicts token p + 1 + D "
+            "(multi-token prediction; default 0, the next token)", default=0),
+)
+"""plan's flags after ``--format`` that take one value, in ``--help``'s order."""
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--total", type=_lengths, required=True, metavar="L0,L1,...",
@@ -91,38 +119,9 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--format", choices=("thd", "bshd"), default="thd",
         help="thd: samples packed back to back; bshd: rows of --max-seq-len (default thd)",
     )
-    parser.add_argument(
-        "--max-seq-len", type=int, default=None, metavar="S", help="bshd row length"
-    )
-    parser.add_argument(
-        "--local-length", type=int, default=None, metavar="T",
-        help="length of each rank's local tensor (default: the least that fits)",
-    )
-    parser.add_argument(
-        "--align", type=int, default=None, metavar="N",
-        help="thd: pad every sample on the right to a multiple of N (verl, Megatron-Bridge: "
-        "tp * cp * 2 under CP); under zigzag a multiple of 2 * cp-size",
-    )
-    parser.add_argument(
-        "--padded-lengths", type=_lengths, default=None, metavar="W0,W1,...",
-        help="thd: the positions W_i >= L_i each sample occupies, its padding included "
-        "(the differences of cu_seqlens_padded)",
-    )
-    parser.add_argument(
-        "--row-offsets", type=_lengths, default=None, metavar="O0,O1,...",
-        help="bshd: the column where each sample starts in its row, the columns before it "
-        "padding (a left-padded prompt: Hugging Face trainers)",
-    )
-    parser.add_argument(
-        "--shared-prefix", type=_group_sizes, default=None, metavar="G0,G1,...",
-        help="thd: group sizes; the G_j consecutive samples of group j share one prompt, "
-        "packed once as a star: the prompt, then each response (GRPO's G responses)",
-    )
-    parser.add_argument(
-        "--depth", type=int, default=0, metavar="D",
-        help="the shares at target depth D: position p predicts token p + 1 + D "
-        "(multi-token prediction; default 0, the next token)",
-    )
+    for option in _VALUED:
+        parser.add_argument(option.flag, type=option.type, default=option.default, metavar=option.metavar,
+                            help=option.help)
     add_order_arguments(parser)
     parser.add_argument(
         "--color", choices=("auto", "always", "never"), default="auto",

@@ -35,7 +35,7 @@ from .. import _checks as checks
 from .._errors import LayoutError
 from .._layout.extract import picked_ids, picked_values, shard, split
 from .._layout.layout import Layout
-from .._layout.pack import check_group_temperatures, temperatures_of
+from .._layout.pack import temperatures_of
 from .._layout.plan import Local, Read, Span, resolve
 from .._types import (
     ChunkArg,
@@ -229,9 +229,8 @@ class _Step(NamedTuple):
 def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tuple[Local, float | Tensor]:
     """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
     its per-row temperature."""
-    per_sample = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
-    if isinstance(per_sample, Tensor):
-        check_group_temperatures(per_sample, layout)
+    per_sample = checks.sample_temperatures(dtensor.replicated("temperature", temperature), layout.num_samples,
+                                           layout.shared_prefix)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
     local = resolve(layout, int(x.shape[0]), what, spans, x.device)
     return local, temperatures_of(per_sample, local)

@@ -14,7 +14,7 @@ from .._errors import LayoutError
 from .._layout.extract import gather_split as split_rows
 from .._layout.extract import picked_ids, picked_values, split_elements
 from .._layout.layout import Layout
-from .._layout.pack import check_group_temperatures, checked_tokens, temperatures_of
+from .._layout.pack import checked_tokens, temperatures_of
 from .._layout.plan import Local, Read, Span, resolve
 from .._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from .._vocab import args, dtensor
@@ -181,9 +181,8 @@ def _inputs(
     device (replicated DTensors read as their local tensors: ``dtensor.replicated``)."""
     d = checks.depth(depth)
     items = checked_tokens(dtensor.replicated_each("tokens", tokens), layout)
-    tau = checks.temperatures(dtensor.replicated("temperature", temperature), layout.num_samples, "sample")
-    if isinstance(tau, Tensor):
-        check_group_temperatures(tau, layout)
+    tau = checks.sample_temperatures(dtensor.replicated("temperature", temperature), layout.num_samples,
+                                    layout.shared_prefix)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(tau, Tensor) else ("response",)
     local = resolve(layout, int(x.shape[0]), what, spans, x.device, depth=d)
     read = local.reads["response"]

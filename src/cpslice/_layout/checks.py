@@ -48,6 +48,13 @@ def check_format(
     qkv_format: FormatArg, cp_mode: ModeArg, max_seq_len: object, total: tuple[int, ...]
 ) -> tuple[QkvFormat, CpMode, int | None]:
     """The format, the mode and (bshd) the row length ``S``, which every sample fits."""
+    fmt, mode = _format_and_mode(qkv_format, cp_mode)
+    return fmt, mode, _row_length(fmt, max_seq_len, total)
+
+
+def _format_and_mode(qkv_format: FormatArg, cp_mode: ModeArg) -> tuple[QkvFormat, CpMode]:
+    """Both names strs, then each one this ``Layout`` is built with (``"order"`` has its
+    own constructor)."""
     for name, given_str in (("qkv_format", qkv_format), ("cp_mode", cp_mode)):
         if not isinstance(given_str, str):
             raise TypeError(f"{name} must be a str, got {kind(given_str)} {given_str!r}")
@@ -57,30 +64,33 @@ def check_format(
         raise LayoutError("cp_mode 'order' needs the order itself: build the layout with Layout.from_order")
     if cp_mode not in _MODES:
         raise LayoutError(f"cp_mode {cp_mode!r} is not one of {_MODES}")
-    fmt: QkvFormat = qkv_format
-    mode: CpMode = cp_mode
-    seq: int | None = None
-    if fmt == "bshd":
-        if max_seq_len is None:
+    return qkv_format, cp_mode
+
+
+def _row_length(fmt: QkvFormat, max_seq_len: object, total: tuple[int, ...]) -> int | None:
+    """bshd's row length ``S >= 1``, which every sample fits; thd takes none."""
+    if fmt == "thd":
+        if max_seq_len is not None:
             raise LayoutError(
-                "qkv_format 'bshd' needs max_seq_len, the padded row length S "
-                "(or pass qkv_format='thd' for packed samples)"
+                f"max_seq_len={max_seq_len!r} is given with qkv_format 'thd', where it means "
+                "nothing; pass qkv_format='bshd' for padded rows, or drop max_seq_len"
             )
-        seq = integer("max_seq_len", max_seq_len)
-        if seq < 1:
-            raise LayoutError(f"max_seq_len {seq} < 1")
-        for i, t in enumerate(total):
-            if t > seq:
-                raise LayoutError(
-                    f"sample {i}: total_length {t} > max_seq_len {seq} "
-                    "(a bshd row holds at most max_seq_len tokens)"
-                )
-    elif max_seq_len is not None:
+        return None
+    if max_seq_len is None:
         raise LayoutError(
-            f"max_seq_len={max_seq_len!r} is given with qkv_format 'thd', where it means "
-            "nothing; pass qkv_format='bshd' for padded rows, or drop max_seq_len"
+            "qkv_format 'bshd' needs max_seq_len, the padded row length S "
+            "(or pass qkv_format='thd' for packed samples)"
         )
-    return fmt, mode, seq
+    seq = integer("max_seq_len", max_seq_len)
+    if seq < 1:
+        raise LayoutError(f"max_seq_len {seq} < 1")
+    for i, t in enumerate(total):
+        if t > seq:
+            raise LayoutError(
+                f"sample {i}: total_length {t} > max_seq_len {seq} "
+                "(a bshd row holds at most max_seq_len tokens)"
+            )
+    return seq
 
 
 def check_cp(cp_rank: object, cp_size: object, fmt: QkvFormat, mode: CpMode) -> tuple[int, int]:
@@ -139,17 +149,31 @@ def check_padding(
             f"padded_lengths and align={align!r} are both given; pass one: align a stands "
             "for padded_lengths W_i = ceil(L_i / a) * a"
         )
-    two_c = 2 * size
-    zigzag = (
-        f" (zigzag cuts each padded sample into 2 * cp_size = {two_c} equal chunks)"
-    )
     if align is not None:
-        a = integer("align", align)
-        if a < 1:
-            raise LayoutError(f"align {a} < 1 (samples are padded to a multiple of align)")
-        if mode == "zigzag" and a % two_c:
-            raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {two_c}{zigzag}")
-        return None, a
+        return None, _check_align(align, mode, size)
+    return _check_widths(padded_lengths, total, mode, size, grouped), None
+
+
+def _zigzag_multiple(size: int) -> str:
+    """Why zigzag at ``size`` needs a multiple of ``2 * size``, for messages."""
+    return f" (zigzag cuts each padded sample into 2 * cp_size = {2 * size} equal chunks)"
+
+
+def _check_align(align: object, mode: CpMode, size: int) -> int:
+    """``align``: an int >= 1, under zigzag a multiple of ``2 * cp_size``."""
+    a = integer("align", align)
+    if a < 1:
+        raise LayoutError(f"align {a} < 1 (samples are padded to a multiple of align)")
+    if mode == "zigzag" and a % (2 * size):
+        raise LayoutError(f"align {a} is not a multiple of 2 * cp_size = {2 * size}{_zigzag_multiple(size)}")
+    return a
+
+
+def _check_widths(
+    padded_lengths: object, total: tuple[int, ...], mode: CpMode, size: int, grouped: bool
+) -> tuple[int, ...]:
+    """``padded_lengths``: one per extent (sample, or with ``grouped`` star), each at least
+    its tokens, under zigzag a multiple of ``2 * cp_size``."""
     if grouped:
         given = lengths("padded_lengths", padded_lengths, "group")
         if len(given) != len(total):
@@ -166,12 +190,12 @@ def check_padding(
                 f"{unit} {i}: padded_length {w} < {tokens} {t} (a padded {unit} holds "
                 "its tokens, then padding)"
             )
-        if mode == "zigzag" and w % two_c:
+        if mode == "zigzag" and w % (2 * size):
             raise LayoutError(
                 f"{unit} {i}: padded_length {w} is not a multiple of 2 * cp_size = "
-                f"{two_c}{zigzag}"
+                f"{2 * size}{_zigzag_multiple(size)}"
             )
-    return given, None
+    return given
 
 
 def _boundaries(values: object) -> tuple[int, ...]:

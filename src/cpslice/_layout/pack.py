@@ -32,70 +32,23 @@ def lay_out(items: list[Tensor], local: Local, span: Span, fill: object, rest: t
 
 def checked_tokens(tokens: object, layout: Layout) -> list[Tensor]:
     """Each sample's whole tokens, checked: ``[L_i]`` integer tensors of one dtype (and
-    with a shared prefix, each group's prompts equal: ``check_shared_prompts``)."""
-    items = checks.per_sample("tokens", tokens, layout.total_lengths, "total_length", uniform=True)
-    for i, x in enumerate(items):
+    with a shared prefix, each group's prompts equal: ``checked_samples``)."""
+    return checked_samples("tokens", tokens, layout, tokens=True)
+
+
+def checked_samples(name: str, value: object, layout: Layout, *, tokens: bool = False) -> list[Tensor]:
+    """Each sample's whole tensor ``[L_i, *rest]``, of one dtype and trailing shape (with
+    ``tokens``, 1-D integer), checked in one pass: with a shared prefix, every sample's
+    prompt equals its group's first's (``_checks.shared_prompts``; the message calls
+    the argument ``name``)."""
+    items = checks.per_sample(name, value, layout.total_lengths, "total_length", uniform=True)
+    for i, x in enumerate(items if tokens else []):
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "
                             f"{x.dtype} {tuple(x.shape)}")
-    check_shared_prompts(items, layout, "tokens")
+    if layout.shared_prefix is not None:
+        checks.shared_prompts(items, name, layout.total_lengths, layout.shared_prefix, prompt_pairs(layout))
     return items
-
-
-def check_shared_prompts(items: list[Tensor], layout: Layout, what: str) -> None:
-    """With a shared prefix, every sample's prompt rows equal its group's first sample's
-    (one host read); the message names the sample, the group and the position."""
-    if layout.shared_prefix is None or not items:
-        return
-    copy, first, sample = (t.to(items[0].device) for t in prompt_pairs(layout))
-    flat = torch.cat(items)
-    a, b = flat.index_select(0, copy), flat.index_select(0, first)
-    differ = a != b
-    if a.is_floating_point() or a.is_complex():
-        differ &= ~(torch.isnan(a) & torch.isnan(b))  # NaN equals NaN here (torch.equal says not)
-    differ = differ.reshape(differ.shape[0], -1).any(1) if differ.dim() > 1 else differ
-    bad = differ.nonzero()
-    if bad.numel():
-        j = int(bad[0, 0])
-        i = int(sample[j])
-        start = sum(layout.total_lengths[:i])
-        lead, group = _group_of(layout, i)
-        raise LayoutError(
-            f"sample {i}: {what}[{i}][{int(copy[j]) - start}] differs from {what}[{lead}]"
-            f"[{int(copy[j]) - start}], the prompt of sample {lead}, group {group}'s first "
-            "(the samples of a shared_prefix group share one prompt: its tokens are packed once)"
-        )
-
-
-def check_group_temperatures(tau: Tensor, layout: Layout) -> None:
-    """With a shared prefix, one temperature per group: its prompt's rows are computed once
-    (one host read of a device tensor)."""
-    if layout.shared_prefix is None:
-        return
-    sizes = torch.tensor(layout.shared_prefix, dtype=torch.int64)
-    first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes, output_size=layout.num_samples)
-    host = tau.detach().to("cpu")
-    bad = (host != host[first]).nonzero()
-    if bad.numel():
-        i = int(bad[0, 0])
-        lead, group = _group_of(layout, i)
-        raise LayoutError(
-            f"sample {i}: temperature {float(host[i])} differs from sample {lead}'s "
-            f"{float(host[lead])}, group {group}'s first (the samples of a shared_prefix group "
-            "share their prompt's rows, whose statistics are computed once: one temperature "
-            "per group)"
-        )
-
-
-def _group_of(layout: Layout, sample: int) -> tuple[int, int]:
-    """The first sample and the index of the shared-prefix group holding ``sample``."""
-    assert layout.shared_prefix is not None
-    first = 0
-    for j, g in enumerate(layout.shared_prefix):
-        if sample < first + g:
-            return first, j
-        first += g
-    raise AssertionError(sample)
 
 
 def _device(items: list[Tensor]) -> torch.device:
@@ -144,10 +97,7 @@ def pack(
             sample whose prompt differs from its group's first (named by sample,
             position and group).
     """
-    items = checks.per_sample(
-        "per_sample", per_sample, layout.total_lengths, "total_length", uniform=True
-    )
-    check_shared_prompts(items, layout, "per_sample")
+    items = checked_samples("per_sample", per_sample, layout)
     local = resolve(layout, spans=("sample",), device=_device(items), least=True)
     if not items:
         return torch.full((local.length,), checks.fill_value(fill, torch.float32))

@@ -196,21 +196,34 @@ def _stream(
     position each row of each rank holds (``[c, T]``), where each extent starts, and
     where the runs of consecutive stream positions of the rows (row after row, rank
     after rank) start (``_heads``)."""
-    n_stream = sum(widths)
     starts = _cumsum0(_ints(widths))
     if fmt == "thd":
-        if order.dim() == 2 and order.shape[0] == 1:
-            order = order[0]
-        if order.dim() != 1:
-            raise LayoutError(f"a thd order has shape [N] or [1, N], got {list(order.shape)}")
-        every = n_stream // size if n_stream % size == 0 else n_stream
-        heads = _check_permutation(order, n_stream, "a thd order", "order[{}]", every)
-        if n_stream % size:
-            raise LayoutError(f"cp_size {size} does not divide the order's {n_stream} positions "
-                              "(each rank holds N / cp_size of them)")
+        order, heads = _thd_stream(order, sum(widths), size)
         return order, order.view(size, -1), starts, heads
     assert seq is not None
-    rows = len(widths)
+    order = _bshd_shape(order, len(widths), seq)
+    per_rank, heads = _bshd_stream(order, starts, seq, size)
+    return order, per_rank, starts, heads
+
+
+def _thd_stream(order: Tensor, n_stream: int, size: int) -> tuple[Tensor, Tensor]:
+    """A thd order ``[N]`` (or ``[1, N]``), checked a permutation that ``size`` ranks
+    split evenly, and its runs' heads over ``size`` ranks."""
+    if order.dim() == 2 and order.shape[0] == 1:
+        order = order[0]
+    if order.dim() != 1:
+        raise LayoutError(f"a thd order has shape [N] or [1, N], got {list(order.shape)}")
+    every = n_stream // size if n_stream % size == 0 else n_stream
+    heads = _check_permutation(order, n_stream, "a thd order", "order[{}]", every)
+    if n_stream % size:
+        raise LayoutError(f"cp_size {size} does not divide the order's {n_stream} positions "
+                          "(each rank holds N / cp_size of them)")
+    return order, heads
+
+
+def _bshd_shape(order: Tensor, rows: int, seq: int) -> Tensor:
+    """A bshd order ``[S]``, ``[1, S]`` (one index for every row, as torch's) or
+    ``[B, S]``, as ``[B, S]``."""
     if order.dim() == 2 and order.shape[0] == 1:  # torch's [1, S]: one index for every row
         order = order[0]
     if order.dim() == 1:
@@ -220,13 +233,21 @@ def _stream(
                           f"got {list(order.shape)}")
     if order.shape[1] != seq:
         raise LayoutError(f"a bshd order's rows have {order.shape[1]} columns but max_seq_len is {seq}")
+    return order
+
+
+def _bshd_stream(order: Tensor, starts: Tensor, seq: int, size: int) -> tuple[Tensor, Tensor]:
+    """A ``[B, S]`` bshd order's stream positions per rank (``[c, T]``) and its runs'
+    heads; refused where a row is not a permutation of ``range(S)`` (the first such row
+    named) or ``size`` does not divide ``S``."""
+    rows = order.shape[0]
     if not seq % size and _in_range(order, seq):  # each row a permutation: read at once
         per_rank = (order + starts[:, None]).view(rows, size, seq // size).transpose(0, 1)
         per_rank = per_rank.reshape(size, -1).contiguous()
         flat = per_rank.view(-1)
         heads = _heads(flat, per_rank.shape[1])
         if _tiles(flat, heads, flat.numel()):  # in range, the shifted rows tile the whole
-            return order, per_rank, starts, heads
+            return per_rank, heads
     bad = (order.sort(1).values != torch.arange(seq)).any(1).nonzero()
     if bad.numel():
         b = int(bad[0])

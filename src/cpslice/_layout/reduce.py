@@ -406,12 +406,7 @@ def _extreme(
 
 
 def sample_max(
-    values: Shares,
-    loss_masks: Masks,
-    layout: Layout,
-    *,
-    cp_group: dist.ProcessGroup | None = None,
-    depth: IntArg = 0,
+    values: Shares, loss_masks: Masks, layout: Layout, *, cp_group: dist.ProcessGroup | None = None, depth: IntArg = 0
 ) -> PerSample:
     """Each sample's masked maximum over its *whole* response, on every rank of the CP
     group: e.g. rejection of a sequence by its largest per-token log-ratio (verl's
@@ -443,12 +438,7 @@ def sample_max(
 
 
 def sample_min(
-    values: Shares,
-    loss_masks: Masks,
-    layout: Layout,
-    *,
-    cp_group: dist.ProcessGroup | None = None,
-    depth: IntArg = 0,
+    values: Shares, loss_masks: Masks, layout: Layout, *, cp_group: dist.ProcessGroup | None = None, depth: IntArg = 0
 ) -> PerSample:
     """Each sample's masked minimum over its *whole* response, on every rank of the CP
     group: ``sample_max``'s twin, with an all_reduce (MIN) and ``+inf`` (the identity

@@ -95,6 +95,27 @@ def select_cases(
             ``order`` or, under zigzag, not a multiple of ``2 * cp_size``; the message
             says what to pass.
     """
+    modes = _modes(cp_size, mode, fmt)
+    if mode == "order" and align is not None:
+        raise VerifyArgumentError(
+            f"--align {align} pads the closed forms' samples, and --mode order has none: its "
+            "layouts pad their samples as their orders need; drop --align, or pass --mode all")
+    cases = []
+    for m in modes:
+        formats: tuple[QkvFormat, ...] = ("thd",) if m == "allgather" else ("thd", "bshd")
+        cases += [Case(m, f) for f in formats if fmt is None or f == fmt]
+    if align is None:
+        if mode == "all" and fmt in (None, "thd"):
+            cases.append(Case("allgather", "thd", 4 * cp_size))
+        return tuple(cases) + _also_in_all(cp_size, mode, fmt)
+    _check_align(align, cp_size, fmt, modes)
+    aligned = tuple(Case(c.mode, c.fmt, align) for c in cases if c.fmt == "thd")
+    return tuple(cases) + aligned + _also_in_all(cp_size, mode, fmt)
+
+
+def _modes(cp_size: int, mode: str, fmt: str | None) -> tuple[CpMode, ...]:
+    """The closed modes ``--mode`` names at ``cp_size`` (none for ``"order"``), checked
+    with ``--format`` (``select_cases``)."""
     if mode == "none" and cp_size > 1:
         raise VerifyArgumentError(
             f"--mode none is the layout without context parallelism, but --cp-size is "
@@ -119,21 +140,13 @@ def select_cases(
     }
     if mode not in choices:
         raise VerifyArgumentError(f"--mode {mode!r} is not one of {', '.join(choices)}")
-    modes = choices[mode]
     if fmt not in (None, "thd", "bshd"):
         raise VerifyArgumentError(f"--format {fmt!r} is not one of thd, bshd")
-    if mode == "order" and align is not None:
-        raise VerifyArgumentError(
-            f"--align {align} pads the closed forms' samples, and --mode order has none: its "
-            "layouts pad their samples as their orders need; drop --align, or pass --mode all")
-    cases = []
-    for m in modes:
-        formats: tuple[QkvFormat, ...] = ("thd",) if m == "allgather" else ("thd", "bshd")
-        cases += [Case(m, f) for f in formats if fmt is None or f == fmt]
-    if align is None:
-        if mode == "all" and fmt in (None, "thd"):
-            cases.append(Case("allgather", "thd", 4 * cp_size))
-        return tuple(cases) + _also_in_all(cp_size, mode, fmt)
+    return choices[mode]
+
+
+def _check_align(align: int, cp_size: int, fmt: str | None, modes: tuple[CpMode, ...]) -> None:
+    """``--align``: thd only, >= 1, under zigzag a multiple of ``2 * cp_size``."""
     if fmt == "bshd":
         raise VerifyArgumentError(
             f"--align {align} pads packed thd samples, but --format is bshd, whose rows are "
@@ -147,8 +160,6 @@ def select_cases(
             "each padded sample into 2 * cp equal chunks); pass a multiple, e.g. "
             f"{4 * cp_size} (verl: tp * cp * 2)"
         )
-    aligned = tuple(Case(c.mode, c.fmt, align) for c in cases if c.fmt == "thd")
-    return tuple(cases) + aligned + _also_in_all(cp_size, mode, fmt)
 
 
 def _also_in_all(cp_size: int, mode: str, fmt: str | None) -> tuple[Case, ...]:

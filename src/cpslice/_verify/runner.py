@@ -126,30 +126,22 @@ def run(
         with _sigint_ignored():
             for p in procs:
                 p.start()
-        while len(watch.results) < len(config.cases):
-            left = watch.deadline - time.monotonic()
-            if left <= 0:
-                raise watch.timed_out()
-            try:
-                report: Report | None = out.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                report = None
-            if report is None:
-                watch.check_alive(procs)
-                continue
-            if report.failure is not None:
-                raise watch.failed(report, out)
-            watch.receive(report)
+        watch.collect(out, procs)
         for p in procs:
             p.join(timeout=10)
         return watch.results
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _kill(procs)
         out.close()
         del store
+
+
+def _kill(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    """Kill every rank still running (a run that broke, or one that outlived its join)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 class _Watch:
@@ -165,6 +157,28 @@ class _Watch:
         self.started = 0
         self.start = self.last = time.monotonic()  # last: when the last layout finished
         self.deadline = self.start + config.startup_timeout
+
+    def collect(self, out: Outbox, procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+        """Receive the ranks' reports until every case is a result; between reports, check
+        the deadline and that every rank is alive.
+
+        Raises:
+            VerifyFailure: as ``run``.
+        """
+        while len(self.results) < len(self.config.cases):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self.timed_out()
+            try:
+                report: Report | None = out.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                report = None
+            if report is None:
+                self.check_alive(procs)
+                continue
+            if report.failure is not None:
+                raise self.failed(report, out)
+            self.receive(report)
 
     def take(self, report: Report) -> None:
         """File a case's errors; a case every rank has sent is a result."""
