@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from cpslice._vocab import invariant as inv
-from cpslice._vocab import stats
+from cpslice._vocab import spec, stats
 from cpslice._vocab.backends.triton import invariant as tri
 from cpslice._vocab.backends.triton import launches
 
@@ -71,7 +71,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     inv.stats(xd, stats.Softmax(taud, cap, True), VALID, aten, [(0, T)], 16)
     aten_tiles = [_same(w, g) for w, g in zip((want.max, want.sum, want.ent), (aten.max, aten.sum, aten.ent))]
     assert want.ent is not None and got.ent is not None
-    merged = [_same(w, g) for w, g in zip(stats.merge_tiles(want.max.t(), want.sum.t(), want.ent.t(), tau),
+    merged = [_same(w, g) for w, g in zip(spec.merge_tiles(want.max.t(), want.sum.t(), want.ent.t(), tau),
                                           tri.merge(got.max, got.sum, got.ent, taud))]
     rows = torch.tensor([5, 0, 3, 2, 90, 17, 4, 1, 7, 8]) % T
     full = stats.placeholders(T, 0, torch.float32, cpu, True)

@@ -24,6 +24,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._vocab import hidden as _hidden
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 
 from ._dist import counting, tp_groups
@@ -233,16 +234,16 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     x, targets = peaked(256, VOCAB, 11)
     want = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True)
     planted = {}
-    real = _stats.merge_tiles
+    real = _spec.merge_tiles
     for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
         shard = x[:, tp_rank * (VOCAB // tp) : (tp_rank + 1) * (VOCAB // tp)]
         got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        _stats.merge_tiles = shard_first  # the baseline would put it back after the task too
+        _spec.merge_tiles = shard_first  # the baseline would put it back after the task too
         try:
             got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
         finally:
-            _stats.merge_tiles = real
+            _spec.merge_tiles = real
         planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
     _refuses_partial_tiles(whole, pair)
     return {"seen": seen, "planted": planted}

@@ -32,6 +32,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._vocab import invariant as _invariant
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 from cpslice._vocab.backends import selection as _backend
 
@@ -349,15 +350,15 @@ def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
         return lp, h
 
     assert all(torch.equal(a, b) for a, b in zip(run(), want))
-    real = _stats.merge_tiles
+    real = _spec.merge_tiles
 
     def rotated(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
         return real(m.roll(1, 0), s.roll(1, 0), None if a is None else a.roll(1, 0), tau)  # from the 2nd tile
 
     for plant in (rotated, shard_first):
-        monkeypatch.setattr(_stats, "merge_tiles", plant)
+        monkeypatch.setattr(_spec, "merge_tiles", plant)
         assert not all(torch.equal(a, b) for a, b in zip(run(), want)), plant
-        monkeypatch.setattr(_stats, "merge_tiles", real)
+        monkeypatch.setattr(_spec, "merge_tiles", real)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None, 1.0])

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from cpslice import log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 from cpslice._vocab.stats import RowStats, Softmax
 
@@ -175,7 +176,7 @@ def test_per_tile_statistics_under_tp_and_their_merge_are_the_eager_bits(dtype: 
     # every shard's tiles in global order, as the all-gather gives them: merge
     m, s, a = (torch.cat([_fields(f)[i][:, 1:] for f in got], 1) for i in range(3))
     big, total, ent = _tri.merge(m[ROWS], s[ROWS], a[ROWS], tau[ROWS])
-    w_big, w_total, w_ent = _stats.merge_tiles(m[ROWS].t(), s[ROWS].t(), a[ROWS].t(), tau[ROWS])
+    w_big, w_total, w_ent = _spec.merge_tiles(m[ROWS].t(), s[ROWS].t(), a[ROWS].t(), tau[ROWS])
     assert ent is not None and w_ent is not None
     assert _same(big, w_big) and _same(total, w_total) and _same(ent, w_ent)
     # the whole row at TP 1 gives the same bits: the shards held whole tiles
@@ -195,7 +196,7 @@ def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows(monkeypatch:
         s = torch.where(m == -math.inf, 0.0, torch.rand(T, n, generator=gen) * 100)
         a = torch.where(m == -math.inf, 0.0, -torch.rand(T, n, generator=gen) * 50)
         got = _tri.merge(m, s, a, tau)
-        want = _stats.merge_tiles(m.t(), s.t(), a.t(), tau)
+        want = _spec.merge_tiles(m.t(), s.t(), a.t(), tau)
         assert all(g is not None and w is not None and _same(g, w) for g, w in zip(got, want)), n
     # merged_stats two rows at a time: the scratch of a chunk of rows, not of all of them
     x = _logits(torch.float32)

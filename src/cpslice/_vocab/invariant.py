@@ -1,30 +1,18 @@
 """Invariant mode (``invariant=True``): a row's statistics as a reduction whose order is a
 function of the vocabulary alone, so that no batch, chunk, layout or TP size changes a bit.
 
-The spec (docs/invariance.md says it for a rollout engine to reproduce):
-
-- the distribution's columns ``[0, V)`` (``vocab_size``) are cut into ``TILE``-column
-  tiles of global ids, ``ceil(V / TILE)`` of them; a column ``>= V`` of the last tile
-  (and of a padded vocabulary) counts as a -inf logit;
-- per tile ``j`` of a row, in the compute dtype: ``y = cap * tanh(x / cap)`` (or ``x``; the
-  spec's ``stats.tanh``, from its ``exp`` and correctly rounded divisions),
-  ``m_j = max y``, ``d = max((y - m_j') * r, FLOOR)`` with ``m_j' = m_j`` (0 where
-  ``m_j = -inf``) and ``r = 1 / tau`` (one division per row), ``e = exp(d)`` (the spec's
-  ``stats.exp``, not the backend's), and ``s_j``, ``a_j`` the ``tree`` sums of ``e`` and
-  ``e * d`` over the tile's ``TILE`` slots;
-- the tiles, in global order: ``M = max_j m_j``, ``delta_j = (m_j - M') / tau``,
-  ``S = tree(exp(delta_j) * s_j)``, ``A = tree(exp(delta_j) * (a_j + delta_j * s_j))``
-  (a tile with ``s_j = 0`` adding 0);
-- ``log p_t = (y_t - M) / tau - log S`` at the target's capped logit ``y_t``,
-  ``H = log S - A / S``.
-
-``tree`` sums the last dimension by pairwise halving: zero-padded to a power of two
-``w``, then ``x[:w/2] + x[w/2:]`` until one element is left. Every step is an
-elementwise operation, so the order is fixed whatever the backend's reduction kernels.
+The spec is ``spec`` (docs/invariance.md says it for a rollout engine to reproduce): the
+distribution's columns ``[0, V)`` cut into ``spec.TILE``-column tiles of global ids (a
+column ``>= V`` counts as a -inf logit); per tile, in the compute dtype, the capped
+logits (``spec.softcap``), the tile's max (``spec.tile_max``), ``d = max((y - m_j') * r,
+FLOOR)`` with ``r = 1 / tau`` (one division per row), ``e = spec.exp(d)`` and the
+``spec.tree`` sums of ``e`` and ``e * d`` (``eager_tiles``); the tiles, in global order,
+merged by ``spec.merge_tiles``; ``log p_t = (y_t - M) / tau - log S``, ``H = log S - A /
+S``. This module runs it: eagerly, compiled, or by the Triton backend.
 
 Under TP a shard's statistics are per tile (``RowStats`` fields ``[T, n_local]``, written
 here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
-rank merges all of them (``stats.merge_tiles``); each shard must hold whole tiles
+rank merges all of them (``spec.merge_tiles``); each shard must hold whole tiles
 (``check``). Without TP there is nothing to gather: a chunk of rows' tiles are merged as
 soon as they are computed (``merged_stats``), into ``[T]`` fields, so no ``[T, tiles]``
 statistics exist. The kernels have compiled forms that give the eager bits: the same
@@ -46,11 +34,13 @@ from torch import Tensor
 
 from .._errors import LayoutError
 from . import kernels
-from . import stats as _stats  # merge_tiles read at each call: tests plant another order
+from . import spec as _spec  # merge_tiles read at each call: tests plant another order
+from . import stats as _stats
 from .backends import selection as backend
 from .memory import buffer
 from .rows import At, chunked, gather, numbers, pieces, size
-from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
+from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
+from .stats import RowGrad, RowStats, Shard, Softmax, Tau, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -108,21 +98,21 @@ def tile_placeholders(
 
 
 def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``stats.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
+    """``spec.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
     backend of the tiles: the Triton kernel's where it computes (the same bits), else
     torch's. ``stats.combine``'s merger in invariant mode."""
     if isinstance(tau, Tensor) and backend.triton_for(m, invariant=True):
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return _stats.merge_tiles(m, s, a, tau)
+    return _spec.merge_tiles(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
-    spec's order (``stats.merge_tiles``); their picked logits added."""
-    write(out, at, *_stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+    spec's order (``spec.merge_tiles``); their picked logits added."""
+    write(out, at, *_spec.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
                                        tau))
     out.picked[at] += parts.picked
 
@@ -148,8 +138,7 @@ def tile_kernel(x, r):
     intermediate. The same elementwise operations in the same order as ``tree``."""
     y = x.to(r.dtype)
     y = y.view(y.shape[0], -1, TILE)
-    m = y.amax(-1)
-    m = torch.where(m == 0, 0.0, m)  # a zero max is +0, as in eager_tiles
+    m = tile_max(y)  # a zero max is +0, as in eager_tiles
     shift = torch.where(m == -math.inf, 0.0, m)[..., None]
     rr = r[:, None, None]
     es, des = [], []
@@ -158,18 +147,17 @@ def tile_kernel(x, r):
         e = exp(d)
         es.append(e)
         des.append(d * e)
-    s, a = _stats._halve(es), _stats._halve(des)
+    s, a = halve(es), halve(des)
     # [n, R]: each tile's row of statistics contiguous, as the placeholders hold them
-    return (m.t().contiguous(), _stats._halve(list(s.unbind(-1))).t().contiguous(),
-            _stats._halve(list(a.unbind(-1))).t().contiguous())
+    return (m.t().contiguous(), halve(list(s.unbind(-1))).t().contiguous(),
+            halve(list(a.unbind(-1))).t().contiguous())
 
 
 def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
     compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
     is +0: the max of +0 and -0 has no order-free sign)."""
-    m = y.amax(-1)
-    m = torch.where(m == 0, 0.0, m)
+    m = tile_max(y)
     shift = torch.where(m == -math.inf, 0.0, m)
     d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
     e = exp(d)
@@ -286,7 +274,7 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     """Each row's ``(M, S, A)`` over all of ``x``'s columns (``[n, V]``, the distribution's),
     for the ``rows`` of ``x`` (None: all), into ``out``'s ``[T]`` fields: a chunk's tiles
     (the last one -inf padded) are merged as soon as they are computed
-    (``stats.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
+    (``spec.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
     logits by the compiled ``row_kernel`` where ``compiled_ok``, else eagerly
     (``eager_rows``) ``chunk`` rows at a time."""
     cdt = out.sum.dtype
@@ -326,7 +314,7 @@ def eager_rows(
     """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
     then ``merge_tiles``."""
     m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return _stats.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
+    return _spec.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
 @no_type_check
@@ -338,7 +326,7 @@ def row_kernel(x, r, tau):
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
     m, s, a = tile_kernel(x, r)
-    return _stats.merge_tiles(m, s, a, tau)
+    return _spec.merge_tiles(m, s, a, tau)
 
 
 def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
@@ -414,7 +402,7 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
 @no_type_check
 def _values(x, r, m, log_s, a, b, cap=None, hot=None):
     """``p * (a * d + b)`` of ``x`` ``[R, w]`` widened to the compute dtype and capped
-    (``stats.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
+    (``spec.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
     clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``; ``hot``
     ``[R, w]`` added (None: nothing), and with a cap the whole times its derivative
     ``1 - t * t``."""
@@ -422,7 +410,7 @@ def _values(x, r, m, log_s, a, b, cap=None, hot=None):
     d = ((y - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
     value = exp(d) * (a[:, None] * d + b[:, None])
     value = value if hot is None else value + hot
-    return value if t is None else value * (1.0 - t * t)
+    return value if t is None else value * softcap_slope(t)
 
 
 @no_type_check

@@ -54,7 +54,8 @@ from .backends import selection as backend
 from .memory import buffer as buffer  # the gradient's buffer, read here by tests/vocabulary/test_kernels.py
 from .rows import At, count, gather, numbers, pieces, size
 from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
-from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
+from .spec import FLOOR
+from .stats import RowGrad, RowStats, Softmax, Tau, pick_grad
 
 CHUNK_BYTES = 64 * 2**20
 CPU_CHUNK_BYTES = 8 * 2**20

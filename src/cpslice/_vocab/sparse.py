@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from . import invariant
-from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
+from .spec import FLOOR
+from .stats import RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
 from .support import Support, host_offsets
 
 _I64 = torch.int64

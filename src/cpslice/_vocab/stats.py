@@ -35,10 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-FLOOR = -1.0e4
-"""``exp`` of anything below this is exactly 0 in float32 and float64. Clamping ``d`` there
-changes no ``p`` and no ``p * log p``, but turns the ``0 * (-inf)`` of a masked (-inf)
-logit into ``0 * finite = 0`` in the entropy sums."""
+from . import spec
+from .spec import FLOOR, Merger, softcap
 
 _Gather = Callable[..., object]
 # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.13).
@@ -166,113 +164,6 @@ def merge(parts: RowStats, tau: Tau) -> RowStats:
     return RowStats(big, (scale * parts.sum).sum(0), parts.picked.sum(0), ent)
 
 
-TILE = 128
-"""Columns per tile of invariant mode (``invariant``): megatron pads the LM head to a
-multiple of 128 per TP rank (``make_vocab_size_divisible_by``), so every padded shard
-holds whole tiles."""
-
-
-class _ExpConstants(NamedTuple):
-    ln2_hi: float  # ln 2 to a few bits, so that n * ln2_hi is exact
-    ln2_lo: float  # ln 2 - ln2_hi
-    degree: int  # of the Taylor polynomial on [-ln 2 / 2, ln 2 / 2]
-    bits: torch.dtype  # the integer type of the float's bits
-    mantissa: int
-    bias: int
-    cut: float  # below this, 0 (the results stay normal numbers above it)
-
-
-_EXP = {
-    torch.float32: _ExpConstants(0.693359375, -2.1219444005469057e-4, 7, torch.int32, 23, 127, -87.0),
-    torch.float64: _ExpConstants(0.6931471803691238, 1.9082149292705877e-10, 13, torch.int64, 52, 1023, -708.0),
-}
-LOG2E = 1.4426950408889634
-
-
-@no_type_check  # traced by dynamo inside invariant mode's kernels: no debug-mode wrapper
-def exp(d: Tensor) -> Tensor:
-    """Invariant mode's ``exp`` of ``d <= 0`` (float32 or float64), from additions,
-    multiplications, a floor and the float's exponent bits only: every IEEE backend
-    (ATen on any device, inductor's C++ without contraction) gives the same bits, where
-    each backend's own ``exp`` differs in the last bit. ``n = floor(d * log2(e) + 1/2)``,
-    ``r = (d - n * ln2_hi) - n * ln2_lo``, the Taylor polynomial of ``e^r`` by Horner's
-    rule (``p = p * r + 1/k!``, the coefficients rounded to the dtype), times ``2^n`` built
-    from its bits; 0 below ``cut`` (-87 in float32), NaN stays NaN. Within 2 ulp of
-    ``e^d`` (docs/invariance.md)."""
-    k = _EXP[d.dtype]
-    # in place on the temporaries: the same operations, a quarter of the fresh memory
-    n = torch.mul(d, LOG2E).add_(0.5).floor_()
-    r = torch.sub(d, n * k.ln2_hi).sub_(n * k.ln2_lo)
-    p = torch.mul(r, 1.0 / math.factorial(k.degree)).add_(1.0 / math.factorial(k.degree - 1))
-    for i in range(k.degree - 2, -1, -1):
-        p.mul_(r).add_(1.0 / math.factorial(i))
-    scale = n.clamp_(min=1 - k.bias).to(k.bits).add_(k.bias).bitwise_left_shift_(k.mantissa).view(d.dtype)
-    return p.mul_(scale).masked_fill_(d < k.cut, 0.0)
-
-
-def tanh(z: Tensor) -> Tensor:
-    """Invariant mode's ``tanh`` of ``z`` (float32 or float64), from the spec's ``exp`` and
-    correctly rounded divisions, so that every IEEE device gives the same bits (each
-    backend's ``tanh`` differs in the last bit): ``e = exp(-2 |z|)`` (0 for ``|z| > 43.5``
-    in float32, where ``tanh`` rounds to 1), ``t = (1 - e) / (1 + e)``, ``z``'s sign
-    restored (``copysign``); NaN stays NaN. Within ``2^-23`` of ``tanh(z)`` (measured:
-    1.7 ulp of 1), not relatively: the cancellation in ``1 - e`` costs precision near 0,
-    where ``cap * t`` is still within a few ``cap * eps`` of the capped logit, the rounding
-    of a logit of that size."""
-    e: Tensor = exp(z.abs().mul_(-2.0))
-    return (1.0 - e).div_(e.add_(1.0)).copysign_(z)
-
-
-def softcap(x: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """Invariant mode's soft cap of ``x`` (the compute dtype): ``(y, t)`` with ``t = tanh(x
-    / cap)`` (the spec's ``tanh``) and ``y = t * cap``; ``cap`` rounded to the dtype, and
-    a true division by it (a 0-d tensor on ``x``'s device: on CUDA torch multiplies by the
-    reciprocal of a Python-number divisor)."""
-    c = torch.tensor(cap, dtype=x.dtype, device=x.device)
-    t = tanh(x / c)
-    return t * c, t
-
-
-def tree(x: Tensor) -> Tensor:
-    """The sum over the last dimension by pairwise halving: zero-padded to a power of two
-    ``w``, then ``x[..., :w/2] + x[..., w/2:]`` until one element is left (in place on
-    ``x`` where its width is a power of two, else on a padded copy). Every step is an
-    elementwise add, so the order is fixed whatever the backend's reduction kernels."""
-    n = x.shape[-1]
-    width = 1 << (n - 1).bit_length() if n > 1 else 1
-    if width != n:
-        x = torch.nn.functional.pad(x, (0, width - n))
-    while width > 8:
-        width //= 2
-        x[..., :width].add_(x[..., width : 2 * width])
-    # the last levels on the transposed 8 (the same adds, contiguous rather than strided)
-    x = x[..., :width].movedim(-1, 0).contiguous()
-    while width > 1:
-        width //= 2
-        x[:width].add_(x[width : 2 * width])
-    return x[0]
-
-
-def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``merge`` in invariant mode: a row's ``(M, S, A)`` ``[R]`` of the whole distribution
-    from every tile's ``m``, ``s`` and ``a`` (``[n, R]``: tiles in global order; ``a`` None
-    without entropy), in the spec's fixed order: ``M`` the max, each tile rescaled by
-    ``exp(delta_j)``, the tiles' sums by ``tree``. Eager, and traced into invariant mode's
-    compiled row kernel."""
-    big = m.amax(0)
-    delta = (m - torch.where(big == -math.inf, 0.0, big)) / tau
-    scale = exp(delta)
-    total = tree((scale * s).t().contiguous())
-    if a is None:
-        return big, total, None
-    terms = torch.where(s > 0, scale * (a + delta * s), 0.0)
-    return big, total, tree(terms.t().contiguous())
-
-
-Merger = Callable[[Tensor, Tensor, Tensor | None, Tau], tuple[Tensor, Tensor, Tensor | None]]
-"""``merge_tiles``' signature: ``(m, s, a, tau)`` ``[n, R]`` tiles to ``(M, S, A)`` ``[R]``."""
-
-
 def write(out: RowStats, at: slice | Tensor | tuple[slice | Tensor, slice], m: Tensor, s: Tensor,
           a: Tensor | None) -> None:
     """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
@@ -335,7 +226,7 @@ def combine(
     group: dist.ProcessGroup | None,
     extra: Tensor | None = None,
     tiles: int | None = None,
-    merger: "Merger | None" = None,
+    merger: Merger | None = None,
 ) -> tuple[list[Totals], Tensor | None]:
     """``Totals`` of each of ``parts`` (this shard's statistics of the same rows, e.g. the
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
@@ -343,7 +234,7 @@ def combine(
     again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
     ``[W, r, T]``. With ``tiles`` (invariant mode) a part's ``max``, ``sum`` and ``ent``
     are ``[T, n]`` per tile, and the first ``tiles`` of all shards' tiles, in global
-    order, merge by ``merger`` (``merge_tiles`` if None; invariant mode's backend passes
+    order, merge by ``merger`` (``spec.merge_tiles`` if None; invariant mode's backend passes
     its own, of the same bits), ``MERGE_ROWS`` rows at a time; or, without a
     group, ``[T]`` fields already merged so (``invariant.stats``), read as they are.
     Collectives: one ``all_gather`` with ``group``, else none."""
@@ -378,9 +269,9 @@ def combine(
 
 def _merge_gathered(
     gathered: Tensor, at: tuple[int, int, int | None], n: int, tiles: int, picked: Tensor, tau: Tau,
-    merger: "Merger | None",
+    merger: Merger | None,
 ) -> RowStats:
-    """``merge_tiles`` of the first ``tiles`` of every shard's ``n`` tiles of one part of
+    """``spec.merge_tiles`` of the first ``tiles`` of every shard's ``n`` tiles of one part of
     ``combine``'s ``[W, r, T]`` rows (its ``max``, ``sum`` and ``ent`` rows at ``at``),
     ``MERGE_ROWS`` rows at a time, into ``[T]`` fields."""
     world, t = gathered.shape[0], gathered.shape[2]
@@ -394,7 +285,7 @@ def _merge_gathered(
         m, s, a = (None if i is None else gathered[:, i : i + n, lo:hi].reshape(world * n, hi - lo)[:tiles]
                    for i in at)
         assert m is not None and s is not None
-        write(merged, slice(lo, hi), *(merger or merge_tiles)(m, s, a, rows_of(tau, slice(lo, hi))))
+        write(merged, slice(lo, hi), *(merger or spec.merge_tiles)(m, s, a, rows_of(tau, slice(lo, hi))))
     return merged
 
 
@@ -467,15 +358,6 @@ def pick_grad(
 
 
 # invariant mode's helpers that read no spec arithmetic (invariant.py uses them)
-
-
-@no_type_check  # traced inside tile_kernel
-def _halve(parts: list[Tensor]) -> Tensor:
-    """``tree`` over a list: ``parts[i] + parts[i + h]`` until one is left."""
-    while len(parts) > 1:
-        h = len(parts) // 2
-        parts = [parts[i] + parts[i + h] for i in range(h)]
-    return parts[0]
 
 
 def _bits(t: Tensor) -> Tensor:

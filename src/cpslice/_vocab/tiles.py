@@ -17,7 +17,8 @@ from .engine import Options
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
 from .sparse import Elements
-from .stats import TILE, RowGrad, RowStats, Shard, merge
+from .spec import TILE
+from .stats import RowGrad, RowStats, Shard, merge
 
 TILE_ROWS = 2048
 """Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""

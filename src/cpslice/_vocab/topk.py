@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
+from . import spec
 from .invariant import merge_tiles
 from .stats import RowStats, Shard, Softmax, Totals, combine, per_row
 
@@ -48,10 +49,10 @@ def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) ->
 
 def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_id: int) -> Candidates:
     """``of_tile`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
-    broken by the smaller id (NaN counted as the largest), so the ids are a function of
-    the row's values alone; padded to ``width`` with ``(-inf, pad_id)``, an id past every
-    real one, so that a tie at -inf never picks a pad (a ``width`` below ``min(k, V)``
-    pads nothing)."""
+    broken by the smaller id (NaN counted as the largest: ``spec.largest``, then
+    ``spec.best``), so the ids are a function of the row's values alone; padded to
+    ``width`` with ``(-inf, pad_id)``, an id past every real one, so that a tie at -inf
+    never picks a pad (a ``width`` below ``min(k, V)`` pads nothing)."""
     rows, vocab = x.shape
     kk = min(k, vocab)
     width = max(width, kk)
@@ -60,10 +61,7 @@ def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_
     if kk == 0 or rows == 0:
         return Candidates(values, ids)
     y = x.to(dtype).nan_to_num(nan=math.inf)
-    kth = torch.topk(y, kk, dim=1).values[:, -1:]
-    tie = y == kth
-    take = (y > kth) | (tie & (tie.cumsum(1) <= kk - (y > kth).sum(1, keepdim=True)))
-    columns = take.nonzero()[:, 1].view(rows, kk)
+    columns = spec.largest(y, kk)
     chosen = best(Candidates(y.gather(1, columns), columns), kk)
     values[:, :kk] = x.gather(1, chosen.ids).to(dtype)
     ids[:, :kk] = chosen.ids + first_id
@@ -71,12 +69,9 @@ def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_
 
 
 def best(c: Candidates, k: int) -> Candidates:
-    """The first ``k`` of ``c`` by value, descending, ties by the smaller id (a stable sort
-    by id, then a stable sort by value): invariant mode's choice among candidates."""
-    by_id = torch.sort(c.ids, dim=1, stable=True).indices
-    values, ids = c.values.gather(1, by_id), c.ids.gather(1, by_id)
-    order = torch.sort(values.nan_to_num(nan=math.inf), dim=1, descending=True, stable=True).indices[:, :k]
-    return Candidates(values.gather(1, order), ids.gather(1, order))
+    """The first ``k`` of ``c`` by value, descending, ties by the smaller id
+    (``spec.best``): invariant mode's choice among candidates."""
+    return Candidates(*spec.best(c.values, c.ids, k))
 
 
 def merge(a: Candidates, b: Candidates, k: int, invariant: bool = False) -> Candidates:

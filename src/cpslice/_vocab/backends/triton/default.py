@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...stats import FLOOR as _FLOOR
+from ...spec import FLOOR as _FLOOR
 from ...stats import RowGrad, RowStats, Softmax, pick_grad
 from . import count
 
@@ -38,7 +38,7 @@ GRAD_BLOCK = 8192
 GRAD_WARPS = 4
 GRAD_STAGES = 1
 FLOOR = tl.constexpr(_FLOOR)
-"""``stats.FLOOR`` as a constant the kernels can read."""
+"""``spec.FLOOR`` as a constant the kernels can read."""
 INTERPRETED_BLOCK = 256
 """Columns per iteration under the interpreter: numpy handles any width, and small blocks
 exercise the online merge across blocks in small tests."""
