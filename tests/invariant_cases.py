@@ -85,7 +85,7 @@ def decode(logits: Tensor, targets: Tensor, g_lp: Tensor, g_h: Tensor, **options
     return torch.cat(lps), torch.cat(hs), torch.cat(grads)
 
 
-def shard_first(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+def shard_first(m: Tensor, s: Tensor, a: Tensor | None, tau: float | Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """A planted merge order: each half of the tiles summed first, then the halves (the
     order a per-shard merge gives at TP 2): the bits now depend on where shards end."""
     half = (m.shape[0] + 1) // 2

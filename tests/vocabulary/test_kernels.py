@@ -25,8 +25,10 @@ from cpslice import log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab.backends import selection as _backend
+from cpslice._vocab.gradient import RowGrad
+from cpslice._vocab.softmax import Softmax
 from cpslice._vocab.spec import FLOOR
-from cpslice._vocab.stats import RowGrad, Softmax, placeholders
+from cpslice._vocab.stats import placeholders
 
 from ..compare import check_linear, check_logits
 from ..compiled import ran

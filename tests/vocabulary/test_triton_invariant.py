@@ -21,7 +21,9 @@ from cpslice import log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
-from cpslice._vocab.stats import RowStats, Softmax
+from cpslice._vocab.gradient import row_grad
+from cpslice._vocab.softmax import Softmax, reciprocals
+from cpslice._vocab.stats import RowStats
 
 
 @contextmanager
@@ -127,7 +129,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     eager = _stats.placeholders(T, 0, torch.float32, x.device, True)
     _invariant.merged_stats(x[:, :valid], Softmax(tau, cap, True), eager, None, 2)
 
-    r = _invariant.reciprocal(tau, T, torch.float32, x.device)
+    r = reciprocals(tau, T, torch.float32, x.device)
     big, total, ent = _tri.merged_stats(x, ROWS, r, tau, cap, valid)
     assert all(g is not None and _same(g, w[ROWS]) for g, w in zip((big, total, ent), _fields(eager)))
     assert ent is not None
@@ -137,7 +139,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     assert got.entropy is not None
     assert _same(got.log_probs[:, 0], want_lp[ROWS]) and _same(got.entropy, want_h[ROWS])
     # the gradient at these rows only, then the picked ids' entries (torch)
-    row = _stats.row_grad(g_lp[ROWS, None], g_h[ROWS], got.entropy, tau[ROWS], targets[ROWS, None],
+    row = row_grad(g_lp[ROWS, None], g_h[ROWS], got.entropy, tau[ROWS], targets[ROWS, None],
                           torch.ones(len(ROWS), 1, dtype=torch.bool), with_hot=True)
     assert row.a is not None and row.hot is not None
     terms = [_full(ROWS, t) for t in (got.max, got.log_sum, row.a, row.b)]

@@ -20,7 +20,7 @@ from .._errors import LayoutError
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
 from . import dtensor
 from .engine import Options
-from .stats import Tau
+from .softmax import Tau
 from .support import Support, check_support
 
 if TYPE_CHECKING:

@@ -16,9 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .gradient import RowGrad, row_grad
 from .invariant import merge_tiles, tiles
+from .shard import Shard
+from .softmax import Softmax, Tau
 from .sparse import Elements, Restricted, Split, split
-from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
+from .stats import RowStats, combine
 from .support import Support
 
 

@@ -48,8 +48,9 @@ from .._types import (
 from . import args, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .rows import At, count, gather, holding, index_of, places, size
+from .shard import Shard, shard_of
 from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowStats, Shard, placeholders, shard_of
+from .stats import RowStats, placeholders
 from .support import SupportArg
 from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, spans
 

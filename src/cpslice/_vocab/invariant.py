@@ -33,14 +33,17 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from . import kernels
+from . import bits, kernels
 from . import spec as _spec  # merge_tiles read at each call: tests plant another order
 from . import stats as _stats
 from .backends import selection as backend
+from .gradient import RowGrad
 from .memory import buffer
 from .rows import At, chunked, gather, numbers, pieces, size
+from .shard import Shard
+from .softmax import Softmax, Tau, reciprocals, taus
 from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
-from .stats import RowGrad, RowStats, Shard, Softmax, Tau, write
+from .stats import RowStats, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -117,17 +120,6 @@ def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
     out.picked[at] += parts.picked
 
 
-def taus(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``tau`` as a ``[rows]`` tensor (the arguments make it one; a float divides the same)."""
-    return torch.full((rows,), tau, dtype=dtype, device=device) if isinstance(tau, float) else tau
-
-
-def reciprocal(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``r = 1 / tau`` ``[rows]``, one IEEE division per row: the spec's per-element
-    temperature is a multiplication by it (a vector division costs as much as the exp)."""
-    return 1.0 / taus(tau, rows, dtype, device)
-
-
 @no_type_check
 def tile_kernel(x, r):
     """``(m, s, a)`` ``[R, n]`` of ``x`` ``[R, n * TILE]`` (whole tiles, any float dtype,
@@ -192,7 +184,7 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     """A compiled kernel's first result (per ``key``) against the eager one's, bit for
     bit: a difference warns once and turns invariant mode's compiled kernels off."""
     state = backend.selected
-    if not _stats._same(got, want):
+    if not bits.same(got, want):
         state.disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
         warnings.warn(f"cpslice: invariant mode: {state.disagree}; using the eager kernels from now on",
                       RuntimeWarning, stacklevel=4)
@@ -246,7 +238,7 @@ def stats(
         assert first == 0, "merged statistics of a block of columns"
         merged_stats(x[:, :valid], softmax, out, rows, chunk)
         return
-    r = reciprocal(softmax.tau, x.shape[0], out.sum.dtype, x.device)
+    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
     whole = valid // TILE * TILE if softmax.cap is None else 0
     part = x[:, :whole]
     start = whole if whole and compiled_ok(part, rows) and _compiled_stats(part, rows, r, out, first) else 0
@@ -260,7 +252,7 @@ def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: 
 
     cdt = out.sum.dtype
     if out.max.dim() == 2:
-        tri.tile_stats(x, rows, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
+        tri.tile_stats(x, rows, reciprocals(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
                        out.max, out.sum, out.ent, first)
         return
     assert first == 0, "merged statistics of a block of columns"
@@ -385,7 +377,7 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
     y = torch.full((uniq.numel(), TILE), -math.inf, dtype=cdt, device=x.device)
     y[pair[member], col[member] % TILE] = x[member]
     first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
-    m, s, a = eager_tiles(y[:, None], reciprocal(tau, rows, cdt, x.device)[first_row], with_entropy)
+    m, s, a = eager_tiles(y[:, None], reciprocals(tau, rows, cdt, x.device)[first_row], with_entropy)
     out = RowStats(
         torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device),
         torch.zeros(flat + 1, dtype=cdt, device=x.device),
@@ -430,7 +422,7 @@ def grad(
     picked ids' entries (``picks``); any other entry is the kernel's, whichever shard
     holds the ids. ``work`` is ``kernels.grad``'s: invariant mode's kernels take no
     workspace."""
-    r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
+    r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     chunk = max(chunks.eager, chunks.compiled)
     if backend.triton_for(x, invariant=True):
@@ -478,14 +470,14 @@ def _compiled_grad(
     rows (as ``kernels``: a chunk whose rows are not consecutive gathered into a buffer,
     its gradient written back at its rows), its first call checked against the eager
     one; False if it failed to compile (auto) or disagreed. bfloat16 logits go two
-    columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``_pairs``);
+    columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``bits.pairs``);
     other logits narrower than the compute dtype are widened chunk by chunk into one
     buffer first (exactly). Either way the compiled loop runs on 32-bit lanes: one that
     reads bfloat16 runs at twice the lanes, where inductor builds the exp's ``2^n`` from
     its bits one element at a time (measured at T=4096, V=32768: the gradient 1.5x
     slower than with pairs)."""
     width = x.shape[1]
-    pairs = _stats._pairs(x) is not None and _stats._pairs(out) is not None
+    pairs = bits.pairs(x) is not None and bits.pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
     chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
     chunks, buf = chunked(x, rows, chunk)
@@ -497,7 +489,7 @@ def _compiled_grad(
         src, dst = gather(x, at, buf), out[at] if into is None or isinstance(at, slice) else into[:c]
         terms = (r[at], m[at], log_s[at], a[at], b[at])
         if pairs:
-            v, o = _stats._pairs(src), _stats._pairs(dst)
+            v, o = bits.pairs(src), bits.pairs(dst)
             assert v is not None and o is not None
             ok, _ = kernels._call(pairs_kernel, v, *terms, o)
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
@@ -520,9 +512,9 @@ def _compiled_grad(
 @no_type_check
 def pairs_kernel(v, r, m, log_s, a, b, out):
     """``grad_kernel`` of bfloat16 logits two columns at a time: ``v`` and ``out`` are
-    ``_pairs`` views. Each column is widened exactly (its bits in the high half),
+    ``bits.pairs`` views. Each column is widened exactly (its bits in the high half),
     ``_values`` computed, rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds (ties to
     even; a NaN the quiet NaN) and packed back: all lanes 32 bits wide."""
     even = _values((v << 16).view(torch.float32), r, m, log_s, a, b)
     odd = _values((v & -65536).view(torch.float32), r, m, log_s, a, b)
-    out.copy_(_stats._bfloat16_bits(odd) | ((_stats._bfloat16_bits(even) >> 16) & 0xFFFF))
+    out.copy_(bits.bfloat16_bits(odd) | ((bits.bfloat16_bits(even) >> 16) & 0xFFFF))

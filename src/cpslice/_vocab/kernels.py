@@ -51,11 +51,26 @@ from torch import Tensor
 
 from .._types import compute_dtype
 from .backends import selection as backend
+from .gradient import RowGrad, pick_grad
 from .memory import buffer as buffer  # the gradient's buffer, read here by tests/vocabulary/test_kernels.py
 from .rows import At, count, gather, numbers, pieces, size
 from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
+from .softmax import (
+    Softmax,
+    capped_,
+    complement_slope,
+    divide_,
+    exp_capped,
+    exp_complement,
+    exp_constants,
+    from_complement,
+    reciprocal,
+    slope_,
+    tanh_,
+    times_cap,
+)
 from .spec import FLOOR
-from .stats import RowGrad, RowStats, Softmax, Tau, pick_grad
+from .stats import RowStats
 
 CHUNK_BYTES = 64 * 2**20
 CPU_CHUNK_BYTES = 8 * 2**20
@@ -156,17 +171,17 @@ def chunk_grad(x, inv_tau, m, log_s, a, b, out):
     out.copy_(_grad_values(x, inv_tau, m, log_s, a, b).to(out.dtype))
 
 
-# The capped kernels compute cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): one
-# exp where a vectorized tanh costs three times as much on the CPU (measured: the capped
-# gradient kernel 3.9x the uncapped one with tanh), within cap * eps of it, the rounding
-# of a float32 logit of that size. The cap is monotone, so the capped row max is the
-# cap of the row max: no capped [n, V] copy to reduce over.
+# The capped kernels compute cap * tanh(x / cap) by one exp (``softmax.exp_capped``,
+# ``softmax.exp_complement``) where a vectorized tanh costs three times as much on the CPU
+# (measured: the capped gradient kernel 3.9x the uncapped one with tanh), within cap * eps
+# of it, the rounding of a float32 logit of that size. The cap is monotone, so the capped
+# row max is the cap of the row max: no capped [n, V] copy to reduce over.
 @no_type_check
 def chunk_stats_capped(x, inv_tau, cap, two_over_cap):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(cdt)
-    m = cap - 2 * cap / (torch.exp(xf.amax(1) * two_over_cap) + 1)
-    y = cap - 2 * cap / (torch.exp(xf * two_over_cap) + 1)
+    m = exp_capped(xf.amax(1), cap, two_over_cap)
+    y = exp_capped(xf, cap, two_over_cap)
     d = ((y - m[:, None]) * inv_tau).clamp(min=FLOOR)
     p = torch.exp(d)
     return m, p.sum(1), (p * d).sum(1)
@@ -175,11 +190,10 @@ def chunk_stats_capped(x, inv_tau, cap, two_over_cap):
 @no_type_check
 def _grad_values_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    s = 2 / (torch.exp(x.to(cdt) * two_over_cap) + 1)  # 1 - tanh(x / cap)
-    d = (((1 - s) * cap - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
+    s = exp_complement(x.to(cdt), two_over_cap)  # 1 - tanh(x / cap)
+    d = ((from_complement(s, cap) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
-    # d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = s (2 - s), exact where tanh is near 1
-    return p * (a[:, None] * d + b[:, None]) * (s * (2 - s))
+    return p * (a[:, None] * d + b[:, None]) * complement_slope(s)
 
 
 @no_type_check
@@ -305,10 +319,8 @@ def _call(
 
 def _inv_tau(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The inverse temperature as a kernel input: 0-d, or ``[T, 1]`` for one per row."""
-    tau = softmax.tau
-    if isinstance(tau, float):
-        return torch.full((), 1.0 / tau, dtype=dtype, device=device)
-    return (1.0 / tau.to(dtype))[:, None]
+    r = reciprocal(softmax.tau, dtype)
+    return torch.full((), r, dtype=dtype, device=device) if isinstance(r, float) else r[:, None]
 
 
 def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
@@ -316,7 +328,7 @@ def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple
     anew), if any."""
     if softmax.cap is None:
         return ()
-    return tuple(torch.full((), v, dtype=dtype, device=device) for v in (softmax.cap, 2.0 / softmax.cap))
+    return tuple(torch.full((), v, dtype=dtype, device=device) for v in exp_constants(softmax.cap))
 
 
 
@@ -343,15 +355,6 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int
     return True
 
 
-def _divide(d: Tensor, tau: Tau, at: At) -> None:
-    """``d /= tau`` of the rows ``at`` (in place; nothing for a temperature of 1)."""
-    if isinstance(tau, float):
-        if tau != 1.0:
-            d.div_(tau)
-    else:
-        d.div_(tau[at][:, None])
-
-
 def _eager_stats(
     x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
 ) -> None:
@@ -369,13 +372,13 @@ def _eager_stats(
         if softmax.cap is not None:
             # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
             # (bfloat16: 2e-2 off) and only then widens
-            y = (y if y is buf else buf.copy_(y)).div_(softmax.cap).tanh_().mul_(softmax.cap)
+            y = capped_(y if y is buf else buf.copy_(y), softmax.cap)
         top = y.amax(1).to(m.dtype)
         m[at] = top
         # A row all -inf contributes S = 0 (and A = 0), not NaN.
         shift = torch.where(top == -math.inf, 0.0, top)
         d = torch.sub(y, shift[:, None], out=buf)
-        _divide(d, softmax.tau, at)
+        divide_(d, softmax.tau, at)
         if a is not None:
             d.clamp_(min=FLOOR)
         p = torch.exp(d, out=expd)
@@ -458,9 +461,9 @@ def _eager_grad(
             d = torch.sub(gather(x, at, buf), m[:, None], out=buf)
         else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
             y = gather(x, at, bufs[2])
-            t = (y if y is bufs[2] else bufs[2].copy_(y)).div_(softmax.cap).tanh_()  # in cdt, as in stats
-            d = torch.mul(t, softmax.cap, out=buf).sub_(m[:, None])
-        _divide(d, softmax.tau, at)
+            t = tanh_(y if y is bufs[2] else bufs[2].copy_(y), softmax.cap)  # in cdt, as in stats
+            d = times_cap(t, softmax.cap, out=buf).sub_(m[:, None])
+        divide_(d, softmax.tau, at)
         d.sub_(log_s[at][:, None])
         if row.a is not None:
             d.clamp_(min=FLOOR)
@@ -475,7 +478,7 @@ def _eager_grad(
         if row.hot is not None:
             target.scatter_add_(1, row.column[at], row.hot[at].to(target.dtype))
         if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
-            target.mul_(t.mul_(t).neg_().add_(1.0))
+            target.mul_(slope_(t))
         if isinstance(at, slice) and not direct:
             out[at].copy_(p)
         elif not isinstance(at, slice):

@@ -31,8 +31,9 @@ from . import args, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .rows import gather, index_of, pieces
+from .shard import Shard, shard_of
 from .sparse import element_grad, elements, scatter_grad, set_stats
-from .stats import RowStats, Shard, placeholders, shard_of
+from .stats import RowStats, placeholders
 from .support import SupportArg
 
 

@@ -23,8 +23,10 @@ import torch
 from torch import Tensor
 
 from . import invariant
+from .shard import Shard
+from .softmax import Softmax, Tau, rows_of, slope_of_capped
 from .spec import FLOOR
-from .stats import RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
+from .stats import RowStats, Totals, placeholders
 from .support import Support, host_offsets
 
 _I64 = torch.int64
@@ -181,7 +183,7 @@ def element_grad(
         coef = -torch.exp(log_q) * glp
     coef = torch.where(el.is_target, coef + glp, coef) / tau
     if softmax.cap is not None:  # x = cap * tanh(raw / cap)
-        coef = coef * (1 - torch.square(x / softmax.cap))
+        coef = coef * slope_of_capped(x, softmax.cap)
     return torch.where(el.member, coef, 0.0)
 
 

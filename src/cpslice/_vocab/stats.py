@@ -1,4 +1,4 @@
-"""The arithmetic of one row: softmax statistics, how they merge, and the gradient's terms.
+"""The statistics of one row: what a pass computes, how parts merge, the all-gather, the results.
 
 For a row of logits ``x`` over some of the vocabulary's columns (a chunk of the
 logits, a ``[rows, V_block]`` tile of ``hidden @ weight.T``, one TP shard, a token
@@ -17,106 +17,25 @@ so vocabulary blocks and TP shards combine alike (the shards' after one all-gath
 
     log p_j = (x_j - M) / tau - log S        H = log S - A / S
 
-and the gradient of ``sum_j g_j log p_j + g_H H`` w.r.t. a logit ``x_c`` of the row is
-(``RowGrad``)
-
-    p_c * (a log p_c + b) + sum of g_j / tau over the picked ids j at column c,
-    a = -g_H / tau,   b = -(sum_j g_j + g_H H) / tau.
-
-Everything is computed in ``compute_dtype`` (float32; float64 for float64 inputs).
+(``Totals``; the gradient's per-row terms are ``gradient``'s). Everything is computed in
+``compute_dtype`` (float32; float64 for float64 inputs).
 """
 
 import math
-import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, no_type_check
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import spec
-from .spec import FLOOR, Merger, softcap
+from .softmax import Tau, rows_of, scaled
+from .spec import Merger
 
 _Gather = Callable[..., object]
 # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.13).
 _all_gather: _Gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Shard(NamedTuple):
-    """This rank's piece of the vocabulary: global ids ``[offset, offset + size)`` of
-    ``[0, size * world)`` (all shards of equal size), the TP group (None: no TP), and
-    ``vocab``, the ids of the distribution: a padded vocabulary's rows ``>= vocab``
-    (megatron pads the LM head to a multiple of ``make_vocab_size_divisible_by * tp``)
-    are outside it, so this shard's first ``valid`` columns are its part of it."""
-
-    rank: int
-    world: int
-    size: int
-    group: dist.ProcessGroup | None
-    vocab: int
-
-    @property
-    def offset(self) -> int:
-        return self.rank * self.size
-
-    @property
-    def total(self) -> int:
-        """The full vocabulary, all shards, padding included."""
-        return self.world * self.size
-
-    @property
-    def valid(self) -> int:
-        """This shard's columns inside the distribution (a prefix; 0 for a shard of padded
-        ids only)."""
-        return min(self.size, max(0, self.vocab - self.offset))
-
-    def columns(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """For global ``ids`` (any shape): their column in this shard (0 where it does not
-        hold them) and whether it holds them (among its valid columns)."""
-        local = ids - self.offset
-        held = (local >= 0) & (local < self.valid)
-        return torch.where(held, local, 0), held
-
-
-def shard_of(tp_group: dist.ProcessGroup | None, size: int, vocab: int | None = None) -> Shard:
-    """The ``Shard`` of ``size`` columns this rank holds of ``tp_group``'s vocabulary, of
-    which the distribution's ids are ``[0, vocab)`` (None: all of them)."""
-    rank, world = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
-    return Shard(rank, world, size, tp_group, world * size if vocab is None else vocab)
-
-
-Tau = float | Tensor
-"""A temperature: one for every row, or a ``[T]`` tensor of one per row."""
-
-
-def per_row(tau: Tau) -> Tau:
-    """``tau`` against a row's columns: ``[T, 1]`` for one per row."""
-    return tau if isinstance(tau, float) else tau[:, None]
-
-
-def rows_of(tau: Tau, index: Tensor | slice) -> Tau:
-    """``tau`` of some rows (a slice, or a row index per element)."""
-    return tau if isinstance(tau, float) else tau[index]
-
-
-class Softmax(NamedTuple):
-    """What the softmax reads of a logit ``x``: ``cap * tanh(x / cap) / tau`` (soft-capping,
-    Gemma's ``final_logit_softcapping``), or ``x / tau`` without a ``cap``; ``invariant``:
-    the cap is invariant mode's (``softcap``: the spec's ``tanh``), not ``torch.tanh``."""
-
-    tau: Tau
-    cap: float | None = None
-    invariant: bool = False
-
-    def logits(self, x: Tensor) -> Tensor:
-        """The (capped) logits ``x`` (the compute dtype), before the temperature."""
-        if self.cap is None:
-            return x
-        return softcap(x, self.cap)[0] if self.invariant else torch.tanh(x / self.cap) * self.cap
-
-    def rows(self, index: Tensor | slice) -> "Softmax":
-        return Softmax(rows_of(self.tau, index), self.cap, self.invariant)
 
 
 class RowStats(NamedTuple):
@@ -187,7 +106,7 @@ class Totals(NamedTuple):
 def totals(stats: RowStats, tau: Tau) -> Totals:
     """``Totals`` from the merged statistics of the whole vocabulary."""
     log_s = torch.log(stats.sum)
-    log_p = (stats.picked - stats.max[:, None]) / per_row(tau) - log_s[:, None]
+    log_p = scaled(stats.picked, stats.max, tau) - log_s[:, None]
     entropy = None if stats.ent is None else log_s - stats.ent / stats.sum
     return Totals(stats.max, log_s, log_p, entropy)
 
@@ -287,111 +206,3 @@ def _merge_gathered(
         assert m is not None and s is not None
         write(merged, slice(lo, hi), *(merger or spec.merge_tiles)(m, s, a, rows_of(tau, slice(lo, hi))))
     return merged
-
-
-class RowGrad(NamedTuple):
-    """The per-row terms of the logits' gradient on one shard (module docstring): the
-    coefficients ``a`` (None without an entropy gradient) and ``b``, and ``hot`` ``[T, k]``,
-    ``g_j / tau`` at each picked id's ``column`` ``[T, k]`` where this shard holds it
-    (else 0; None without a log-prob gradient)."""
-
-    a: Tensor | None
-    b: Tensor
-    hot: Tensor | None
-    column: Tensor
-
-    def rows(self, index: Tensor | slice) -> "RowGrad":
-        """The terms of some rows (a slice, or an index)."""
-        return RowGrad(None if self.a is None else self.a[index], self.b[index],
-                       None if self.hot is None else self.hot[index], self.column[index])
-
-
-def row_grad(
-    g_lp: Tensor,
-    g_entropy: Tensor | None,
-    entropy: Tensor | None,
-    tau: Tau,
-    column: Tensor,
-    held: Tensor,
-    *,
-    with_hot: bool,
-    placeholders: bool = False,
-) -> RowGrad:
-    """``RowGrad`` from the upstream gradients ``g_lp`` ``[T, k]`` and ``g_entropy`` ``[T]``
-    (None: none) and the saved entropy. With ``placeholders``, a row whose ``g_entropy`` is
-    0 adds no ``g_H H`` term even where ``H`` is not finite (a placeholder)."""
-    g_sum = g_lp.sum(1)
-    hot = torch.where(held, g_lp / per_row(tau), 0.0) if with_hot else None
-    if g_entropy is None:
-        return RowGrad(None, -g_sum / tau, hot, column)
-    assert entropy is not None
-    g_h = g_entropy.to(g_lp.dtype)
-    h_term = g_h * entropy
-    if placeholders:
-        h_term = torch.where(g_h != 0, h_term, 0.0)
-    return RowGrad(-g_h / tau, -(g_sum + h_term) / tau, hot, column)
-
-
-def pick_grad(
-    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, grad: RowGrad, vocab: int
-) -> Tensor:
-    """``[T, k]``: the whole gradient w.r.t. the raw logit at each picked id's column of a
-    ``[T, vocab]`` tile (``x`` ``[T, k]`` the logits there), the one-hot terms of every
-    picked id at that column included, through the cap's ``tanh``, in the compute dtype:
-    the entries a kernel that leaves the one-hot terms out must overwrite."""
-    b = grad.b[:, None]
-    y = softmax.logits(x.to(b.dtype))
-    d = ((y - big_m[:, None]) / per_row(softmax.tau) - log_s[:, None]).clamp(min=FLOOR)
-    factor = b if grad.a is None else grad.a[:, None] * d + b
-    value = torch.exp(d) * factor
-    if grad.hot is not None and grad.hot.shape[1] == 1:
-        value = value + grad.hot
-    elif grad.hot is not None:
-        # ids repeated in a row: every copy's entry holds the one-hot terms of all copies
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        _, copy = torch.unique(rows * vocab + grad.column, return_inverse=True)
-        hot = grad.hot.new_zeros(x.numel()).index_add_(0, copy.view(-1), grad.hot.reshape(-1))
-        value = value + hot[copy]
-    if softmax.cap is None:
-        return value
-    return value * (1 - torch.square(y / softmax.cap))
-
-
-# invariant mode's helpers that read no spec arithmetic (invariant.py uses them)
-
-
-def _bits(t: Tensor) -> Tensor:
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _same(got: Sequence[Tensor], want: Sequence[Tensor]) -> bool:
-    """Bit for bit (a zero's sign included), but a NaN's payload: NaN where the other is
-    NaN is enough (ATen's own bfloat16 rounding gives a NaN one payload in its vector
-    code and another in its scalar code)."""
-    def one(g: Tensor, w: Tensor) -> bool:
-        nan = g.isnan()
-        return bool(torch.equal(nan, w.isnan()) and torch.equal(_bits(g)[~nan], _bits(w)[~nan]))
-
-    return all(g.dtype == w.dtype and one(g, w) for g, w in zip(got, want))
-
-
-def _pairs(t: Tensor) -> Tensor | None:
-    """``[R, w / 2]`` int32 view of bfloat16 ``t`` ``[R, w]`` (two columns an element,
-    the even one in the low half: little-endian), where its shape, strides and offset
-    allow one; else None."""
-    if (t.dtype != torch.bfloat16 or sys.byteorder != "little" or t.shape[1] % 2 or t.stride(1) != 1
-            or t.stride(0) % 2 or t.storage_offset() % 2):
-        return None
-    return t.view(torch.int32)
-
-
-NAN_BITS = 0x7FC00000
-"""The float32 quiet NaN whose bfloat16 rounding is bfloat16's (0x7FC0)."""
-
-
-@no_type_check
-def _bfloat16_bits(g):
-    """The bfloat16 rounding (to nearest, ties to even) of float32 ``g`` as int32 bits in
-    the high half, the low half 0; a NaN the quiet NaN."""
-    bits = torch.where(g != g, NAN_BITS, g.view(torch.int32))
-    return (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536

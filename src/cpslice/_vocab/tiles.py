@@ -14,11 +14,13 @@ from torch import Tensor
 from .._types import HeadWeight, Hidden
 from . import invariant, kernels, topk
 from .engine import Options
+from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
+from .shard import Shard
 from .sparse import Elements
 from .spec import TILE
-from .stats import RowGrad, RowStats, Shard, merge
+from .stats import RowStats, merge
 
 TILE_ROWS = 2048
 """Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""

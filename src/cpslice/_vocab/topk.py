@@ -20,7 +20,9 @@ from torch import Tensor
 from .._errors import LayoutError
 from . import spec
 from .invariant import merge_tiles
-from .stats import RowStats, Shard, Softmax, Totals, combine, per_row
+from .shard import Shard
+from .softmax import Softmax, per_row
+from .stats import RowStats, Totals, combine
 
 EXACT_FLOAT32_IDS = 2**24
 """Candidate ids travel as floats with the statistics (one all-gather): float32 holds

@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...gradient import RowGrad, pick_grad
+from ...softmax import Softmax, exp_constants, reciprocal
 from ...spec import FLOOR as _FLOOR
-from ...stats import RowGrad, RowStats, Softmax, pick_grad
+from ...stats import RowStats
 from . import count
 
 STATS_BLOCK = 8192
@@ -154,13 +156,14 @@ def _config(block: int, warps: int, stages: int) -> dict[str, int]:
 def _temperature(tau: float | Tensor, x: Tensor) -> tuple[Tensor, float, bool]:
     """``(r_ptr, r_scalar, per_row)``: ``1 / tau`` one per row (a float32 ``[T]`` tensor),
     or a number."""
-    if isinstance(tau, float):
-        return x.new_empty((1,), dtype=torch.float32), 1.0 / tau, False
-    return (1.0 / tau.to(torch.float32)).contiguous(), 1.0, True
+    r = reciprocal(tau, torch.float32)
+    if isinstance(r, float):
+        return x.new_empty((1,), dtype=torch.float32), r, False
+    return r.contiguous(), 1.0, True
 
 
 def _cap(cap: float | None) -> tuple[float, float]:
-    return (1.0, 2.0) if cap is None else (cap, 2.0 / cap)
+    return (1.0, 2.0) if cap is None else exp_constants(cap)
 
 
 def stats(

@@ -20,7 +20,7 @@ What makes a Triton kernel give the spec's bits:
   and a bfloat16 gradient rounded once from float32 by the float's bits (to nearest,
   ties to even, a NaN the quiet NaN), as ``.to(torch.bfloat16)`` rounds;
 - a tile's zero max is +0 (``spec.tile_max``), whatever order the max took;
-- what stays in torch: ``r = 1 / tau`` (one division per row, ``invariant.reciprocal``),
+- what stays in torch: ``r = 1 / tau`` (one division per row, ``softmax.reciprocals``),
   the per-row ``log S`` and the picked ids' one-hot entries (``invariant.picks``).
 
 Through Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported:
@@ -54,7 +54,7 @@ _FLOOR = tl.constexpr(FLOOR)
 _NEG_INF = tl.constexpr(float("-inf"))
 _TILE = tl.constexpr(TILE)
 _LOG_TILE = tl.constexpr(TILE.bit_length() - 1)
-_NAN_BITS = tl.constexpr(0x7FC00000)  # invariant.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
+_NAN_BITS = tl.constexpr(0x7FC00000)  # bits.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
 SCRATCH_BYTES = 16 * 2**20
 """``merged_stats``' per-tile scratch (``m``, ``s``, ``a`` of a chunk of rows) within these
 bytes."""
@@ -195,7 +195,7 @@ def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_
                    width, cap, X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK: tl.constexpr):
     """``invariant._values`` of ``BLOCK`` columns of row ``rows[i]``, rounded once to the
-    output's dtype (bfloat16: its bits, as ``invariant._bfloat16_bits`` rounds)."""
+    output's dtype (bfloat16: its bits, as ``bits.bfloat16_bits`` rounds)."""
     row = tl.load(rows_ptr + tl.program_id(0))
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < width
