@@ -105,7 +105,7 @@ def test_the_invariant_kernels_temperature_and_cap_are_the_specs_bit_for_bit(cap
     r = reciprocals(tau, T, torch.float32, x.device)
     n = -(-V // spec.TILE)
     got = [torch.full((n, T), math.nan).t() for _ in range(3)]  # [T, n] views, as the kernels take them
-    _tri.tile_stats(x, None, r, cap, V, *got)
+    _tri.tile_stats(x, None, r, cap, V, got[0], got[1], got[2])
     for g, w in zip(got, _spec_tiles(x, r, cap)):
         assert _same(g, w)
     # the gradient: p * (a log p + b) times the cap's derivative, at every column
