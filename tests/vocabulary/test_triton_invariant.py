@@ -23,7 +23,7 @@ from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 from cpslice._vocab.gradient import row_grad
 from cpslice._vocab.softmax import Softmax, reciprocals
-from cpslice._vocab.stats import RowStats
+from cpslice._vocab.stats import RowStats, Stats
 
 
 @contextmanager
@@ -98,7 +98,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
-def _fields(stats: RowStats) -> tuple[Tensor, Tensor, Tensor]:
+def _fields(stats: Stats) -> tuple[Tensor, Tensor, Tensor]:
     """``max``, ``sum`` and ``ent`` of statistics with entropy."""
     assert stats.ent is not None
     return stats.max, stats.sum, stats.ent

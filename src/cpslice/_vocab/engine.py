@@ -2,7 +2,7 @@
 all-gather and the choice of each row's result (forward), the state saved for backward,
 and the per-row gradient terms (backward).
 
-A driver (``logits``, ``hidden``) computes this shard's dense ``RowStats`` its own way
+A driver (``logits``, ``hidden``) computes this shard's dense statistics (``Stats``) its own way
 and, with a support, the sets' (``sparse``); ``finish`` turns them into the results and
 the ``Saved`` record its backward reads; ``row_terms`` turns the upstream gradients and
 that record into the ``RowGrad`` its kernels apply, and the sets' share of them.
@@ -21,7 +21,7 @@ from .invariant import merge_tiles, tiles
 from .shard import Shard
 from .softmax import Softmax, Tau
 from .sparse import Elements, Restricted, Split, split
-from .stats import RowStats, combine
+from .stats import Stats, combine
 from .support import Support
 
 
@@ -63,11 +63,11 @@ class Options(NamedTuple):
 
 class Sets(NamedTuple):
     """A driver's sets on this shard: the elements, their ``[E]`` logits (compute dtype)
-    and their restricted ``RowStats``."""
+    and their restricted statistics."""
 
     elements: Elements
     logits: Tensor
-    stats: RowStats
+    stats: Stats
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def tile_count(shard: Shard, options: Options) -> int | None:
 
 
 def finish(
-    dense: RowStats,
+    dense: Stats,
     sets: Sets | None,
     ids: Tensor,
     shard: Shard,

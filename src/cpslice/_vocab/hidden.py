@@ -50,7 +50,7 @@ from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .rows import At, count, gather, holding, index_of, places, size
 from .shard import Shard, shard_of
 from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowStats, placeholders
+from .stats import Stats, placeholders
 from .support import SupportArg
 from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, spans
 
@@ -117,7 +117,7 @@ def topk_forward(
 
 def _placeholders(
     rows: int, k: int, cdt: torch.dtype, device: torch.device, shard: Shard, options: Options
-) -> RowStats:
+) -> Stats:
     """The dense statistics' placeholders: ``[T]`` fields, or per tile in invariant mode
     (whose shard must hold whole tiles)."""
     if not options.invariant:

@@ -10,11 +10,11 @@ FLOOR)`` with ``r = 1 / tau`` (one division per row), ``e = spec.exp(d)`` and th
 merged by ``spec.merge_tiles``; ``log p_t = (y_t - M) / tau - log S``, ``H = log S - A /
 S``. This module runs it: eagerly, compiled, or by the Triton backend.
 
-Under TP a shard's statistics are per tile (``RowStats`` fields ``[T, n_local]``, written
-here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
+Under TP a shard's statistics are per tile (``TileStats``, fields ``[T, n_local]``,
+written here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
 rank merges all of them (``spec.merge_tiles``); each shard must hold whole tiles
 (``check``). Without TP there is nothing to gather: a chunk of rows' tiles are merged as
-soon as they are computed (``merged_stats``), into ``[T]`` fields, so no ``[T, tiles]``
+soon as they are computed (``merged_stats``), into ``RowStats``, so no ``[T, tiles]``
 statistics exist. The kernels have compiled forms that give the eager bits: the same
 elementwise operations in the same order, the ``exp`` built from additions and
 multiplications, inductor's C++ with no contraction: ``row_kernel`` (a chunk's tiles and
@@ -43,7 +43,7 @@ from .rows import At, chunked, gather, numbers, pieces, size
 from .shard import Shard
 from .softmax import Softmax, Tau, reciprocals, taus
 from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
-from .stats import RowStats, write
+from .stats import RowStats, Stats, TileStats, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -73,10 +73,10 @@ def check(shard: Shard) -> None:
 
 def placeholders(
     shard: Shard, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
-) -> RowStats:
+) -> Stats:
     """The dense statistics of ``rows`` rows holding placeholders (rows whose pass is
     skipped: finite, the same on every shard): under TP per tile of the shard
-    (``tile_placeholders``), for the all-gather; without TP ``[T]`` fields
+    (``tile_placeholders``: ``TileStats``), for the all-gather; without TP ``RowStats``
     (``stats.placeholders``), which ``stats`` fills with each row's tiles already
     merged, so that no ``[T, tiles]`` statistics exist. A shard that does not hold
     whole tiles is refused (``check``)."""
@@ -88,11 +88,11 @@ def placeholders(
 
 def tile_placeholders(
     n: int, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
-) -> RowStats:
+) -> TileStats:
     """Per-tile statistics ``[rows, n]`` holding ``(0, 1, ., 0)``."""
     # [n, rows] storage seen as [rows, n]: a tile's row of statistics is contiguous, as
     # the all-gather sends it (``stats.combine``)
-    return RowStats(
+    return TileStats(
         torch.zeros((n, rows), dtype=dtype, device=device).t(),
         torch.ones((n, rows), dtype=dtype, device=device).t(),
         torch.zeros((rows, k), dtype=dtype, device=device),
@@ -111,7 +111,7 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
     return _spec.merge_tiles(m, s, a, tau)
 
 
-def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
+def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``spec.merge_tiles``); their picked logits added."""
@@ -193,7 +193,7 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     return True
 
 
-def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, first: int) -> bool:
+def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first: int) -> bool:
     """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
     ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
@@ -215,13 +215,13 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, fi
 
 
 def stats(
-    x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | Sequence[tuple[int, int]] | None,
+    x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | Sequence[tuple[int, int]] | None,
     chunk: int, first: int = 0,
 ) -> None:
     """Write the statistics of the ``rows`` of ``x`` (``[n, w]`` logits whose columns start
     local tile ``first``; the first ``valid`` are the distribution's) into ``out``: per
-    tile (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``), or with
-    ``[T]`` fields (``placeholders`` without TP) each row's tiles merged
+    tile into ``TileStats`` (tiles ``first`` to ``first + tiles(w)``), or into
+    ``RowStats`` (``placeholders`` without TP) each row's tiles merged
     (``merged_stats``). ``rows`` as ``kernels.stats`` takes them (an ascending index,
     None: every row; runs ``[lo, hi)`` are read as the index of their rows). Per tile:
     the whole tiles of uncapped logits by the compiled ``tile_kernel`` where
@@ -234,7 +234,7 @@ def stats(
     if backend.triton_for(x, invariant=True):
         _triton_stats(x, softmax, valid, out, rows, first)
         return
-    if out.max.dim() == 1:
+    if isinstance(out, RowStats):
         assert first == 0, "merged statistics of a block of columns"
         merged_stats(x[:, :valid], softmax, out, rows, chunk)
         return
@@ -245,13 +245,13 @@ def stats(
     _eager_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
 
 
-def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | None, first: int) -> None:
+def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | None, first: int) -> None:
     """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
-    ``out``'s ``[T, n_local]`` fields, or each row's tiles merged into its ``[T]`` ones."""
+    ``TileStats``, or each row's tiles merged into ``RowStats``."""
     from .backends.triton import invariant as tri
 
     cdt = out.sum.dtype
-    if out.max.dim() == 2:
+    if isinstance(out, TileStats):
         tri.tile_stats(x, rows, reciprocals(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
                        out.max, out.sum, out.ent, first)
         return
@@ -351,7 +351,7 @@ def stats_chunk_rows(width: int) -> int:
 
 
 def _eager_stats(
-    x: Tensor, cap: float | None, r: Tensor, valid: int, out: RowStats, rows: Tensor | None,
+    x: Tensor, cap: float | None, r: Tensor, valid: int, out: TileStats, rows: Tensor | None,
     chunk: int, first: int, start: int, n_tiles: int,
 ) -> None:
     """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
@@ -365,7 +365,7 @@ def _eager_stats(
 
 
 def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_local: int,
-              tau: Tau, with_entropy: bool) -> RowStats:
+              tau: Tau, with_entropy: bool) -> TileStats:
     """Per-tile statistics ``[rows, n_local]`` of a token set's elements (``[E]`` capped
     logits ``x`` at local columns ``col`` of rows ``row``, counting where ``member``): the
     dense tiles' arithmetic on each (row, tile) with members, every other column -inf,
@@ -378,17 +378,15 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
     y[pair[member], col[member] % TILE] = x[member]
     first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
     m, s, a = eager_tiles(y[:, None], reciprocals(tau, rows, cdt, x.device)[first_row], with_entropy)
-    out = RowStats(
-        torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device),
-        torch.zeros(flat + 1, dtype=cdt, device=x.device),
-        x.new_zeros((0,)),
-        torch.zeros(flat + 1, dtype=cdt, device=x.device) if with_entropy else None,
-    )
-    out.max[uniq], out.sum[uniq] = m[:, 0], s[:, 0]
-    if out.ent is not None and a is not None:
-        out.ent[uniq] = a[:, 0]
-    return RowStats(out.max[:flat].view(rows, n_local), out.sum[:flat].view(rows, n_local), out.picked,
-                    None if out.ent is None else out.ent[:flat].view(rows, n_local))
+    # one slot per (row, tile), and one more that the non-members' key points at
+    big = torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device)
+    total = torch.zeros(flat + 1, dtype=cdt, device=x.device)
+    ent = torch.zeros(flat + 1, dtype=cdt, device=x.device) if with_entropy else None
+    big[uniq], total[uniq] = m[:, 0], s[:, 0]
+    if ent is not None and a is not None:
+        ent[uniq] = a[:, 0]
+    return TileStats(big[:flat].view(rows, n_local), total[:flat].view(rows, n_local), x.new_zeros((0,)),
+                     None if ent is None else ent[:flat].view(rows, n_local))
 
 
 @no_type_check

@@ -33,7 +33,7 @@ from .memory import buffer
 from .rows import gather, index_of, pieces
 from .shard import Shard, shard_of
 from .sparse import element_grad, elements, scatter_grad, set_stats
-from .stats import RowStats, placeholders
+from .stats import Stats, placeholders
 from .support import SupportArg
 
 
@@ -66,7 +66,7 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
 
 def _dense(
     logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, rows: Tensor | None, k: int
-) -> RowStats:
+) -> Stats:
     """This shard's dense statistics of the ``rows`` (an ascending index, None: all;
     placeholders elsewhere) over the distribution's columns only (a padded vocabulary's
     rows are no ids of it), with room for ``k`` picked logits: ``[T]`` fields, or per
@@ -77,9 +77,9 @@ def _dense(
         dense = placeholders(total, k, cdt, logits.device, options.with_entropy)
         kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, rows=rows)
         return dense
-    dense = invariant.placeholders(shard, total, k, cdt, logits.device, options.with_entropy)
-    invariant.stats(logits, options.softmax, shard.valid, dense, rows, chunks.eager)
-    return dense
+    stats = invariant.placeholders(shard, total, k, cdt, logits.device, options.with_entropy)
+    invariant.stats(logits, options.softmax, shard.valid, stats, rows, chunks.eager)
+    return stats
 
 
 def backward(

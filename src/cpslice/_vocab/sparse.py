@@ -26,7 +26,7 @@ from . import invariant
 from .shard import Shard
 from .softmax import Softmax, Tau, rows_of, slope_of_capped
 from .spec import FLOOR
-from .stats import RowStats, Totals, placeholders
+from .stats import RowStats, Stats, Totals, placeholders
 from .support import Support, host_offsets
 
 _I64 = torch.int64
@@ -84,12 +84,12 @@ def elements(support: Support, targets: Tensor, shard: Shard, keep: Tensor | Non
 
 def set_stats(
     x: Tensor, el: Elements, picked: Tensor, tau: Tau, with_entropy: bool, tiles: int | None = None
-) -> RowStats:
+) -> Stats:
     """This shard's restricted statistics from the ``[E]`` logits ``x`` of the elements
     (compute dtype, as the softmax reads them: capped), ``picked`` ``[T, 1]`` the dense
     statistics' target logits. Rows
     without a set get ``stats.placeholders``, the same on every shard. With ``tiles``
-    (invariant mode: the shard's tiles) per tile, by ``invariant.set_stats``."""
+    (invariant mode: the shard's tiles) ``TileStats``, by ``invariant.set_stats``."""
     rows = picked.shape[0]
     if tiles is not None:
         return invariant.set_stats(x, el.row, el.col, el.member, rows, tiles, tau, with_entropy)

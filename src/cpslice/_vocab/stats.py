@@ -40,10 +40,11 @@ _all_gather: _Gather = getattr(dist, "all_gather_single", None) or dist.all_gath
 
 class RowStats(NamedTuple):
     """Per-row statistics of logits over some of the vocabulary's columns (see the module
-    docstring): ``max`` ``m`` (-inf where every column is -inf), ``sum`` ``S`` (0 there),
-    ``picked`` ``[..., T, k]`` the logits at each row's ``k`` picked ids where these
-    columns hold them (else 0), ``ent`` ``A`` (None without entropy). Fields of merged
-    parts (``merge``) carry a leading dimension."""
+    docstring), one value per row: ``max`` ``m`` ``[T]`` (-inf where every column is
+    -inf), ``sum`` ``S`` ``[T]`` (0 there), ``picked`` ``[T, k]`` the logits at each row's
+    ``k`` picked ids where these columns hold them (else 0), ``ent`` ``A`` ``[T]`` (None
+    without entropy). Invariant mode's per-tile statistics are ``TileStats``; the
+    statistics of several parts, stacked, are ``Parts``."""
 
     max: Tensor
     sum: Tensor
@@ -53,6 +54,47 @@ class RowStats(NamedTuple):
     def map(self, fn: Callable[[Tensor], Tensor]) -> "RowStats":
         """``fn`` of every field (a None ``ent`` stays None): a slice, a view, a new buffer."""
         return RowStats(fn(self.max), fn(self.sum), fn(self.picked), None if self.ent is None else fn(self.ent))
+
+
+class TileStats(NamedTuple):
+    """Invariant mode's statistics per tile (``spec.TILE`` columns of global ids): ``max``,
+    ``sum`` and ``ent`` ``[T, n]``, each tile's ``(m_j, s_j, a_j)`` (the dense pass's: a
+    view of ``[n, T]`` storage, so that a tile's row of statistics is contiguous, as the
+    all-gather sends it), ``picked`` ``[T, k]`` as ``RowStats``'. They merge only in the
+    spec's order (``spec.merge_tiles``), never by ``merge``."""
+
+    max: Tensor
+    sum: Tensor
+    picked: Tensor
+    ent: Tensor | None
+
+    @property
+    def tiles(self) -> int:
+        """The tiles these statistics hold."""
+        return int(self.max.shape[1])
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "TileStats":
+        """``fn`` of every field (a None ``ent`` stays None)."""
+        return TileStats(fn(self.max), fn(self.sum), fn(self.picked), None if self.ent is None else fn(self.ent))
+
+
+Stats = RowStats | TileStats
+"""A pass's statistics: one value per row, or (invariant mode under TP, token sets) per tile."""
+
+
+class Parts(NamedTuple):
+    """The ``RowStats`` of ``P`` parts of disjoint columns (vocabulary blocks, TP shards),
+    stacked: ``max``, ``sum``, ``ent`` ``[P, T]``, ``picked`` ``[P, T, k]``; ``merge`` makes
+    them one ``RowStats``."""
+
+    max: Tensor
+    sum: Tensor
+    picked: Tensor
+    ent: Tensor | None
+
+    def part(self, i: int) -> RowStats:
+        """The statistics of part ``i`` (views)."""
+        return RowStats(self.max[i], self.sum[i], self.picked[i], None if self.ent is None else self.ent[i])
 
 
 def placeholders(
@@ -69,10 +111,10 @@ def placeholders(
     )
 
 
-def merge(parts: RowStats, tau: Tau) -> RowStats:
-    """The statistics over the union of the disjoint columns of ``parts`` (each field with
-    a leading dimension of the parts): the max, the rescaled sums, the picked logits (at
-    most one part holds each). A row that is -inf in every part keeps ``(-inf, 0, ., 0)``."""
+def merge(parts: Parts, tau: Tau) -> RowStats:
+    """The statistics over the union of the disjoint columns of ``parts``: the max, the
+    rescaled sums, the picked logits (at most one part holds each). A row that is -inf in
+    every part keeps ``(-inf, 0, ., 0)``."""
     big = parts.max.amax(0)
     delta = (parts.max - torch.where(big == -math.inf, 0.0, big)) / tau
     scale = torch.exp(delta)
@@ -83,7 +125,7 @@ def merge(parts: RowStats, tau: Tau) -> RowStats:
     return RowStats(big, (scale * parts.sum).sum(0), parts.picked.sum(0), ent)
 
 
-def write(out: RowStats, at: slice | Tensor | tuple[slice | Tensor, slice], m: Tensor, s: Tensor,
+def write(out: Stats, at: slice | Tensor | tuple[slice | Tensor, slice], m: Tensor, s: Tensor,
           a: Tensor | None) -> None:
     """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
     ``s`` and ``a``; ``picked`` left as it is."""
@@ -111,10 +153,10 @@ def totals(stats: RowStats, tau: Tau) -> Totals:
     return Totals(stats.max, log_s, log_p, entropy)
 
 
-def _rows(stats: RowStats, with_picked: bool) -> list[Tensor]:
-    """The ``[T]`` rows of ``stats`` that travel in the all-gather."""
+def _rows(stats: Stats, with_picked: bool) -> list[Tensor]:
+    """The ``[T]`` rows of ``stats`` that travel in the all-gather (a tile's a row)."""
     def of(field: Tensor) -> list[Tensor]:
-        return [field] if field.dim() == 1 else list(field.t())
+        return [field] if isinstance(stats, RowStats) else list(field.t())
 
     rows = [*of(stats.max), *of(stats.sum)]
     if with_picked:
@@ -140,7 +182,7 @@ buffers of this many rows, not of ``T``."""
 
 
 def combine(
-    parts: Sequence[RowStats],
+    parts: Sequence[Stats],
     tau: Tau,
     group: dist.ProcessGroup | None,
     extra: Tensor | None = None,
@@ -151,11 +193,11 @@ def combine(
     full vocabulary and the token sets) over all shards of ``group``, by one all-gather.
     Every part after the first shares the first's picked logits (they are not sent
     again). ``extra`` ``[r, T]`` rows ride along unmerged: every shard's come back as
-    ``[W, r, T]``. With ``tiles`` (invariant mode) a part's ``max``, ``sum`` and ``ent``
-    are ``[T, n]`` per tile, and the first ``tiles`` of all shards' tiles, in global
-    order, merge by ``merger`` (``spec.merge_tiles`` if None; invariant mode's backend passes
-    its own, of the same bits), ``MERGE_ROWS`` rows at a time; or, without a
-    group, ``[T]`` fields already merged so (``invariant.stats``), read as they are.
+    ``[W, r, T]``. With ``tiles`` (invariant mode) a ``TileStats`` part's first ``tiles``
+    of all shards' tiles, in global order, merge by ``merger`` (``spec.merge_tiles`` if
+    None; invariant mode's backend passes its own, of the same bits), ``MERGE_ROWS`` rows
+    at a time; a ``RowStats`` part (without a group: merged so already, by
+    ``invariant.stats``) is read as it is.
     Collectives: one ``all_gather`` with ``group``, else none."""
     first = parts[0]
     k = first.picked.shape[1]
@@ -166,7 +208,7 @@ def combine(
     out, at = [], 0
     picked = None
     for i, p in enumerate(parts):
-        n = 1 if p.max.dim() == 1 else p.max.shape[1]
+        n = 1 if isinstance(p, RowStats) else p.tiles
         at_m, at_s = at, at + n
         at += 2 * n
         if i == 0:
@@ -175,11 +217,10 @@ def combine(
         if p.ent is not None:
             at_e, at = at, at + n
         assert picked is not None
-        if tiles is None or p.max.dim() == 1:
+        if tiles is None or isinstance(p, RowStats):
             assert tiles is None or world == 1, "merged statistics under TP"
-            stats = RowStats(gathered[:, at_m], gathered[:, at_s], picked,
-                             None if at_e is None else gathered[:, at_e])
-            out.append(totals(merge(stats, tau) if tiles is None else stats.map(lambda f: f[0]), tau))
+            shards = Parts(gathered[:, at_m], gathered[:, at_s], picked, None if at_e is None else gathered[:, at_e])
+            out.append(totals(merge(shards, tau) if tiles is None else shards.part(0), tau))
         else:
             out.append(totals(_merge_gathered(gathered, (at_m, at_s, at_e), n, tiles, picked.sum(0), tau, merger),
                               tau))

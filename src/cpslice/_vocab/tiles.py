@@ -18,9 +18,10 @@ from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
 from .shard import Shard
+from .softmax import Softmax
 from .sparse import Elements
 from .spec import TILE
-from .stats import RowStats, merge
+from .stats import Parts, RowStats, Stats, merge
 
 TILE_ROWS = 2048
 """Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
@@ -111,12 +112,28 @@ def in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
     return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
 
 
+class _Pass(NamedTuple):
+    """What every piece of rows of one ``dense_pass`` shares."""
+
+    hidden: Hidden
+    weight: HeadWeight
+    column: Tensor
+    held: Tensor
+    shard: Shard
+    options: Options
+    tiles: Tiles
+    blocks: list[tuple[int, int]]
+    best: int | None
+    cdt: torch.dtype
+    work: kernels.Workspace
+
+
 def dense_pass(
     hidden: Hidden,
     weight: HeadWeight,
     column: Tensor,
     held: Tensor,
-    dense: RowStats,
+    dense: Stats,
     rows: Tensor | None,
     shard: Shard,
     options: Options,
@@ -129,76 +146,108 @@ def dense_pass(
     (the other rows: -inf only)."""
     assert options.chunk_size is not None
     total, vocab = hidden.shape[0], weight.shape[0]
-    cdt = dense.max.dtype
-    fixed = options.invariant
-    merged = fixed and dense.max.dim() == 1
-    tiles = Tiles.of(total, vocab, options.chunk_size, fixed)
-    blocks = tiles.blocks(shard.valid)
+    tiles = Tiles.of(total, vocab, options.chunk_size, options.invariant)
+    run = _Pass(hidden, weight, column, held, shard, options, tiles, tiles.blocks(shard.valid), best,
+                dense.max.dtype, kernels.Workspace())
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
-        torch.full((total, width), -math.inf, dtype=cdt, device=hidden.device),
+        torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
         torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
-    work = kernels.Workspace()
     for at in pieces(rows, total, tiles.rows):
-        n, h = size(at), gather(hidden, at, None)
-        if not blocks and not fixed:  # a shard of padded ids only: no mass, nothing to merge wrong
-            dense.max[at], dense.sum[at] = -math.inf, 0.0
-            if dense.ent is not None:
-                dense.ent[at] = 0.0
-            continue
-        chunks = tiles.chunks(n, hidden.dtype, hidden.device)
-        softmax = options.softmax.rows(at)
-        # slot 0: the blocks so far, merged; slot 1: this block (one buffer, any V_block);
-        # invariant mode writes each block's tiles in place, into these rows' own tiles
-        # where ``dense`` is merged already (no TP: ``invariant.placeholders``)
-        if merged:
-            parts = invariant.tile_placeholders(invariant.tiles(shard.valid), n, dense.picked.shape[1], cdt,
-                                                hidden.device, dense.ent is not None)
-        else:  # (``fixed``, an index's rows: a copy of them, written back below)
-            parts = dense.map(operator.itemgetter(at)) if fixed else _two_slots(dense, n)
-        running: topk.Candidates | None = None
-        for b, (v0, v1) in enumerate(blocks):
-            # the same [rows, V_block] tiles, by the same matmuls, as backward: its
-            # recomputed logits are these bit for bit, so the gradient's p and the
-            # forward's max and sum agree (a row sure of its target gets exactly 0)
-            x = tiles.logits(h, weight[v0:v1], fixed)
-            slot = min(b, 1)
-            part = parts if fixed else parts.map(operator.itemgetter(slot))
-            if fixed:
-                invariant.stats(x, softmax, v1 - v0, part, None, n, first=v0 // TILE)
-            else:
-                kernels.stats(x, softmax, part, chunks=chunks, work=work)
-            inside = held[at] & (column[at] >= v0) & (column[at] < v1)
-            local = torch.where(inside, column[at] - v0, 0)
-            picked = torch.where(inside, softmax.logits(x.gather(1, local).to(cdt)), 0.0)
-            if fixed:
-                part.picked.add_(picked)  # placeholders hold 0; one block holds each id
-            else:
-                part.picked.copy_(picked)
-            if best is not None:
-                tile = (topk.exact(x, shard.offset + v0, best, cdt, 0, shard.total) if fixed
-                        else topk.of_tile(x, shard.offset + v0, best, cdt, width=0))  # padded below
-                running = tile if running is None else topk.merge(running, tile, best, fixed)
-            del x
-            if slot and not fixed:
-                _write(parts, 0, merge(parts, softmax.tau))
-        if merged:
-            invariant.merge_into(dense, at, parts, softmax.tau)
-        elif not fixed or not isinstance(at, slice):
-            _write(dense, at, parts if fixed else parts.map(operator.itemgetter(0)))
+        if options.invariant:
+            running = _invariant_rows(run, dense, at)
+        else:
+            assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
+            running = _default_rows(run, dense, at)
         if running is not None:
             c = running.values.shape[1]
             found.values[at, :c], found.ids[at, :c] = running
     return None if best is None else found
 
 
-def _two_slots(like: RowStats, rows: int) -> RowStats:
+def _default_rows(run: _Pass, dense: RowStats, at: At) -> topk.Candidates | None:
+    """The rows ``at`` of ``dense`` from their tiles, block by block, each block's
+    statistics merged into the blocks' so far as TP shards merge (``merge``); their
+    running best candidates (None without ``best``)."""
+    n, h = size(at), gather(run.hidden, at, None)
+    if not run.blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
+        dense.max[at], dense.sum[at] = -math.inf, 0.0
+        if dense.ent is not None:
+            dense.ent[at] = 0.0
+        return None
+    chunks = run.tiles.chunks(n, run.hidden.dtype, run.hidden.device)
+    softmax = run.options.softmax.rows(at)
+    parts = _two_slots(dense, n)  # slot 0: the blocks so far, merged; slot 1: this block
+    running = None
+    for b, (v0, v1) in enumerate(run.blocks):
+        # the same [rows, V_block] tiles, by the same matmuls, as backward: its
+        # recomputed logits are these bit for bit, so the gradient's p and the
+        # forward's max and sum agree (a row sure of its target gets exactly 0)
+        x = run.tiles.logits(h, run.weight[v0:v1], False)
+        part = parts.part(min(b, 1))
+        kernels.stats(x, softmax, part, chunks=chunks, work=run.work)
+        part.picked.copy_(_picked(run, x, at, v0, v1, softmax))
+        running = _running_best(run, running, x, v0, False)
+        del x
+        if b:
+            _write(parts, 0, merge(parts, softmax.tau))
+    _write(dense, at, parts.part(0))
+    return running
+
+
+def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
+    """The rows ``at`` of ``dense`` in invariant mode: each block's tiles written in place,
+    into these rows' own tiles (merged into ``dense`` at the end where it is ``RowStats``:
+    no TP, ``invariant.placeholders``); their running best candidates (None without
+    ``best``)."""
+    n, h = size(at), gather(run.hidden, at, None)
+    softmax = run.options.softmax.rows(at)
+    if isinstance(dense, RowStats):
+        parts = invariant.tile_placeholders(invariant.tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
+                                            run.hidden.device, dense.ent is not None)
+    else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
+        parts = dense.map(operator.itemgetter(at))
+    running = None
+    for v0, v1 in run.blocks:
+        x = run.tiles.logits(h, run.weight[v0:v1], True)
+        invariant.stats(x, softmax, v1 - v0, parts, None, n, first=v0 // TILE)
+        parts.picked.add_(_picked(run, x, at, v0, v1, softmax))  # placeholders hold 0; one block holds each id
+        running = _running_best(run, running, x, v0, True)
+        del x
+    if isinstance(dense, RowStats):
+        invariant.merge_into(dense, at, parts, softmax.tau)
+    elif not isinstance(at, slice):
+        _write(dense, at, parts)
+    return running
+
+
+def _picked(run: _Pass, x: Tensor, at: At, v0: int, v1: int, softmax: Softmax) -> Tensor:
+    """``[n, k]``: the (capped) logits of the picked ids of the rows ``at`` that the block
+    ``x`` (columns ``[v0, v1)``) holds, 0 elsewhere."""
+    inside = run.held[at] & (run.column[at] >= v0) & (run.column[at] < v1)
+    local = torch.where(inside, run.column[at] - v0, 0)
+    return torch.where(inside, softmax.logits(x.gather(1, local).to(run.cdt)), 0.0)
+
+
+def _running_best(run: _Pass, running: topk.Candidates | None, x: Tensor, v0: int,
+                  fixed: bool) -> topk.Candidates | None:
+    """The best candidates of the blocks so far and the block ``x`` (its first column
+    ``v0``); in invariant mode (``fixed``) by the spec's rule. None without ``best``."""
+    if run.best is None:
+        return None
+    first = run.shard.offset + v0
+    mine = (topk.exact(x, first, run.best, run.cdt, 0, run.shard.total) if fixed
+            else topk.of_tile(x, first, run.best, run.cdt, width=0))  # padded by dense_pass
+    return mine if running is None else topk.merge(running, mine, run.best, fixed)
+
+
+def _two_slots(like: RowStats, rows: int) -> Parts:
     """New ``[2, rows, ...]`` buffers for the fields of ``like``."""
-    return like.map(lambda f: f.new_empty((2, rows, *f.shape[1:])))
+    return Parts(*like.map(lambda f: f.new_empty((2, rows, *f.shape[1:]))))
 
 
-def _write(into: RowStats, at: int | At, stats: RowStats) -> None:
+def _write(into: Stats | Parts, at: int | At, stats: Stats) -> None:
     """``into[at] = stats``, field by field."""
     for field, value in zip(into, stats):
         if field is not None and value is not None:

@@ -22,7 +22,7 @@ from . import spec
 from .invariant import merge_tiles
 from .shard import Shard
 from .softmax import Softmax, per_row
-from .stats import RowStats, Totals, combine
+from .stats import Stats, Totals, combine
 
 EXACT_FLOAT32_IDS = 2**24
 """Candidate ids travel as floats with the statistics (one all-gather): float32 holds
@@ -102,7 +102,7 @@ def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
 
 
 def choose(
-    dense: RowStats, local: Candidates, k: int, shard: Shard, softmax: Softmax, tiles: int | None = None
+    dense: Stats, local: Candidates, k: int, shard: Shard, softmax: Softmax, tiles: int | None = None
 ) -> tuple[Tensor, Tensor, Totals]:
     """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates
     (raw logits: the cap is monotone), descending, after one all-gather of this shard's
