@@ -1,7 +1,7 @@
 """The statistics of one row: what a pass computes, how parts merge, the all-gather, the results.
 
 For a row of logits ``x`` over some of the vocabulary's columns (a chunk of the
-logits, a ``[rows, V_block]`` tile of ``hidden @ weight.T``, one TP shard, a token
+logits, a ``[rows, V_block]`` block of ``hidden @ weight.T``, one TP shard, a token
 set) and temperature ``tau``, the statistics relative to their own max ``m``, with
 ``d = (x - m) / tau``, are
 

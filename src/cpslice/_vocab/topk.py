@@ -1,8 +1,8 @@
 """The teacher's side of distillation: each row's ``k`` most likely ids over the whole
 (tensor-parallel) vocabulary, and their log-probs.
 
-A driver reduces each of its tiles to the tile's ``k`` largest logits and their global
-ids (``of_tile``), keeping a running best over its vocabulary blocks (``merge``);
+A driver reduces each of its blocks to the block's ``k`` largest logits and their global
+ids (``of_columns``), keeping a running best over its vocabulary blocks (``merge``);
 ``choose`` sends every shard's candidates with its row statistics in the one all-gather
 (``stats.combine``) and takes the best ``k`` of all shards' candidates. Their log-probs
 are ``(x - M) / tau - log S`` as for any picked ids, so the gradient is that of
@@ -37,8 +37,8 @@ class Candidates(NamedTuple):
     ids: Tensor
 
 
-def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) -> Candidates:
-    """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` tile ``x`` whose column
+def of_columns(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) -> Candidates:
+    """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` block ``x`` whose column
     0 is global id ``first_id``, padded with -inf candidates to ``width`` (every shard
     sends as many, one of padded ids only too)."""
     values, columns = torch.topk(x, min(k, x.shape[1]), dim=1)
@@ -50,7 +50,7 @@ def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) ->
 
 
 def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_id: int) -> Candidates:
-    """``of_tile`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
+    """``of_columns`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
     broken by the smaller id (NaN counted as the largest: ``spec.largest``, then
     ``spec.best``), so the ids are a function of the row's values alone; padded to
     ``width`` with ``(-inf, pad_id)``, an id past every real one, so that a tie at -inf

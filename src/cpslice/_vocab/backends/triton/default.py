@@ -7,7 +7,7 @@ keeps the online ``(m, S, A)`` of ``stats.RowStats`` (``d = (y - m) / tau`` clam
 (A + delta S)``, as ``stats.merge`` merges parts). ``grad`` is the same grid: each logit
 read once, ``p * (a log p + b)`` (times the cap's derivative) computed in float32 and
 written once in the gradient's dtype (one rounding). The picked ids' one-hot terms are
-not in the loop: the caller overwrites those few entries (``stats.pick_grad``), as the
+not in the loop: the caller overwrites those few entries (``gradient.pick_grad``), as the
 compiled kernels' caller does.
 
 The soft cap is ``cap - 2 cap / (exp(2 x / cap) + 1)``, as in the compiled kernels (one
@@ -173,7 +173,7 @@ def stats(
     """Write ``m``, ``S`` and (``a`` not None) ``A`` of the rows ``rows`` (an int64 index;
     None: every row) of ``x`` ``[T, V]`` (columns contiguous) into the float32 ``[T]``
     fields ``m``, ``s``, ``a`` at those rows; the other rows are left as they are. A row
-    all -inf (or a tile of no columns) gets ``(-inf, 0, 0)``."""
+    all -inf (or a block of no columns) gets ``(-inf, 0, 0)``."""
     assert x.stride(-1) == 1 or x.shape[1] <= 1, "the kernels read contiguous columns"
     assert m.dtype == torch.float32, "float32 statistics (float64 logits take another backend)"
     grid, index = _launch(rows, x.shape[0])

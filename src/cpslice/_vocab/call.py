@@ -1,9 +1,9 @@
-"""What every vocabulary driver shares around its tiles: a call's settings, the one
+"""What every vocabulary driver shares around its blocks: a call's settings, the one
 all-gather and the choice of each row's result (forward), the state saved for backward,
 and the per-row gradient terms (backward).
 
 A driver (``logits``, ``hidden``) computes this shard's dense statistics (``Stats``) its own way
-and, with a support, the sets' (``sparse``); ``finish`` turns them into the results and
+and, with a support, the sets' (``set_elements``); ``finish`` turns them into the results and
 the ``Saved`` record its backward reads; ``row_terms`` turns the upstream gradients and
 that record into the ``RowGrad`` its kernels apply, and the sets' share of them.
 """
@@ -18,11 +18,11 @@ from torch import Tensor
 
 from .gradient import RowGrad, row_grad
 from .invariant import merge_tiles, tiles
+from .set_elements import Elements, Restricted, Split, split
 from .shard import Shard
 from .softmax import Softmax, Tau
-from .sparse import Elements, Restricted, Split, split
 from .stats import Stats, combine
-from .support import Support
+from .token_sets import Support
 
 
 class Options(NamedTuple):

@@ -1,7 +1,9 @@
-"""The tiles of the hidden-state driver (``hidden``): ``[rows, V_block]`` tiles of
-``hidden @ weight.T`` (``Tiles``), the pieces the support elements are multiplied out in,
-and the forward's dense pass over the tiles (``dense_pass``), its vocabulary blocks
-merged as TP shards merge. The backward (``hidden.backward``) walks the same tiles.
+"""The matmul blocks of the hidden-state driver (``hidden``): ``[rows, V_block]`` blocks of
+``hidden @ weight.T`` (``Blocks``), the pieces the support elements are multiplied out in,
+and the forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks
+merged as TP shards merge. The backward (``hidden.backward``) walks the same blocks.
+(A "tile" is invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
+``invariant.BLOCK_TILES`` of them.)
 """
 
 import math
@@ -13,18 +15,18 @@ from torch import Tensor
 
 from .._types import HeadWeight, Hidden
 from . import invariant, kernels, topk
-from .engine import Options
+from .call import Options
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
+from .set_elements import Elements
 from .shard import Shard
 from .softmax import Softmax
-from .sparse import Elements
 from .spec import TILE
 from .stats import Parts, RowStats, Stats, merge
 
-TILE_ROWS = 2048
-"""Tiles span at least this many rows (all rows if fewer): see ``Tiles``."""
+MIN_BLOCK_ROWS = 2048
+"""Blocks span at least this many rows (all rows if fewer): see ``Blocks``."""
 ELEMENT_BYTES = 16 * 2**20
 """Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
 
@@ -34,28 +36,29 @@ def spans(size: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, size)) for s in range(0, size, block)]
 
 
-class Tiles(NamedTuple):
-    """The ``[rows, columns]`` tiles of both passes: half as many elements as one chunk of
-    ``chunk`` rows (``chunk * V_local``; a backward tile holds its logits, its gradient and
-    the eager kernels' two work tiles) over at least ``TILE_ROWS`` rows (all of them if
-    fewer), so that a tile's weight-gradient block sums many rows in one matmul."""
+class Blocks(NamedTuple):
+    """The ``[rows, columns]`` matmul blocks of both passes: half as many elements as one
+    chunk of ``chunk`` rows (``chunk * V_local``; a backward block holds its logits, its
+    gradient and the eager kernels' two work buffers) over at least ``MIN_BLOCK_ROWS`` rows
+    (all of them if fewer), so that a block's weight gradient sums many rows in one
+    matmul."""
 
     rows: int
     columns: int
 
     @classmethod
-    def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Tiles":
-        """The tiles of ``rows`` rows of a ``vocab``-column shard; ``fixed`` (invariant
+    def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Blocks":
+        """The blocks of ``rows`` rows of a ``vocab``-column shard; ``fixed`` (invariant
         mode): always ``BLOCK_ROWS x BLOCK_TILES * TILE``, whatever the rows (``logits``
         pads a smaller one)."""
         if fixed:
             return cls(BLOCK_ROWS, BLOCK_TILES * TILE)
-        tile_rows = max(1, min(rows, max(chunk, TILE_ROWS)))
-        return cls(tile_rows, max(1, min(vocab, chunk * vocab // (2 * tile_rows))))
+        block_rows = max(1, min(rows, max(chunk, MIN_BLOCK_ROWS)))
+        return cls(block_rows, max(1, min(vocab, chunk * vocab // (2 * block_rows))))
 
     def logits(self, hidden: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``hidden @ weight.T`` of one tile (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
-        by a matmul of exactly this tile's shape, zero rows padding both (a BLAS picks
+        """``hidden @ weight.T`` of one block (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
+        by a matmul of exactly this block's shape, zero rows padding both (a BLAS picks
         its kernel by shape, and a row's bits with it)."""
         if not fixed:
             return torch.mm(hidden, weight.t())
@@ -67,8 +70,8 @@ class Tiles(NamedTuple):
         return torch.mm(hidden, weight.t())[:n, :v]
 
     def product(self, grad: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``grad @ weight`` of one tile (``[n, v]`` logit gradients, ``[v, H]`` columns),
-        ``[n, H]``; ``fixed``: by a matmul of the tile's shape, as ``logits``."""
+        """``grad @ weight`` of one block (``[n, v]`` logit gradients, ``[v, H]`` columns),
+        ``[n, H]``; ``fixed``: by a matmul of the block's shape, as ``logits``."""
         if not fixed:
             return torch.mm(grad, weight)
         n, v = grad.shape
@@ -83,8 +86,8 @@ class Tiles(NamedTuple):
         return spans(vocab, self.columns)
 
     def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
-        """The kernels' chunks on one tile of ``rows`` rows: the whole tile at once eagerly,
-        the compiled kernels' rows for its block width."""
+        """The kernels' chunks on one block of ``rows`` rows: the whole block at once
+        eagerly, the compiled kernels' rows for its width."""
         return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
 
 
@@ -105,7 +108,7 @@ def element_logits(hidden: Tensor, weight: Tensor, el: Elements, cdt: torch.dtyp
 
 
 def in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
-    """``row`` on the tile columns ``[v0, v1)``: the picked ids held there, by their column
+    """``row`` on the block's columns ``[v0, v1)``: the picked ids held there, by their column
     in the block."""
     inside = held & (row.column >= v0) & (row.column < v1)
     hot = None if row.hot is None else torch.where(inside, row.hot, 0.0)
@@ -121,8 +124,8 @@ class _Pass(NamedTuple):
     held: Tensor
     shard: Shard
     options: Options
-    tiles: Tiles
-    blocks: list[tuple[int, int]]
+    blocks: Blocks
+    spans: list[tuple[int, int]]
     best: int | None
     cdt: torch.dtype
     work: kernels.Workspace
@@ -140,21 +143,21 @@ def dense_pass(
     best: int | None = None,
 ) -> topk.Candidates | None:
     """Fill the ``rows`` (an ascending index, None: all) of ``dense`` (the picked ids'
-    ``column``/``held`` ``[T, k]`` included) from tiles of ``Tiles.rows`` of those rows of
+    ``column``/``held`` ``[T, k]`` included) from blocks of ``Blocks.rows`` of those rows of
     ``hidden @ weight.T`` over the shard's valid columns; with ``best``, also return each
     row's ``best`` largest logits and their global ids, -inf padded to ``min(best, V_local)``
     (the other rows: -inf only)."""
     assert options.chunk_size is not None
     total, vocab = hidden.shape[0], weight.shape[0]
-    tiles = Tiles.of(total, vocab, options.chunk_size, options.invariant)
-    run = _Pass(hidden, weight, column, held, shard, options, tiles, tiles.blocks(shard.valid), best,
+    blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
+    run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
                 dense.max.dtype, kernels.Workspace())
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
         torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
-    for at in pieces(rows, total, tiles.rows):
+    for at in pieces(rows, total, blocks.rows):
         if options.invariant:
             running = _invariant_rows(run, dense, at)
         else:
@@ -167,24 +170,24 @@ def dense_pass(
 
 
 def _default_rows(run: _Pass, dense: RowStats, at: At) -> topk.Candidates | None:
-    """The rows ``at`` of ``dense`` from their tiles, block by block, each block's
+    """The rows ``at`` of ``dense``, block by block, each block's
     statistics merged into the blocks' so far as TP shards merge (``merge``); their
     running best candidates (None without ``best``)."""
     n, h = size(at), gather(run.hidden, at, None)
-    if not run.blocks:  # a shard of padded ids only: no mass, nothing to merge wrong
+    if not run.spans:  # a shard of padded ids only: no mass, nothing to merge wrong
         dense.max[at], dense.sum[at] = -math.inf, 0.0
         if dense.ent is not None:
             dense.ent[at] = 0.0
         return None
-    chunks = run.tiles.chunks(n, run.hidden.dtype, run.hidden.device)
+    chunks = run.blocks.chunks(n, run.hidden.dtype, run.hidden.device)
     softmax = run.options.softmax.rows(at)
     parts = _two_slots(dense, n)  # slot 0: the blocks so far, merged; slot 1: this block
     running = None
-    for b, (v0, v1) in enumerate(run.blocks):
-        # the same [rows, V_block] tiles, by the same matmuls, as backward: its
+    for b, (v0, v1) in enumerate(run.spans):
+        # the same [rows, V_block] blocks, by the same matmuls, as backward: its
         # recomputed logits are these bit for bit, so the gradient's p and the
         # forward's max and sum agree (a row sure of its target gets exactly 0)
-        x = run.tiles.logits(h, run.weight[v0:v1], False)
+        x = run.blocks.logits(h, run.weight[v0:v1], False)
         part = parts.part(min(b, 1))
         kernels.stats(x, softmax, part, chunks=chunks, work=run.work)
         part.picked.copy_(_picked(run, x, at, v0, v1, softmax))
@@ -209,8 +212,8 @@ def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
     else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
         parts = dense.map(operator.itemgetter(at))
     running = None
-    for v0, v1 in run.blocks:
-        x = run.tiles.logits(h, run.weight[v0:v1], True)
+    for v0, v1 in run.spans:
+        x = run.blocks.logits(h, run.weight[v0:v1], True)
         invariant.stats(x, softmax, v1 - v0, parts, None, n, first=v0 // TILE)
         parts.picked.add_(_picked(run, x, at, v0, v1, softmax))  # placeholders hold 0; one block holds each id
         running = _running_best(run, running, x, v0, True)
@@ -238,7 +241,7 @@ def _running_best(run: _Pass, running: topk.Candidates | None, x: Tensor, v0: in
         return None
     first = run.shard.offset + v0
     mine = (topk.exact(x, first, run.best, run.cdt, 0, run.shard.total) if fixed
-            else topk.of_tile(x, first, run.best, run.cdt, width=0))  # padded by dense_pass
+            else topk.of_columns(x, first, run.best, run.cdt, width=0))  # padded by dense_pass
     return mine if running is None else topk.merge(running, mine, run.best, fixed)
 
 

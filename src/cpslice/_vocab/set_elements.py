@@ -6,7 +6,7 @@ request, its entropy) under ``softmax(logits / tau)`` restricted to ``U_t = S_t 
 read at the set's ids (one gather, or a dot product per element from hidden states),
 never masked or copied. The elements of the ``U_t`` are the ``K`` set ids plus one
 *candidate* per row, the target, which counts only where it is not already in ``S_t``.
-Their statistics are ``stats.RowStats`` like any tile's and combine across TP shards in
+Their statistics are ``stats.RowStats`` like any block's and combine across TP shards in
 the same all-gather. With ``q`` the restricted distribution, ``H_u`` its entropy and
 ``log q_t`` the target's log-prob, the gradient w.r.t. a logit ``x_j`` of ``U_t`` is
 
@@ -27,7 +27,7 @@ from .shard import Shard
 from .softmax import Softmax, Tau, rows_of, slope_of_capped
 from .spec import FLOOR
 from .stats import RowStats, Stats, Totals, placeholders
-from .support import Support, host_offsets
+from .token_sets import Support, host_offsets
 
 _I64 = torch.int64
 
