@@ -257,7 +257,8 @@ def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Ten
         return
     assert first == 0, "merged statistics of a block of columns"
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    big, total, ent = tri.merged_stats(x, rows, 1.0 / tau, tau, softmax.cap, valid, out.ent is not None)
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
+    big, total, ent = tri.merged_stats(x, rows, r, tau, softmax.cap, valid, out.ent is not None)
     at = slice(None) if rows is None else rows
     write(out, at, big, total, ent)
 
@@ -271,7 +272,7 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     (``eager_rows``) ``chunk`` rows at a time."""
     cdt = out.sum.dtype
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    r = 1.0 / tau
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
     if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
         return
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
