@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from cpslice._vocab import invariant as inv
-from cpslice._vocab import stats
+from cpslice._vocab import spec, stats
 from cpslice._vocab.backends.triton import invariant as tri
 from cpslice._vocab.backends.triton import launches
+from cpslice._vocab.softmax import Softmax
 
 DEV = os.environ.get("DEV", "cuda")
 T, V, VALID = (int(v) for v in os.environ.get("SHAPE", "96,20000,19950").split(","))
@@ -60,7 +61,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     tau = torch.rand(T, generator=gen) + 0.5
     r = 1.0 / tau
     n = inv.tiles(V)
-    softmax = stats.Softmax(tau, cap, True)
+    softmax = Softmax(tau, cap, True)
     want = inv.tile_placeholders(n, T, 0, torch.float32, cpu, True)
     inv.stats(x, softmax, VALID, want, [(0, T)], 16)
     xd, rd, taud = x.to(dev), r.to(dev), tau.to(dev)
@@ -68,10 +69,10 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     tri.tile_stats(xd, None, rd, cap, VALID, got.max, got.sum, got.ent)
     tiles = [_same(w, g) for w, g in zip((want.max, want.sum, want.ent), (got.max, got.sum, got.ent))]
     aten = inv.tile_placeholders(n, T, 0, torch.float32, dev, True)
-    inv.stats(xd, stats.Softmax(taud, cap, True), VALID, aten, [(0, T)], 16)
+    inv.stats(xd, Softmax(taud, cap, True), VALID, aten, [(0, T)], 16)
     aten_tiles = [_same(w, g) for w, g in zip((want.max, want.sum, want.ent), (aten.max, aten.sum, aten.ent))]
     assert want.ent is not None and got.ent is not None
-    merged = [_same(w, g) for w, g in zip(stats.merge_tiles(want.max.t(), want.sum.t(), want.ent.t(), tau),
+    merged = [_same(w, g) for w, g in zip(spec.merge_tiles(want.max.t(), want.sum.t(), want.ent.t(), tau),
                                           tri.merge(got.max, got.sum, got.ent, taud))]
     rows = torch.tensor([5, 0, 3, 2, 90, 17, 4, 1, 7, 8]) % T
     full = stats.placeholders(T, 0, torch.float32, cpu, True)

@@ -24,6 +24,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._vocab import hidden as _hidden
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 
 from ._dist import counting, tp_groups
@@ -84,7 +85,7 @@ def decode(logits: Tensor, targets: Tensor, g_lp: Tensor, g_h: Tensor, **options
     return torch.cat(lps), torch.cat(hs), torch.cat(grads)
 
 
-def shard_first(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+def shard_first(m: Tensor, s: Tensor, a: Tensor | None, tau: float | Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """A planted merge order: each half of the tiles summed first, then the halves (the
     order a per-shard merge gives at TP 2): the bits now depend on where shards end."""
     half = (m.shape[0] + 1) // 2
@@ -233,16 +234,16 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     x, targets = peaked(256, VOCAB, 11)
     want = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True)
     planted = {}
-    real = _stats.merge_tiles
+    real = _spec.merge_tiles
     for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
         shard = x[:, tp_rank * (VOCAB // tp) : (tp_rank + 1) * (VOCAB // tp)]
         got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        _stats.merge_tiles = shard_first  # the baseline would put it back after the task too
+        _spec.merge_tiles = shard_first  # the baseline would put it back after the task too
         try:
             got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
         finally:
-            _stats.merge_tiles = real
+            _spec.merge_tiles = real
         planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
     _refuses_partial_tiles(whole, pair)
     return {"seen": seen, "planted": planted}

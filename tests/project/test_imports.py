@@ -225,28 +225,28 @@ def test_a_path_across_the_halves_is_found(tmp_path: Path) -> None:
         "_glue/__init__.py": "",
         "_glue/support.py": "from .._layout.plan import y\n",
         "_vocab/__init__.py": "",
-        "_vocab/args.py": "from . import sparse\n",
-        "_vocab/sparse.py": "def f():\n    from .. import _types\n",
+        "_vocab/args.py": "from . import set_elements\n",
+        "_vocab/set_elements.py": "def f():\n    from .. import _types\n",
     }
     for rel, text in files.items():
         (pkg / rel).write_text(text)
     assert half_violations(import_graph(tmp_path)) == []
     # through the glue, inside a function: still a path from the engine to the layout
-    (pkg / "_vocab" / "sparse.py").write_text("def f():\n    from .._glue.support import Support\n")
+    (pkg / "_vocab" / "set_elements.py").write_text("def f():\n    from .._glue.support import Support\n")
     assert half_violations(import_graph(tmp_path)) == [
-        "cpslice._vocab.args -> cpslice._vocab.sparse -> cpslice._glue.support",
-        "cpslice._vocab.args -> cpslice._vocab.sparse -> cpslice._glue.support -> cpslice._layout.plan",
-        "cpslice._vocab.sparse -> cpslice._glue.support",
-        "cpslice._vocab.sparse -> cpslice._glue.support -> cpslice._layout.plan",
+        "cpslice._vocab.args -> cpslice._vocab.set_elements -> cpslice._glue.support",
+        "cpslice._vocab.args -> cpslice._vocab.set_elements -> cpslice._glue.support -> cpslice._layout.plan",
+        "cpslice._vocab.set_elements -> cpslice._glue.support",
+        "cpslice._vocab.set_elements -> cpslice._glue.support -> cpslice._layout.plan",
     ]
-    (pkg / "_vocab" / "sparse.py").write_text("")
+    (pkg / "_vocab" / "set_elements.py").write_text("")
     type_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._vocab import args\n"
     (pkg / "_types.py").write_text(type_only)
     assert half_violations(import_graph(tmp_path)) == [
         "cpslice._layout.plan -> cpslice._types -> cpslice._vocab.args",
-        "cpslice._layout.plan -> cpslice._types -> cpslice._vocab.args -> cpslice._vocab.sparse",
+        "cpslice._layout.plan -> cpslice._types -> cpslice._vocab.args -> cpslice._vocab.set_elements",
         "cpslice._types -> cpslice._vocab.args",
-        "cpslice._types -> cpslice._vocab.args -> cpslice._vocab.sparse",
+        "cpslice._types -> cpslice._vocab.args -> cpslice._vocab.set_elements",
     ]
 
 

@@ -31,7 +31,10 @@ from cpslice import (
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
+from cpslice._vocab import bits as _bits
 from cpslice._vocab import invariant as _invariant
+from cpslice._vocab import softmax as _softmax
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
 from cpslice._vocab.backends import selection as _backend
 
@@ -253,7 +256,7 @@ def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
                          0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
     g = torch.cat([torch.randn(10000, generator=gen) * 10.0 ** torch.randint(-30, 30, (10000,), generator=gen),
                    ties.view(torch.float32), torch.tensor([math.nan, -math.nan])])
-    got = (_stats._bfloat16_bits(g) >> 16).to(torch.int16)
+    got = (_bits.bfloat16_bits(g) >> 16).to(torch.int16)
     want = g.to(torch.bfloat16).view(torch.int16)
     nan = g.isnan()
     assert torch.equal(got[~nan], want[~nan])  # ties to even, overflow to inf, zeros' signs
@@ -267,9 +270,9 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytes
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(40, 1000, generator=gen) * 3).to(dtype)
     x[5, :400] = -math.inf
-    softmax = _stats.Softmax(torch.rand(40, generator=gen) + 0.5)
+    softmax = _softmax.Softmax(torch.rand(40, generator=gen) + 0.5)
 
-    def run() -> _stats.RowStats:
+    def run() -> _stats.TileStats:
         out = _invariant.tile_placeholders(_invariant.tiles(1000), 40, 0, torch.float32, x.device, True)
         _invariant.stats(x, softmax, 1000, out, [(0, 17), (20, 40)], 8)
         return out
@@ -349,15 +352,15 @@ def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
         return lp, h
 
     assert all(torch.equal(a, b) for a, b in zip(run(), want))
-    real = _stats.merge_tiles
+    real = _spec.merge_tiles
 
-    def rotated(m: Tensor, s: Tensor, a: Tensor | None, tau: _stats.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    def rotated(m: Tensor, s: Tensor, a: Tensor | None, tau: _softmax.Tau) -> tuple[Tensor, Tensor, Tensor | None]:
         return real(m.roll(1, 0), s.roll(1, 0), None if a is None else a.roll(1, 0), tau)  # from the 2nd tile
 
     for plant in (rotated, shard_first):
-        monkeypatch.setattr(_stats, "merge_tiles", plant)
+        monkeypatch.setattr(_spec, "merge_tiles", plant)
         assert not all(torch.equal(a, b) for a, b in zip(run(), want)), plant
-        monkeypatch.setattr(_stats, "merge_tiles", real)
+        monkeypatch.setattr(_spec, "merge_tiles", real)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None, 1.0])

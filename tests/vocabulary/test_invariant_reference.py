@@ -33,7 +33,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._vocab import invariant as _invariant
-from cpslice._vocab import stats as _stats
+from cpslice._vocab import spec as _spec
 from cpslice._vocab.backends import selection as _backend
 
 from .._dist import run_distributed
@@ -447,7 +447,7 @@ def test_the_float64_exp_is_the_specs() -> None:
     d = torch.cat([-torch.rand(20000, generator=gen, dtype=torch.float64) * 10.0 ** torch.randint(
         -8, 3, (20000,), generator=gen), torch.tensor([0.0, -0.0, -0.5 * math.log(2), -0.3465735902799727,
                                                        -707.99, -708.0, -708.0001, -745.0, -1e4, -math.inf])])
-    got, want = _stats.exp(d), exp64(d)
+    got, want = _spec.exp(d), exp64(d)
     assert torch.equal(got, want), int((got != want).sum())
     assert torch.equal(exp64(torch.tensor([-708.5, -1e4], dtype=torch.float64)), torch.zeros(2, dtype=torch.float64))
     normal = d > -700.0

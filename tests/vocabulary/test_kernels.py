@@ -25,7 +25,10 @@ from cpslice import log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab.backends import selection as _backend
-from cpslice._vocab.stats import FLOOR, RowGrad, Softmax, placeholders
+from cpslice._vocab.gradient import RowGrad
+from cpslice._vocab.softmax import Softmax
+from cpslice._vocab.spec import FLOOR
+from cpslice._vocab.stats import placeholders
 
 from ..compare import check_linear, check_logits
 from ..compiled import ran
@@ -167,7 +170,7 @@ def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
 def test_a_masked_target_gets_the_same_finite_gradient_compiled_and_eager(dtype: torch.dtype, use: Use) -> None:
     """A row whose target logit is -inf (a masked token): its log-prob is -inf, and the
     gradient of its entropy (and of the log-prob) is finite, the eager one, in the
-    compiled kernels too, whose picked entries are written apart (``stats.pick_grad``)."""
+    compiled kernels too, whose picked entries are written apart (``gradient.pick_grad``)."""
     logits, targets = _masked_logits(9, 20, dtype, seed=8)
     logits[1, 15], targets[1] = -math.inf, 15  # the target among the masked columns
     logits[6, 3], targets[6] = -math.inf, 3  # one masked column, the target's

@@ -29,7 +29,7 @@ from cpslice import (
     response_log_probs_from_hidden,
     shard_responses,
 )
-from cpslice._vocab.engine import Options
+from cpslice._vocab.call import Options
 from cpslice._vocab.kernels import default_chunk_rows
 from cpslice._vocab.logits import apply
 from tests.checked import refused

@@ -346,7 +346,7 @@ def test_from_responses_refusals() -> None:
 def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() -> None:
     """On a device the range check would cost a sync: the row's log-prob is NaN instead
     (the kernel is called directly here, past the CPU check)."""
-    from cpslice._vocab.engine import Options
+    from cpslice._vocab.call import Options
     from cpslice._vocab.logits import apply
 
     logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])

@@ -19,8 +19,11 @@ from torch import Tensor
 
 from cpslice import log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
+from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
-from cpslice._vocab.stats import RowStats, Softmax
+from cpslice._vocab.gradient import row_grad
+from cpslice._vocab.softmax import Softmax, reciprocals
+from cpslice._vocab.stats import RowStats, Stats
 
 
 @contextmanager
@@ -95,7 +98,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
-def _fields(stats: RowStats) -> tuple[Tensor, Tensor, Tensor]:
+def _fields(stats: Stats) -> tuple[Tensor, Tensor, Tensor]:
     """``max``, ``sum`` and ``ent`` of statistics with entropy."""
     assert stats.ent is not None
     return stats.max, stats.sum, stats.ent
@@ -126,7 +129,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     eager = _stats.placeholders(T, 0, torch.float32, x.device, True)
     _invariant.merged_stats(x[:, :valid], Softmax(tau, cap, True), eager, None, 2)
 
-    r = _invariant.reciprocal(tau, T, torch.float32, x.device)
+    r = reciprocals(tau, T, torch.float32, x.device)
     big, total, ent = _tri.merged_stats(x, ROWS, r, tau, cap, valid)
     assert all(g is not None and _same(g, w[ROWS]) for g, w in zip((big, total, ent), _fields(eager)))
     assert ent is not None
@@ -136,7 +139,7 @@ def test_log_probs_entropy_and_gradient_are_the_eager_bits(dtype: torch.dtype, n
     assert got.entropy is not None
     assert _same(got.log_probs[:, 0], want_lp[ROWS]) and _same(got.entropy, want_h[ROWS])
     # the gradient at these rows only, then the picked ids' entries (torch)
-    row = _stats.row_grad(g_lp[ROWS, None], g_h[ROWS], got.entropy, tau[ROWS], targets[ROWS, None],
+    row = row_grad(g_lp[ROWS, None], g_h[ROWS], got.entropy, tau[ROWS], targets[ROWS, None],
                           torch.ones(len(ROWS), 1, dtype=torch.bool), with_hot=True)
     assert row.a is not None and row.hot is not None
     terms = [_full(ROWS, t) for t in (got.max, got.log_sum, row.a, row.b)]
@@ -175,7 +178,7 @@ def test_per_tile_statistics_under_tp_and_their_merge_are_the_eager_bits(dtype: 
     # every shard's tiles in global order, as the all-gather gives them: merge
     m, s, a = (torch.cat([_fields(f)[i][:, 1:] for f in got], 1) for i in range(3))
     big, total, ent = _tri.merge(m[ROWS], s[ROWS], a[ROWS], tau[ROWS])
-    w_big, w_total, w_ent = _stats.merge_tiles(m[ROWS].t(), s[ROWS].t(), a[ROWS].t(), tau[ROWS])
+    w_big, w_total, w_ent = _spec.merge_tiles(m[ROWS].t(), s[ROWS].t(), a[ROWS].t(), tau[ROWS])
     assert ent is not None and w_ent is not None
     assert _same(big, w_big) and _same(total, w_total) and _same(ent, w_ent)
     # the whole row at TP 1 gives the same bits: the shards held whole tiles
@@ -195,7 +198,7 @@ def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows(monkeypatch:
         s = torch.where(m == -math.inf, 0.0, torch.rand(T, n, generator=gen) * 100)
         a = torch.where(m == -math.inf, 0.0, -torch.rand(T, n, generator=gen) * 50)
         got = _tri.merge(m, s, a, tau)
-        want = _stats.merge_tiles(m.t(), s.t(), a.t(), tau)
+        want = _spec.merge_tiles(m.t(), s.t(), a.t(), tau)
         assert all(g is not None and w is not None and _same(g, w) for g, w in zip(got, want)), n
     # merged_stats two rows at a time: the scratch of a chunk of rows, not of all of them
     x = _logits(torch.float32)

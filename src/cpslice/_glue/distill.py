@@ -52,7 +52,7 @@ from .._types import (
 from .._vocab import args, dtensor, topk
 from .._vocab import hidden as hidden_driver
 from .._vocab import logits as logits_driver
-from .._vocab.engine import Options
+from .._vocab.call import Options
 
 KINDS = {
     "forward": "KL(teacher || student)",

@@ -20,7 +20,7 @@ from .._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, Sample
 from .._vocab import args, dtensor
 from .._vocab import hidden as hidden_driver
 from .._vocab import logits as logits_driver
-from .._vocab.engine import Options
+from .._vocab.call import Options
 from .._vocab.hidden import default_hidden_chunk_rows
 from .support import SupportArg, take_rows
 

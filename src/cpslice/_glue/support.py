@@ -2,7 +2,7 @@
 or from a keep mask.
 
 The record, its checks and its arithmetic are the vocabulary engine's
-(``_vocab.support``); this subclass, on the glue's side, adds its builders:
+(``_vocab.token_sets``); this subclass, on the glue's side, adds its builders:
 ``from_responses``, which places the rollout's per-token sets on this rank's rows, and
 ``from_keep_mask``, which reads a TP rank's ``[T, V_local]`` boolean keep mask.
 """
@@ -19,10 +19,10 @@ from .._errors import LayoutError
 from .._layout.layout import Layout
 from .._layout.plan import Selection, exclusive_cumsum, resolve, response_base
 from .._types import IdsArg
-from .._vocab import support as engine
+from .._vocab import token_sets as engine
 from .._vocab.args import tp_world
 from .._vocab.dtensor import is_dtensor, replicated_each
-from .._vocab.support import first_duplicate
+from .._vocab.token_sets import first_duplicate
 
 _I64 = torch.int64
 
@@ -282,7 +282,7 @@ def _check_ids(flat_ids: Tensor, glob: Tensor, starts: Tensor, ends: Tensor, res
 
 def take_rows(support: engine.Support, rows: Tensor) -> Support:
     """The sets of the given rows (CPU int64 indices into ``support``'s rows, in any
-    order), as a ``Support`` over ``len(rows)`` rows (``_vocab.support.select_rows``)."""
+    order), as a ``Support`` over ``len(rows)`` rows (``_vocab.token_sets.select_rows``)."""
     return Support(*engine.select_rows(support, rows))
 
 

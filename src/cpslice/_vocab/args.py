@@ -19,9 +19,9 @@ from .._cache import boundary
 from .._errors import LayoutError
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
 from . import dtensor
-from .engine import Options
-from .stats import Tau
-from .support import Support, check_support
+from .call import Options
+from .softmax import Tau
+from .token_sets import Support, check_support
 
 if TYPE_CHECKING:
     Keywords = LogProbKeywords[TemperatureArg, Support]

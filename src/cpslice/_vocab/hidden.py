@@ -46,12 +46,13 @@ from .._types import (
     compute_dtype,
 )
 from . import args, invariant, kernels, topk
-from .engine import Options, Saved, Sets, finish, row_terms, tile_count
+from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
+from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .rows import At, count, gather, holding, index_of, places, size
-from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowStats, Shard, placeholders, shard_of
-from .support import SupportArg
-from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, spans
+from .set_elements import Elements, element_grad, elements, set_stats
+from .shard import Shard, shard_of
+from .stats import Stats, placeholders
+from .token_sets import SupportArg
 
 # Module-level, so that a test can count the collectives.
 _all_reduce: Callable[..., object] = dist.all_reduce
@@ -116,7 +117,7 @@ def topk_forward(
 
 def _placeholders(
     rows: int, k: int, cdt: torch.dtype, device: torch.device, shard: Shard, options: Options
-) -> RowStats:
+) -> Stats:
     """The dense statistics' placeholders: ``[T]`` fields, or per tile in invariant mode
     (whose shard must hold whole tiles)."""
     if not options.invariant:
@@ -206,7 +207,7 @@ def backward(
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
     held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
     valid = saved.shard.valid
-    tiles = Tiles.of(rows, vocab, opts.chunk_size, opts.invariant)
+    tiles = Blocks.of(rows, vocab, opts.chunk_size, opts.invariant)
     pieces = _pieces(saved.dense_rows, parts.dense, rows, tiles.rows, hidden.device)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None

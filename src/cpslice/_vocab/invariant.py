@@ -1,32 +1,20 @@
 """Invariant mode (``invariant=True``): a row's statistics as a reduction whose order is a
 function of the vocabulary alone, so that no batch, chunk, layout or TP size changes a bit.
 
-The spec (docs/invariance.md says it for a rollout engine to reproduce):
+The spec is ``spec`` (docs/invariance.md says it for a rollout engine to reproduce): the
+distribution's columns ``[0, V)`` cut into ``spec.TILE``-column tiles of global ids (a
+column ``>= V`` counts as a -inf logit); per tile, in the compute dtype, the capped
+logits (``spec.softcap``), the tile's max (``spec.tile_max``), ``d = max((y - m_j') * r,
+FLOOR)`` with ``r = 1 / tau`` (one division per row), ``e = spec.exp(d)`` and the
+``spec.tree`` sums of ``e`` and ``e * d`` (``eager_tiles``); the tiles, in global order,
+merged by ``spec.merge_tiles``; ``log p_t = (y_t - M) / tau - log S``, ``H = log S - A /
+S``. This module runs it: eagerly, compiled, or by the Triton backend.
 
-- the distribution's columns ``[0, V)`` (``vocab_size``) are cut into ``TILE``-column
-  tiles of global ids, ``ceil(V / TILE)`` of them; a column ``>= V`` of the last tile
-  (and of a padded vocabulary) counts as a -inf logit;
-- per tile ``j`` of a row, in the compute dtype: ``y = cap * tanh(x / cap)`` (or ``x``; the
-  spec's ``stats.tanh``, from its ``exp`` and correctly rounded divisions),
-  ``m_j = max y``, ``d = max((y - m_j') * r, FLOOR)`` with ``m_j' = m_j`` (0 where
-  ``m_j = -inf``) and ``r = 1 / tau`` (one division per row), ``e = exp(d)`` (the spec's
-  ``stats.exp``, not the backend's), and ``s_j``, ``a_j`` the ``tree`` sums of ``e`` and
-  ``e * d`` over the tile's ``TILE`` slots;
-- the tiles, in global order: ``M = max_j m_j``, ``delta_j = (m_j - M') / tau``,
-  ``S = tree(exp(delta_j) * s_j)``, ``A = tree(exp(delta_j) * (a_j + delta_j * s_j))``
-  (a tile with ``s_j = 0`` adding 0);
-- ``log p_t = (y_t - M) / tau - log S`` at the target's capped logit ``y_t``,
-  ``H = log S - A / S``.
-
-``tree`` sums the last dimension by pairwise halving: zero-padded to a power of two
-``w``, then ``x[:w/2] + x[w/2:]`` until one element is left. Every step is an
-elementwise operation, so the order is fixed whatever the backend's reduction kernels.
-
-Under TP a shard's statistics are per tile (``RowStats`` fields ``[T, n_local]``, written
-here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
-rank merges all of them (``stats.merge_tiles``); each shard must hold whole tiles
+Under TP a shard's statistics are per tile (``TileStats``, fields ``[T, n_local]``,
+written here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
+rank merges all of them (``spec.merge_tiles``); each shard must hold whole tiles
 (``check``). Without TP there is nothing to gather: a chunk of rows' tiles are merged as
-soon as they are computed (``merged_stats``), into ``[T]`` fields, so no ``[T, tiles]``
+soon as they are computed (``merged_stats``), into ``RowStats``, so no ``[T, tiles]``
 statistics exist. The kernels have compiled forms that give the eager bits: the same
 elementwise operations in the same order, the ``exp`` built from additions and
 multiplications, inductor's C++ with no contraction: ``row_kernel`` (a chunk's tiles and
@@ -45,12 +33,17 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
-from . import kernels
-from . import stats as _stats  # merge_tiles read at each call: tests plant another order
+from . import bits, kernels
+from . import spec as _spec  # merge_tiles read at each call: tests plant another order
+from . import stats as _stats
 from .backends import selection as backend
+from .gradient import RowGrad
 from .memory import buffer
 from .rows import At, chunked, gather, numbers, pieces, size
-from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
+from .shard import Shard
+from .softmax import Softmax, Tau, reciprocals, taus
+from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
+from .stats import RowStats, Stats, TileStats, write
 
 BLOCK_ROWS = 64
 """Rows of the hidden-state path's matmul tiles in invariant mode, always this many
@@ -80,10 +73,10 @@ def check(shard: Shard) -> None:
 
 def placeholders(
     shard: Shard, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
-) -> RowStats:
+) -> Stats:
     """The dense statistics of ``rows`` rows holding placeholders (rows whose pass is
     skipped: finite, the same on every shard): under TP per tile of the shard
-    (``tile_placeholders``), for the all-gather; without TP ``[T]`` fields
+    (``tile_placeholders``: ``TileStats``), for the all-gather; without TP ``RowStats``
     (``stats.placeholders``), which ``stats`` fills with each row's tiles already
     merged, so that no ``[T, tiles]`` statistics exist. A shard that does not hold
     whole tiles is refused (``check``)."""
@@ -95,11 +88,11 @@ def placeholders(
 
 def tile_placeholders(
     n: int, rows: int, k: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
-) -> RowStats:
+) -> TileStats:
     """Per-tile statistics ``[rows, n]`` holding ``(0, 1, ., 0)``."""
     # [n, rows] storage seen as [rows, n]: a tile's row of statistics is contiguous, as
     # the all-gather sends it (``stats.combine``)
-    return RowStats(
+    return TileStats(
         torch.zeros((n, rows), dtype=dtype, device=device).t(),
         torch.ones((n, rows), dtype=dtype, device=device).t(),
         torch.zeros((rows, k), dtype=dtype, device=device),
@@ -108,34 +101,23 @@ def tile_placeholders(
 
 
 def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``stats.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
+    """``spec.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
     backend of the tiles: the Triton kernel's where it computes (the same bits), else
     torch's. ``stats.combine``'s merger in invariant mode."""
     if isinstance(tau, Tensor) and backend.triton_for(m, invariant=True):
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return _stats.merge_tiles(m, s, a, tau)
+    return _spec.merge_tiles(m, s, a, tau)
 
 
-def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
+def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
-    spec's order (``stats.merge_tiles``); their picked logits added."""
-    write(out, at, *_stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+    spec's order (``spec.merge_tiles``); their picked logits added."""
+    write(out, at, *_spec.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
                                        tau))
     out.picked[at] += parts.picked
-
-
-def taus(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``tau`` as a ``[rows]`` tensor (the arguments make it one; a float divides the same)."""
-    return torch.full((rows,), tau, dtype=dtype, device=device) if isinstance(tau, float) else tau
-
-
-def reciprocal(tau: Tau, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``r = 1 / tau`` ``[rows]``, one IEEE division per row: the spec's per-element
-    temperature is a multiplication by it (a vector division costs as much as the exp)."""
-    return 1.0 / taus(tau, rows, dtype, device)
 
 
 @no_type_check
@@ -148,8 +130,7 @@ def tile_kernel(x, r):
     intermediate. The same elementwise operations in the same order as ``tree``."""
     y = x.to(r.dtype)
     y = y.view(y.shape[0], -1, TILE)
-    m = y.amax(-1)
-    m = torch.where(m == 0, 0.0, m)  # a zero max is +0, as in eager_tiles
+    m = tile_max(y)  # a zero max is +0, as in eager_tiles
     shift = torch.where(m == -math.inf, 0.0, m)[..., None]
     rr = r[:, None, None]
     es, des = [], []
@@ -158,18 +139,17 @@ def tile_kernel(x, r):
         e = exp(d)
         es.append(e)
         des.append(d * e)
-    s, a = _stats._halve(es), _stats._halve(des)
+    s, a = halve(es), halve(des)
     # [n, R]: each tile's row of statistics contiguous, as the placeholders hold them
-    return (m.t().contiguous(), _stats._halve(list(s.unbind(-1))).t().contiguous(),
-            _stats._halve(list(a.unbind(-1))).t().contiguous())
+    return (m.t().contiguous(), halve(list(s.unbind(-1))).t().contiguous(),
+            halve(list(a.unbind(-1))).t().contiguous())
 
 
 def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
     compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
     is +0: the max of +0 and -0 has no order-free sign)."""
-    m = y.amax(-1)
-    m = torch.where(m == 0, 0.0, m)
+    m = tile_max(y)
     shift = torch.where(m == -math.inf, 0.0, m)
     d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
     e = exp(d)
@@ -204,7 +184,7 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     """A compiled kernel's first result (per ``key``) against the eager one's, bit for
     bit: a difference warns once and turns invariant mode's compiled kernels off."""
     state = backend.selected
-    if not _stats._same(got, want):
+    if not bits.same(got, want):
         state.disagree = f"the compiled {name} differs from the eager one in some bit ({key})"
         warnings.warn(f"cpslice: invariant mode: {state.disagree}; using the eager kernels from now on",
                       RuntimeWarning, stacklevel=4)
@@ -213,7 +193,7 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     return True
 
 
-def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, first: int) -> bool:
+def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first: int) -> bool:
     """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
     ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
@@ -235,13 +215,13 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, fi
 
 
 def stats(
-    x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | Sequence[tuple[int, int]] | None,
+    x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | Sequence[tuple[int, int]] | None,
     chunk: int, first: int = 0,
 ) -> None:
     """Write the statistics of the ``rows`` of ``x`` (``[n, w]`` logits whose columns start
     local tile ``first``; the first ``valid`` are the distribution's) into ``out``: per
-    tile (fields ``[n, n_local]``: tiles ``first`` to ``first + tiles(w)``), or with
-    ``[T]`` fields (``placeholders`` without TP) each row's tiles merged
+    tile into ``TileStats`` (tiles ``first`` to ``first + tiles(w)``), or into
+    ``RowStats`` (``placeholders`` without TP) each row's tiles merged
     (``merged_stats``). ``rows`` as ``kernels.stats`` takes them (an ascending index,
     None: every row; runs ``[lo, hi)`` are read as the index of their rows). Per tile:
     the whole tiles of uncapped logits by the compiled ``tile_kernel`` where
@@ -254,30 +234,31 @@ def stats(
     if backend.triton_for(x, invariant=True):
         _triton_stats(x, softmax, valid, out, rows, first)
         return
-    if out.max.dim() == 1:
+    if isinstance(out, RowStats):
         assert first == 0, "merged statistics of a block of columns"
         merged_stats(x[:, :valid], softmax, out, rows, chunk)
         return
-    r = reciprocal(softmax.tau, x.shape[0], out.sum.dtype, x.device)
+    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
     whole = valid // TILE * TILE if softmax.cap is None else 0
     part = x[:, :whole]
     start = whole if whole and compiled_ok(part, rows) and _compiled_stats(part, rows, r, out, first) else 0
     _eager_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
 
 
-def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: RowStats, rows: Tensor | None, first: int) -> None:
+def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | None, first: int) -> None:
     """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
-    ``out``'s ``[T, n_local]`` fields, or each row's tiles merged into its ``[T]`` ones."""
+    ``TileStats``, or each row's tiles merged into ``RowStats``."""
     from .backends.triton import invariant as tri
 
     cdt = out.sum.dtype
-    if out.max.dim() == 2:
-        tri.tile_stats(x, rows, reciprocal(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
+    if isinstance(out, TileStats):
+        tri.tile_stats(x, rows, reciprocals(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
                        out.max, out.sum, out.ent, first)
         return
     assert first == 0, "merged statistics of a block of columns"
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    big, total, ent = tri.merged_stats(x, rows, 1.0 / tau, tau, softmax.cap, valid, out.ent is not None)
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
+    big, total, ent = tri.merged_stats(x, rows, r, tau, softmax.cap, valid, out.ent is not None)
     at = slice(None) if rows is None else rows
     write(out, at, big, total, ent)
 
@@ -286,12 +267,12 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     """Each row's ``(M, S, A)`` over all of ``x``'s columns (``[n, V]``, the distribution's),
     for the ``rows`` of ``x`` (None: all), into ``out``'s ``[T]`` fields: a chunk's tiles
     (the last one -inf padded) are merged as soon as they are computed
-    (``stats.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
+    (``spec.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
     logits by the compiled ``row_kernel`` where ``compiled_ok``, else eagerly
     (``eager_rows``) ``chunk`` rows at a time."""
     cdt = out.sum.dtype
     tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    r = 1.0 / tau
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
     if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
         return
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
@@ -326,7 +307,7 @@ def eager_rows(
     """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
     then ``merge_tiles``."""
     m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return _stats.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
+    return _spec.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
 @no_type_check
@@ -338,7 +319,7 @@ def row_kernel(x, r, tau):
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
     m, s, a = tile_kernel(x, r)
-    return _stats.merge_tiles(m, s, a, tau)
+    return _spec.merge_tiles(m, s, a, tau)
 
 
 def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
@@ -371,7 +352,7 @@ def stats_chunk_rows(width: int) -> int:
 
 
 def _eager_stats(
-    x: Tensor, cap: float | None, r: Tensor, valid: int, out: RowStats, rows: Tensor | None,
+    x: Tensor, cap: float | None, r: Tensor, valid: int, out: TileStats, rows: Tensor | None,
     chunk: int, first: int, start: int, n_tiles: int,
 ) -> None:
     """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
@@ -385,7 +366,7 @@ def _eager_stats(
 
 
 def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_local: int,
-              tau: Tau, with_entropy: bool) -> RowStats:
+              tau: Tau, with_entropy: bool) -> TileStats:
     """Per-tile statistics ``[rows, n_local]`` of a token set's elements (``[E]`` capped
     logits ``x`` at local columns ``col`` of rows ``row``, counting where ``member``): the
     dense tiles' arithmetic on each (row, tile) with members, every other column -inf,
@@ -397,24 +378,22 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
     y = torch.full((uniq.numel(), TILE), -math.inf, dtype=cdt, device=x.device)
     y[pair[member], col[member] % TILE] = x[member]
     first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
-    m, s, a = eager_tiles(y[:, None], reciprocal(tau, rows, cdt, x.device)[first_row], with_entropy)
-    out = RowStats(
-        torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device),
-        torch.zeros(flat + 1, dtype=cdt, device=x.device),
-        x.new_zeros((0,)),
-        torch.zeros(flat + 1, dtype=cdt, device=x.device) if with_entropy else None,
-    )
-    out.max[uniq], out.sum[uniq] = m[:, 0], s[:, 0]
-    if out.ent is not None and a is not None:
-        out.ent[uniq] = a[:, 0]
-    return RowStats(out.max[:flat].view(rows, n_local), out.sum[:flat].view(rows, n_local), out.picked,
-                    None if out.ent is None else out.ent[:flat].view(rows, n_local))
+    m, s, a = eager_tiles(y[:, None], reciprocals(tau, rows, cdt, x.device)[first_row], with_entropy)
+    # one slot per (row, tile), and one more that the non-members' key points at
+    big = torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device)
+    total = torch.zeros(flat + 1, dtype=cdt, device=x.device)
+    ent = torch.zeros(flat + 1, dtype=cdt, device=x.device) if with_entropy else None
+    big[uniq], total[uniq] = m[:, 0], s[:, 0]
+    if ent is not None and a is not None:
+        ent[uniq] = a[:, 0]
+    return TileStats(big[:flat].view(rows, n_local), total[:flat].view(rows, n_local), x.new_zeros((0,)),
+                     None if ent is None else ent[:flat].view(rows, n_local))
 
 
 @no_type_check
 def _values(x, r, m, log_s, a, b, cap=None, hot=None):
     """``p * (a * d + b)`` of ``x`` ``[R, w]`` widened to the compute dtype and capped
-    (``stats.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
+    (``spec.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
     clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``; ``hot``
     ``[R, w]`` added (None: nothing), and with a cap the whole times its derivative
     ``1 - t * t``."""
@@ -422,7 +401,7 @@ def _values(x, r, m, log_s, a, b, cap=None, hot=None):
     d = ((y - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
     value = exp(d) * (a[:, None] * d + b[:, None])
     value = value if hot is None else value + hot
-    return value if t is None else value * (1.0 - t * t)
+    return value if t is None else value * softcap_slope(t)
 
 
 @no_type_check
@@ -442,7 +421,7 @@ def grad(
     picked ids' entries (``picks``); any other entry is the kernel's, whichever shard
     holds the ids. ``work`` is ``kernels.grad``'s: invariant mode's kernels take no
     workspace."""
-    r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
+    r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     chunk = max(chunks.eager, chunks.compiled)
     if backend.triton_for(x, invariant=True):
@@ -490,14 +469,14 @@ def _compiled_grad(
     rows (as ``kernels``: a chunk whose rows are not consecutive gathered into a buffer,
     its gradient written back at its rows), its first call checked against the eager
     one; False if it failed to compile (auto) or disagreed. bfloat16 logits go two
-    columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``_pairs``);
+    columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``bits.pairs``);
     other logits narrower than the compute dtype are widened chunk by chunk into one
     buffer first (exactly). Either way the compiled loop runs on 32-bit lanes: one that
     reads bfloat16 runs at twice the lanes, where inductor builds the exp's ``2^n`` from
     its bits one element at a time (measured at T=4096, V=32768: the gradient 1.5x
     slower than with pairs)."""
     width = x.shape[1]
-    pairs = _stats._pairs(x) is not None and _stats._pairs(out) is not None
+    pairs = bits.pairs(x) is not None and bits.pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
     chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
     chunks, buf = chunked(x, rows, chunk)
@@ -509,7 +488,7 @@ def _compiled_grad(
         src, dst = gather(x, at, buf), out[at] if into is None or isinstance(at, slice) else into[:c]
         terms = (r[at], m[at], log_s[at], a[at], b[at])
         if pairs:
-            v, o = _stats._pairs(src), _stats._pairs(dst)
+            v, o = bits.pairs(src), bits.pairs(dst)
             assert v is not None and o is not None
             ok, _ = kernels._call(pairs_kernel, v, *terms, o)
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
@@ -532,9 +511,9 @@ def _compiled_grad(
 @no_type_check
 def pairs_kernel(v, r, m, log_s, a, b, out):
     """``grad_kernel`` of bfloat16 logits two columns at a time: ``v`` and ``out`` are
-    ``_pairs`` views. Each column is widened exactly (its bits in the high half),
+    ``bits.pairs`` views. Each column is widened exactly (its bits in the high half),
     ``_values`` computed, rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds (ties to
     even; a NaN the quiet NaN) and packed back: all lanes 32 bits wide."""
     even = _values((v << 16).view(torch.float32), r, m, log_s, a, b)
     odd = _values((v & -65536).view(torch.float32), r, m, log_s, a, b)
-    out.copy_(_stats._bfloat16_bits(odd) | ((_stats._bfloat16_bits(even) >> 16) & 0xFFFF))
+    out.copy_(bits.bfloat16_bits(odd) | ((bits.bfloat16_bits(even) >> 16) & 0xFFFF))

@@ -1,14 +1,14 @@
-"""The dense kernels over a tile of logits: statistics forward, gradient backward.
+"""The dense kernels over a block of logits: statistics forward, gradient backward.
 
-A tile ``x`` is ``[n, V]`` logits of any float dtype (a row chunk of the logits, a
-``[rows, V_block]`` matmul tile); the arithmetic runs in ``compute_dtype``. ``stats``
+A block ``x`` is ``[n, V]`` logits of any float dtype (a row chunk of the logits, a
+``[rows, V_block]`` matmul block); the arithmetic runs in ``compute_dtype``. ``stats``
 writes each row's ``m``, ``S`` and ``A`` into a ``stats.RowStats`` (the driver picks the
 logits at the picked ids, one gather);
 ``grad`` writes each row's gradient ``p * (a log p + b)`` plus the one-hot terms of its
-picked ids (``stats.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both take
+picked ids (``gradient.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both take
 the rows to compute as an index (``rows``, see ``_vocab.rows``; None: every row) and
 never read or write another row. Both always do their job: with the compiled kernels
-where the backend (``CPSLICE_BACKEND``) and the tile allow, else with the eager loop, chunk by chunk
+where the backend (``CPSLICE_BACKEND``) and the block allow, else with the eager loop, chunk by chunk
 (``Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
 
 The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
@@ -21,15 +21,15 @@ eager loop divides: within an ulp, and a vector division costs as much as the ex
 - ``chunk_grad(x, inv_tau, m, log_s, a, b, out)`` writes ``p * (a * log p + b)``, ``log p
   = (x - m) / tau - log_s`` clamped at ``FLOOR``. The picked ids' columns are not in the
   loop (a per-column compare costs a third of it): ``grad`` overwrites those entries
-  afterwards with ``stats.pick_grad``, also rounded once.
+  afterwards with ``gradient.pick_grad``, also rounded once.
 
 They run over the rows to compute with a *fixed* chunk shape: full chunks of ``C``
 of those rows, the tail as one more chunk of ``C`` rows ending at the last one
 (overlapping the previous chunk, whose rows it recomputes to the same values), and for
 fewer than ``C`` rows the largest power of two ``<=`` the rows in the same way. Every
-row: chunks of the tile. The rows of an index: their ``_at`` forms (``chunk_stats_at(x,
-at, inv_tau)``, ``chunk_grad_at(..., out)``) take the whole tile and a chunk's ``[C]``
-index, read those rows where they are and write their gradient rows there (the tile's
+row: chunks of the block. The rows of an index: their ``_at`` forms (``chunk_stats_at(x,
+at, inv_tau)``, ``chunk_grad_at(..., out)``) take the whole block and a chunk's ``[C]``
+index, read those rows where they are and write their gradient rows there (the block's
 rows a dynamic size), so the work is that of the rows, whatever the length of their
 runs (short responses between prompts), with no gathered copy. A new ``T`` therefore
 compiles nothing new; each (kernel, dtype, V, chunk rows, strides, device type) is
@@ -51,10 +51,26 @@ from torch import Tensor
 
 from .._types import compute_dtype
 from .backends import selection as backend
+from .gradient import RowGrad, pick_grad
 from .memory import buffer as buffer  # the gradient's buffer, read here by tests/vocabulary/test_kernels.py
 from .rows import At, count, gather, numbers, pieces, size
 from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
-from .stats import FLOOR, RowGrad, RowStats, Softmax, Tau, pick_grad
+from .softmax import (
+    Softmax,
+    capped_,
+    complement_slope,
+    divide_,
+    exp_capped,
+    exp_complement,
+    exp_constants,
+    from_complement,
+    reciprocal,
+    slope_,
+    tanh_,
+    times_cap,
+)
+from .spec import FLOOR
+from .stats import RowStats
 
 CHUNK_BYTES = 64 * 2**20
 CPU_CHUNK_BYTES = 8 * 2**20
@@ -72,7 +88,7 @@ so the size only trades per-call overhead (and, on a GPU, occupancy) against the
 redundant overlap of the tail chunk: on a GPU a chunk of a few hundred rows of a large
 vocabulary would leave most of the device idle (one row per program)."""
 AUTO_MIN_ELEMENTS = 2**22
-"""In ``auto``, the compiled kernels run only for tiles of at least this many elements
+"""In ``auto``, the compiled kernels run only for blocks of at least this many elements
 (about 16 MiB of float32 logits): below it the eager kernels cost little and a first
 compile (seconds) would not pay for itself."""
 def _itemsize(dtype: torch.dtype) -> int:
@@ -109,7 +125,7 @@ class Chunks(NamedTuple):
 
 def chunks_for(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: torch.device) -> Chunks:
     """``chunk_size`` rows for both when given, else ``default_chunk_rows`` and
-    ``compiled_chunk_rows`` of ``[*, vocab]`` tiles."""
+    ``compiled_chunk_rows`` of ``[*, vocab]`` blocks."""
     if chunk_size is not None:
         return Chunks(chunk_size, chunk_size)
     return Chunks(default_chunk_rows(vocab, dtype, device), compiled_chunk_rows(vocab, dtype, device))
@@ -117,7 +133,7 @@ def chunks_for(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: t
 
 class Workspace:
     """The eager loop's work buffers of the compute dtype (two; three with a cap), made on
-    first use at the largest size asked of them and reused for every chunk (and tile) of
+    first use at the largest size asked of them and reused for every chunk (and block) of
     one pass."""
 
     def __init__(self) -> None:
@@ -155,17 +171,17 @@ def chunk_grad(x, inv_tau, m, log_s, a, b, out):
     out.copy_(_grad_values(x, inv_tau, m, log_s, a, b).to(out.dtype))
 
 
-# The capped kernels compute cap * tanh(x / cap) as cap - 2 cap / (exp(2 x / cap) + 1): one
-# exp where a vectorized tanh costs three times as much on the CPU (measured: the capped
-# gradient kernel 3.9x the uncapped one with tanh), within cap * eps of it, the rounding
-# of a float32 logit of that size. The cap is monotone, so the capped row max is the
-# cap of the row max: no capped [n, V] copy to reduce over.
+# The capped kernels compute cap * tanh(x / cap) by one exp (``softmax.exp_capped``,
+# ``softmax.exp_complement``) where a vectorized tanh costs three times as much on the CPU
+# (measured: the capped gradient kernel 3.9x the uncapped one with tanh), within cap * eps
+# of it, the rounding of a float32 logit of that size. The cap is monotone, so the capped
+# row max is the cap of the row max: no capped [n, V] copy to reduce over.
 @no_type_check
 def chunk_stats_capped(x, inv_tau, cap, two_over_cap):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(cdt)
-    m = cap - 2 * cap / (torch.exp(xf.amax(1) * two_over_cap) + 1)
-    y = cap - 2 * cap / (torch.exp(xf * two_over_cap) + 1)
+    m = exp_capped(xf.amax(1), cap, two_over_cap)
+    y = exp_capped(xf, cap, two_over_cap)
     d = ((y - m[:, None]) * inv_tau).clamp(min=FLOOR)
     p = torch.exp(d)
     return m, p.sum(1), (p * d).sum(1)
@@ -174,11 +190,10 @@ def chunk_stats_capped(x, inv_tau, cap, two_over_cap):
 @no_type_check
 def _grad_values_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap):
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    s = 2 / (torch.exp(x.to(cdt) * two_over_cap) + 1)  # 1 - tanh(x / cap)
-    d = (((1 - s) * cap - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
+    s = exp_complement(x.to(cdt), two_over_cap)  # 1 - tanh(x / cap)
+    d = ((from_complement(s, cap) - m[:, None]) * inv_tau - log_s[:, None]).clamp(min=FLOOR)
     p = torch.exp(d)
-    # d(cap * tanh(x / cap)) / dx = 1 - tanh^2 = s (2 - s), exact where tanh is near 1
-    return p * (a[:, None] * d + b[:, None]) * (s * (2 - s))
+    return p * (a[:, None] * d + b[:, None]) * complement_slope(s)
 
 
 @no_type_check
@@ -186,8 +201,8 @@ def chunk_grad_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap, out):
     out.copy_(_grad_values_capped(x, inv_tau, m, log_s, a, b, cap, two_over_cap).to(out.dtype))
 
 
-# The same kernels of the rows ``at`` of a whole tile (an index of a fixed length, the
-# tile's rows a dynamic size): the compiled loop reads each row where it is (an indirect
+# The same kernels of the rows ``at`` of a whole block (an index of a fixed length, the
+# block's rows a dynamic size): the compiled loop reads each row where it is (an indirect
 # load) and writes its gradient there, with no gathered copy (measured on the CPU: as
 # fast as a chunk of consecutive rows, where a gather into a buffer first costs 1.3x).
 @no_type_check
@@ -211,9 +226,9 @@ def chunk_grad_capped_at(x, at, inv_tau, m, log_s, a, b, cap, two_over_cap, out)
 
 
 def use_compiled(x: Tensor, rows: Tensor | None = None) -> bool:
-    """Whether ``stats``/``grad`` run the compiled kernels on the ``rows`` of this tile
+    """Whether ``stats``/``grad`` run the compiled kernels on the ``rows`` of this block
     (None: all): always in mode ``1``; never in ``0``; in ``auto`` when no compile has
-    failed, the tile's rows are contiguous (a padded vocabulary's valid columns are a
+    failed, the block's rows are contiguous (a padded vocabulary's valid columns are a
     view of them) and its rows to compute hold at least ``AUTO_MIN_ELEMENTS`` elements."""
     mode = backend.compile_mode()
     n = count(rows, x.shape[0])
@@ -240,7 +255,7 @@ def _kernel(
     fn: Callable[..., Any], x: Tensor, per_row: bool, at: Tensor | None = None
 ) -> tuple[tuple[object, ...], Callable[..., Any]]:
     # a per-row temperature is another variant: its own code object, never a recompile;
-    # the rows of an index: the index's length fixed, the tile's rows any number
+    # the rows of an index: the index's length fixed, the block's rows any number
     rows = x.shape[0] if at is None else ("at", at.numel())
     state = backend.selected
     key = (fn.__name__, x.dtype, rows, x.shape[1], x.stride(), x.device.type, per_row, state.compiler)
@@ -265,8 +280,8 @@ def _call(
     fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object, at: Tensor | None = None
 ) -> tuple[bool, object]:
     """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape, or
-    (an ``_at`` kernel) on the rows ``at`` of the tile ``x``, its rows (and the gradient
-    tile's, among ``args``) marked dynamic; ``(False, None)`` if its first call (the
+    (an ``_at`` kernel) on the rows ``at`` of the block ``x``, its rows (and the gradient
+    block's, among ``args``) marked dynamic; ``(False, None)`` if its first call (the
     compilation) failed in ``auto``, which warns once and turns ``auto`` eager."""
     state = backend.selected
     key, compiled = _kernel(fn, x, inv_tau.dim() > 0, at)
@@ -304,10 +319,8 @@ def _call(
 
 def _inv_tau(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The inverse temperature as a kernel input: 0-d, or ``[T, 1]`` for one per row."""
-    tau = softmax.tau
-    if isinstance(tau, float):
-        return torch.full((), 1.0 / tau, dtype=dtype, device=device)
-    return (1.0 / tau.to(dtype))[:, None]
+    r = reciprocal(softmax.tau, dtype)
+    return torch.full((), r, dtype=dtype, device=device) if isinstance(r, float) else r[:, None]
 
 
 def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
@@ -315,7 +328,7 @@ def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple
     anew), if any."""
     if softmax.cap is None:
         return ()
-    return tuple(torch.full((), v, dtype=dtype, device=device) for v in (softmax.cap, 2.0 / softmax.cap))
+    return tuple(torch.full((), v, dtype=dtype, device=device) for v in exp_constants(softmax.cap))
 
 
 
@@ -342,15 +355,6 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int
     return True
 
 
-def _divide(d: Tensor, tau: Tau, at: At) -> None:
-    """``d /= tau`` of the rows ``at`` (in place; nothing for a temperature of 1)."""
-    if isinstance(tau, float):
-        if tau != 1.0:
-            d.div_(tau)
-    else:
-        d.div_(tau[at][:, None])
-
-
 def _eager_stats(
     x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
 ) -> None:
@@ -368,13 +372,13 @@ def _eager_stats(
         if softmax.cap is not None:
             # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
             # (bfloat16: 2e-2 off) and only then widens
-            y = (y if y is buf else buf.copy_(y)).div_(softmax.cap).tanh_().mul_(softmax.cap)
+            y = capped_(y if y is buf else buf.copy_(y), softmax.cap)
         top = y.amax(1).to(m.dtype)
         m[at] = top
         # A row all -inf contributes S = 0 (and A = 0), not NaN.
         shift = torch.where(top == -math.inf, 0.0, top)
         d = torch.sub(y, shift[:, None], out=buf)
-        _divide(d, softmax.tau, at)
+        divide_(d, softmax.tau, at)
         if a is not None:
             d.clamp_(min=FLOOR)
         p = torch.exp(d, out=expd)
@@ -393,10 +397,10 @@ def stats(
     work: Workspace | None = None,
 ) -> None:
     """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the ``rows`` of the
-    tile ``x`` (an ascending int64 index on its device, ``_vocab.rows``; None: every
+    block ``x`` (an ascending int64 index on its device, ``_vocab.rows``; None: every
     row) into ``out`` (``[n]`` fields of the compute dtype; the other rows are neither
     read nor written, e.g. ``stats.placeholders``), of the logits as ``softmax`` reads
-    them (capped, then tempered; the max is the capped logits'). A tile of no columns
+    them (capped, then tempered; the max is the capped logits'). A block of no columns
     (a shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled
     kernels run on full chunks of the selected rows, whatever their runs."""
     if backend.triton_for(x):
@@ -431,7 +435,7 @@ def _compiled_grad(
             return False
         if row.hot is not None:
             # the picked entries chunk by chunk: the [rows, k] temporaries of a whole
-            # tile (the repeated ids' dedup above all) would add ~10 % to the peak of
+            # block (the repeated ids' dedup above all) would add ~10 % to the peak of
             # bf16 logits at k = 64
             rows_s = row.rows(at)
             at_rows = numbers(at, x.device)[:, None].expand_as(rows_s.column)
@@ -457,9 +461,9 @@ def _eager_grad(
             d = torch.sub(gather(x, at, buf), m[:, None], out=buf)
         else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
             y = gather(x, at, bufs[2])
-            t = (y if y is bufs[2] else bufs[2].copy_(y)).div_(softmax.cap).tanh_()  # in cdt, as in stats
-            d = torch.mul(t, softmax.cap, out=buf).sub_(m[:, None])
-        _divide(d, softmax.tau, at)
+            t = tanh_(y if y is bufs[2] else bufs[2].copy_(y), softmax.cap)  # in cdt, as in stats
+            d = times_cap(t, softmax.cap, out=buf).sub_(m[:, None])
+        divide_(d, softmax.tau, at)
         d.sub_(log_s[at][:, None])
         if row.a is not None:
             d.clamp_(min=FLOOR)
@@ -474,7 +478,7 @@ def _eager_grad(
         if row.hot is not None:
             target.scatter_add_(1, row.column[at], row.hot[at].to(target.dtype))
         if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
-            target.mul_(t.mul_(t).neg_().add_(1.0))
+            target.mul_(slope_(t))
         if isinstance(at, slice) and not direct:
             out[at].copy_(p)
         elif not isinstance(at, slice):
@@ -494,7 +498,7 @@ def grad(
     work: Workspace | None = None,
     compiled: bool = True,
 ) -> None:
-    """Write the gradient w.r.t. the raw logits of the ``rows`` of the tile ``x`` (as
+    """Write the gradient w.r.t. the raw logits of the ``rows`` of the block ``x`` (as
     ``stats`` takes them; None: every row) into ``out`` (``[n, V]`` with contiguous
     rows, its dtype; the other rows are neither read nor written): ``p * (a log p +
     b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``,

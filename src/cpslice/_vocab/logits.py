@@ -28,12 +28,13 @@ from .._types import (
     compute_dtype,
 )
 from . import args, invariant, kernels, topk
-from .engine import Options, Saved, Sets, finish, row_terms, tile_count
+from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .rows import gather, index_of, pieces
-from .sparse import element_grad, elements, scatter_grad, set_stats
-from .stats import RowStats, Shard, placeholders, shard_of
-from .support import SupportArg
+from .set_elements import element_grad, elements, scatter_grad, set_stats
+from .shard import Shard, shard_of
+from .stats import Stats, placeholders
+from .token_sets import SupportArg
 
 
 def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
@@ -65,7 +66,7 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
 
 def _dense(
     logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, rows: Tensor | None, k: int
-) -> RowStats:
+) -> Stats:
     """This shard's dense statistics of the ``rows`` (an ascending index, None: all;
     placeholders elsewhere) over the distribution's columns only (a padded vocabulary's
     rows are no ids of it), with room for ``k`` picked logits: ``[T]`` fields, or per
@@ -76,9 +77,9 @@ def _dense(
         dense = placeholders(total, k, cdt, logits.device, options.with_entropy)
         kernels.stats(logits[:, : shard.valid], options.softmax, dense, chunks=chunks, rows=rows)
         return dense
-    dense = invariant.placeholders(shard, total, k, cdt, logits.device, options.with_entropy)
-    invariant.stats(logits, options.softmax, shard.valid, dense, rows, chunks.eager)
-    return dense
+    stats = invariant.placeholders(shard, total, k, cdt, logits.device, options.with_entropy)
+    invariant.stats(logits, options.softmax, shard.valid, stats, rows, chunks.eager)
+    return stats
 
 
 def backward(
@@ -120,7 +121,7 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     dense = _dense(logits, shard, options._replace(with_entropy=False), chunks, index, 0)
     width = min(k, vocab)
     if index is None and not options.invariant:
-        local = topk.of_tile(x, shard.offset, k, cdt, width=width)
+        local = topk.of_columns(x, shard.offset, k, cdt, width=width)
     else:  # the rows to compute only; the others' candidates are -inf, never read
         local = topk.Candidates(torch.full((rows, width), -math.inf, dtype=cdt, device=logits.device),
                                 torch.full((rows, width), shard.total, dtype=torch.int64, device=logits.device))
@@ -128,7 +129,7 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
             part = gather(x, at, None)
             local.values[at], local.ids[at] = (
                 topk.exact(part, shard.offset, k, cdt, width, shard.total) if options.invariant
-                else topk.of_tile(part, shard.offset, k, cdt, width=width)
+                else topk.of_columns(part, shard.offset, k, cdt, width=width)
             )
     log_p, ids, totals = topk.choose(dense, local, k, shard, options.softmax, tile_count(shard, options))
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, options.rows)

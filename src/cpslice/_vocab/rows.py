@@ -1,5 +1,5 @@
 """The rows a pass computes, as every kernel entry point takes them: ``rows``, an int64
-index tensor of the tile's local rows, ascending and without repeats, on the tile's
+index tensor of the block's local rows, ascending and without repeats, on the block's
 device (None: every row). A kernel reads only those rows and writes only theirs, so
 its work is proportional to their number whatever their runs, and a row outside them
 (a prompt or padding row, whatever its logits) is never read: its statistics keep
@@ -10,7 +10,7 @@ fixed number of its rows where they are (``kernels.chunk_stats_at``, an indirect
 in the fused loop; a Triton kernel would take one program per row). The eager loop
 and invariant mode's compiled kernels walk the rows in pieces (``pieces``,
 ``chunked``): a piece whose rows are consecutive (every row, or a run of a CPU index)
-is a slice, a view of the tile; any other is its index, whose rows are gathered into a
+is a slice, a view of the block; any other is its index, whose rows are gathered into a
 contiguous buffer (``gather``) and their results written back at the index. A device
 index is never read on the host.
 """

@@ -1,8 +1,8 @@
 """The teacher's side of distillation: each row's ``k`` most likely ids over the whole
 (tensor-parallel) vocabulary, and their log-probs.
 
-A driver reduces each of its tiles to the tile's ``k`` largest logits and their global
-ids (``of_tile``), keeping a running best over its vocabulary blocks (``merge``);
+A driver reduces each of its blocks to the block's ``k`` largest logits and their global
+ids (``of_columns``), keeping a running best over its vocabulary blocks (``merge``);
 ``choose`` sends every shard's candidates with its row statistics in the one all-gather
 (``stats.combine``) and takes the best ``k`` of all shards' candidates. Their log-probs
 are ``(x - M) / tau - log S`` as for any picked ids, so the gradient is that of
@@ -18,8 +18,11 @@ import torch
 from torch import Tensor
 
 from .._errors import LayoutError
+from . import spec
 from .invariant import merge_tiles
-from .stats import RowStats, Shard, Softmax, Totals, combine, per_row
+from .shard import Shard
+from .softmax import Softmax, per_row
+from .stats import Stats, Totals, combine
 
 EXACT_FLOAT32_IDS = 2**24
 """Candidate ids travel as floats with the statistics (one all-gather): float32 holds
@@ -34,8 +37,8 @@ class Candidates(NamedTuple):
     ids: Tensor
 
 
-def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) -> Candidates:
-    """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` tile ``x`` whose column
+def of_columns(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) -> Candidates:
+    """The ``min(k, V)`` largest logits of each row of the ``[n, V]`` block ``x`` whose column
     0 is global id ``first_id``, padded with -inf candidates to ``width`` (every shard
     sends as many, one of padded ids only too)."""
     values, columns = torch.topk(x, min(k, x.shape[1]), dim=1)
@@ -47,11 +50,11 @@ def of_tile(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int) ->
 
 
 def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_id: int) -> Candidates:
-    """``of_tile`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
-    broken by the smaller id (NaN counted as the largest), so the ids are a function of
-    the row's values alone; padded to ``width`` with ``(-inf, pad_id)``, an id past every
-    real one, so that a tie at -inf never picks a pad (a ``width`` below ``min(k, V)``
-    pads nothing)."""
+    """``of_columns`` in invariant mode: the ``min(k, V)`` largest logits of each row, ties
+    broken by the smaller id (NaN counted as the largest: ``spec.largest``, then
+    ``spec.best``), so the ids are a function of the row's values alone; padded to
+    ``width`` with ``(-inf, pad_id)``, an id past every real one, so that a tie at -inf
+    never picks a pad (a ``width`` below ``min(k, V)`` pads nothing)."""
     rows, vocab = x.shape
     kk = min(k, vocab)
     width = max(width, kk)
@@ -60,10 +63,7 @@ def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_
     if kk == 0 or rows == 0:
         return Candidates(values, ids)
     y = x.to(dtype).nan_to_num(nan=math.inf)
-    kth = torch.topk(y, kk, dim=1).values[:, -1:]
-    tie = y == kth
-    take = (y > kth) | (tie & (tie.cumsum(1) <= kk - (y > kth).sum(1, keepdim=True)))
-    columns = take.nonzero()[:, 1].view(rows, kk)
+    columns = spec.largest(y, kk)
     chosen = best(Candidates(y.gather(1, columns), columns), kk)
     values[:, :kk] = x.gather(1, chosen.ids).to(dtype)
     ids[:, :kk] = chosen.ids + first_id
@@ -71,12 +71,9 @@ def exact(x: Tensor, first_id: int, k: int, dtype: torch.dtype, width: int, pad_
 
 
 def best(c: Candidates, k: int) -> Candidates:
-    """The first ``k`` of ``c`` by value, descending, ties by the smaller id (a stable sort
-    by id, then a stable sort by value): invariant mode's choice among candidates."""
-    by_id = torch.sort(c.ids, dim=1, stable=True).indices
-    values, ids = c.values.gather(1, by_id), c.ids.gather(1, by_id)
-    order = torch.sort(values.nan_to_num(nan=math.inf), dim=1, descending=True, stable=True).indices[:, :k]
-    return Candidates(values.gather(1, order), ids.gather(1, order))
+    """The first ``k`` of ``c`` by value, descending, ties by the smaller id
+    (``spec.best``): invariant mode's choice among candidates."""
+    return Candidates(*spec.best(c.values, c.ids, k))
 
 
 def merge(a: Candidates, b: Candidates, k: int, invariant: bool = False) -> Candidates:
@@ -105,7 +102,7 @@ def check_k(k: int, vocab_total: int, dtype: torch.dtype) -> None:
 
 
 def choose(
-    dense: RowStats, local: Candidates, k: int, shard: Shard, softmax: Softmax, tiles: int | None = None
+    dense: Stats, local: Candidates, k: int, shard: Shard, softmax: Softmax, tiles: int | None = None
 ) -> tuple[Tensor, Tensor, Totals]:
     """``([T, k] log-probs, [T, k] ids, Totals)``: the best ``k`` of every shard's candidates
     (raw logits: the cap is monotone), descending, after one all-gather of this shard's

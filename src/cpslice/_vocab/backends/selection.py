@@ -105,7 +105,7 @@ def using(
 
 
 def triton_for(x: Tensor, invariant: bool = False) -> bool:
-    """Whether the Triton kernels compute on the tile ``x``: with ``triton`` selected for
+    """Whether the Triton kernels compute on the block ``x``: with ``triton`` selected for
     every tensor of a dtype they take (a CUDA tensor, or a CPU tensor under the
     interpreter), with ``auto`` for a CUDA one of such a dtype when Triton imports.
     Invariant mode's kernels take float32 and bfloat16 (``INVARIANT_DTYPES``): float16

@@ -7,7 +7,7 @@ keeps the online ``(m, S, A)`` of ``stats.RowStats`` (``d = (y - m) / tau`` clam
 (A + delta S)``, as ``stats.merge`` merges parts). ``grad`` is the same grid: each logit
 read once, ``p * (a log p + b)`` (times the cap's derivative) computed in float32 and
 written once in the gradient's dtype (one rounding). The picked ids' one-hot terms are
-not in the loop: the caller overwrites those few entries (``stats.pick_grad``), as the
+not in the loop: the caller overwrites those few entries (``gradient.pick_grad``), as the
 compiled kernels' caller does.
 
 The soft cap is ``cap - 2 cap / (exp(2 x / cap) + 1)``, as in the compiled kernels (one
@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...stats import FLOOR as _FLOOR
-from ...stats import RowGrad, RowStats, Softmax, pick_grad
+from ...gradient import RowGrad, pick_grad
+from ...softmax import Softmax, exp_constants, reciprocal
+from ...spec import FLOOR as _FLOOR
+from ...stats import RowStats
 from . import count
 
 STATS_BLOCK = 8192
@@ -38,7 +40,7 @@ GRAD_BLOCK = 8192
 GRAD_WARPS = 4
 GRAD_STAGES = 1
 FLOOR = tl.constexpr(_FLOOR)
-"""``stats.FLOOR`` as a constant the kernels can read."""
+"""``spec.FLOOR`` as a constant the kernels can read."""
 INTERPRETED_BLOCK = 256
 """Columns per iteration under the interpreter: numpy handles any width, and small blocks
 exercise the online merge across blocks in small tests."""
@@ -154,13 +156,14 @@ def _config(block: int, warps: int, stages: int) -> dict[str, int]:
 def _temperature(tau: float | Tensor, x: Tensor) -> tuple[Tensor, float, bool]:
     """``(r_ptr, r_scalar, per_row)``: ``1 / tau`` one per row (a float32 ``[T]`` tensor),
     or a number."""
-    if isinstance(tau, float):
-        return x.new_empty((1,), dtype=torch.float32), 1.0 / tau, False
-    return (1.0 / tau.to(torch.float32)).contiguous(), 1.0, True
+    r = reciprocal(tau, torch.float32)
+    if isinstance(r, float):
+        return x.new_empty((1,), dtype=torch.float32), r, False
+    return r.contiguous(), 1.0, True
 
 
 def _cap(cap: float | None) -> tuple[float, float]:
-    return (1.0, 2.0) if cap is None else (cap, 2.0 / cap)
+    return (1.0, 2.0) if cap is None else exp_constants(cap)
 
 
 def stats(
@@ -170,7 +173,7 @@ def stats(
     """Write ``m``, ``S`` and (``a`` not None) ``A`` of the rows ``rows`` (an int64 index;
     None: every row) of ``x`` ``[T, V]`` (columns contiguous) into the float32 ``[T]``
     fields ``m``, ``s``, ``a`` at those rows; the other rows are left as they are. A row
-    all -inf (or a tile of no columns) gets ``(-inf, 0, 0)``."""
+    all -inf (or a block of no columns) gets ``(-inf, 0, 0)``."""
     assert x.stride(-1) == 1 or x.shape[1] <= 1, "the kernels read contiguous columns"
     assert m.dtype == torch.float32, "float32 statistics (float64 logits take another backend)"
     grid, index = _launch(rows, x.shape[0])

@@ -1,6 +1,6 @@
 """Invariant mode (docs/invariance.md) in hand-written Triton: the spec's bits, the eager
-kernels' (``invariant``, ``stats.exp``, ``stats.tree``, ``stats.merge_tiles``,
-``stats.softcap``) on every device.
+kernels' (``invariant``; ``spec.exp``, ``spec.tree``, ``spec.merge_tiles``,
+``spec.softcap``) on every device.
 
 What makes a Triton kernel give the spec's bits:
 
@@ -19,8 +19,8 @@ What makes a Triton kernel give the spec's bits:
   the high half of a float32: the interpreter's own conversion gets subnormals wrong),
   and a bfloat16 gradient rounded once from float32 by the float's bits (to nearest,
   ties to even, a NaN the quiet NaN), as ``.to(torch.bfloat16)`` rounds;
-- a tile's zero max is +0 (``invariant.eager_tiles``), whatever order the max took;
-- what stays in torch: ``r = 1 / tau`` (one division per row, ``invariant.reciprocal``),
+- a tile's zero max is +0 (``spec.tile_max``), whatever order the max took;
+- what stays in torch: ``r = 1 / tau`` (one division per row, ``softmax.reciprocals``),
   the per-row ``log S`` and the picked ids' one-hot entries (``invariant.picks``).
 
 Through Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported:
@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...stats import _EXP, FLOOR, LOG2E, TILE
+from ...spec import EXP, FLOOR, LOG2E, TILE
 from . import count
 
-_F32 = _EXP[torch.float32]
+_F32 = EXP[torch.float32]
 assert _F32.degree == 7 and TILE == 128, "the kernels spell out the float32 spec"
 _LOG2E = tl.constexpr(LOG2E)
 _LN2_HI = tl.constexpr(_F32.ln2_hi)
@@ -54,7 +54,7 @@ _FLOOR = tl.constexpr(FLOOR)
 _NEG_INF = tl.constexpr(float("-inf"))
 _TILE = tl.constexpr(TILE)
 _LOG_TILE = tl.constexpr(TILE.bit_length() - 1)
-_NAN_BITS = tl.constexpr(0x7FC00000)  # invariant.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
+_NAN_BITS = tl.constexpr(0x7FC00000)  # bits.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
 SCRATCH_BYTES = 16 * 2**20
 """``merged_stats``' per-tile scratch (``m``, ``s``, ``a`` of a chunk of rows) within these
 bytes."""
@@ -69,7 +69,7 @@ MERGE_BLOCK = 2048
 @triton.jit
 @no_type_check
 def _exp(d):
-    """``stats.exp`` of float32 ``d <= 0``, operation for operation."""
+    """``spec.exp`` of float32 ``d <= 0``, operation for operation."""
     n = tl.floor(d * _LOG2E + 0.5)
     r = (d - n * _LN2_HI) - n * _LN2_LO
     p = r * _C7 + _C6
@@ -86,7 +86,7 @@ def _exp(d):
 @triton.jit
 @no_type_check
 def _tree(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
-    """``stats.tree`` of each row of ``x`` ``[ROWS, W]`` (``W = 2^LOG_W``): ``x[:, :h] +
+    """``spec.tree`` of each row of ``x`` ``[ROWS, W]`` (``W = 2^LOG_W``): ``x[:, :h] +
     x[:, h:]`` for ``h = W / 2``, ..., 1; ``[ROWS]``."""
     for k in tl.static_range(LOG_W):
         lo, hi = tl.split(tl.permute(tl.reshape(x, [ROWS, 2, W >> (k + 1)]), [0, 2, 1]))
@@ -121,7 +121,7 @@ def _pad(y, inside):
 @triton.jit
 @no_type_check
 def _softcap(x, c):
-    """``stats.softcap``: ``(t * c, t)``, ``t = copysign((1 - e) / (1 + e), z)``, ``e =
+    """``spec.softcap``: ``(t * c, t)``, ``t = copysign((1 - e) / (1 + e), z)``, ``e =
     exp(-2 |z|)``, ``z = x / c``, the divisions correctly rounded."""
     z = tl.math.div_rn(x, c)
     e = _exp(tl.abs(z) * -2.0)
@@ -195,7 +195,7 @@ def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_
                    width, cap, X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK: tl.constexpr):
     """``invariant._values`` of ``BLOCK`` columns of row ``rows[i]``, rounded once to the
-    output's dtype (bfloat16: its bits, as ``invariant._bfloat16_bits`` rounds)."""
+    output's dtype (bfloat16: its bits, as ``bits.bfloat16_bits`` rounds)."""
     row = tl.load(rows_ptr + tl.program_id(0))
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < width
@@ -279,10 +279,10 @@ def _tiles(x: Tensor, index: Tensor, dest: Tensor, r: Tensor, cap: float | None,
 
 
 def merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``stats.merge_tiles`` of ``R`` rows' tiles: ``m``, ``s``, ``a`` ``[R, n]`` float32 (any
+    """``spec.merge_tiles`` of ``R`` rows' tiles: ``m``, ``s``, ``a`` ``[R, n]`` float32 (any
     strides; tiles in global order; ``a`` None: no entropy), ``tau`` ``[R]`` float32;
     ``(M, S, A)`` ``[R]`` (``A`` None without ``a``). The tiles are padded to the next power
-    of two (``-inf``, 0, 0), as ``stats.tree`` pads their terms with zeros."""
+    of two (``-inf``, 0, 0), as ``spec.tree`` pads their terms with zeros."""
     for name, t in (("m", m), ("s", s), ("a", a), ("tau", tau)):
         if t is not None:
             _f32(name, t)

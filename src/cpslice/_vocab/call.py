@@ -1,9 +1,9 @@
-"""What every vocabulary driver shares around its tiles: a call's settings, the one
+"""What every vocabulary driver shares around its blocks: a call's settings, the one
 all-gather and the choice of each row's result (forward), the state saved for backward,
 and the per-row gradient terms (backward).
 
-A driver (``logits``, ``hidden``) computes this shard's dense ``RowStats`` its own way
-and, with a support, the sets' (``sparse``); ``finish`` turns them into the results and
+A driver (``logits``, ``hidden``) computes this shard's dense statistics (``Stats``) its own way
+and, with a support, the sets' (``set_elements``); ``finish`` turns them into the results and
 the ``Saved`` record its backward reads; ``row_terms`` turns the upstream gradients and
 that record into the ``RowGrad`` its kernels apply, and the sets' share of them.
 """
@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .gradient import RowGrad, row_grad
 from .invariant import merge_tiles, tiles
-from .sparse import Elements, Restricted, Split, split
-from .stats import RowGrad, RowStats, Shard, Softmax, Tau, combine, row_grad
-from .support import Support
+from .set_elements import Elements, Restricted, Split, split
+from .shard import Shard
+from .softmax import Softmax, Tau
+from .stats import Stats, combine
+from .token_sets import Support
 
 
 class Options(NamedTuple):
@@ -60,11 +63,11 @@ class Options(NamedTuple):
 
 class Sets(NamedTuple):
     """A driver's sets on this shard: the elements, their ``[E]`` logits (compute dtype)
-    and their restricted ``RowStats``."""
+    and their restricted statistics."""
 
     elements: Elements
     logits: Tensor
-    stats: RowStats
+    stats: Stats
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def tile_count(shard: Shard, options: Options) -> int | None:
 
 
 def finish(
-    dense: RowStats,
+    dense: Stats,
     sets: Sets | None,
     ids: Tensor,
     shard: Shard,

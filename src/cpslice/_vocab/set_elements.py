@@ -6,7 +6,7 @@ request, its entropy) under ``softmax(logits / tau)`` restricted to ``U_t = S_t 
 read at the set's ids (one gather, or a dot product per element from hidden states),
 never masked or copied. The elements of the ``U_t`` are the ``K`` set ids plus one
 *candidate* per row, the target, which counts only where it is not already in ``S_t``.
-Their statistics are ``stats.RowStats`` like any tile's and combine across TP shards in
+Their statistics are ``stats.RowStats`` like any block's and combine across TP shards in
 the same all-gather. With ``q`` the restricted distribution, ``H_u`` its entropy and
 ``log q_t`` the target's log-prob, the gradient w.r.t. a logit ``x_j`` of ``U_t`` is
 
@@ -23,8 +23,11 @@ import torch
 from torch import Tensor
 
 from . import invariant
-from .stats import FLOOR, RowStats, Shard, Softmax, Tau, Totals, placeholders, rows_of
-from .support import Support, host_offsets
+from .shard import Shard
+from .softmax import Softmax, Tau, rows_of, slope_of_capped
+from .spec import FLOOR
+from .stats import RowStats, Stats, Totals, placeholders
+from .token_sets import Support, host_offsets
 
 _I64 = torch.int64
 
@@ -81,12 +84,12 @@ def elements(support: Support, targets: Tensor, shard: Shard, keep: Tensor | Non
 
 def set_stats(
     x: Tensor, el: Elements, picked: Tensor, tau: Tau, with_entropy: bool, tiles: int | None = None
-) -> RowStats:
+) -> Stats:
     """This shard's restricted statistics from the ``[E]`` logits ``x`` of the elements
     (compute dtype, as the softmax reads them: capped), ``picked`` ``[T, 1]`` the dense
     statistics' target logits. Rows
     without a set get ``stats.placeholders``, the same on every shard. With ``tiles``
-    (invariant mode: the shard's tiles) per tile, by ``invariant.set_stats``."""
+    (invariant mode: the shard's tiles) ``TileStats``, by ``invariant.set_stats``."""
     rows = picked.shape[0]
     if tiles is not None:
         return invariant.set_stats(x, el.row, el.col, el.member, rows, tiles, tau, with_entropy)
@@ -180,7 +183,7 @@ def element_grad(
         coef = -torch.exp(log_q) * glp
     coef = torch.where(el.is_target, coef + glp, coef) / tau
     if softmax.cap is not None:  # x = cap * tanh(raw / cap)
-        coef = coef * (1 - torch.square(x / softmax.cap))
+        coef = coef * slope_of_capped(x, softmax.cap)
     return torch.where(el.member, coef, 0.0)
 
 

@@ -1,0 +1,257 @@
+"""The matmul blocks of the hidden-state driver (``hidden``): ``[rows, V_block]`` blocks of
+``hidden @ weight.T`` (``Blocks``), the pieces the support elements are multiplied out in,
+and the forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks
+merged as TP shards merge. The backward (``hidden.backward``) walks the same blocks.
+(A "tile" is invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
+``invariant.BLOCK_TILES`` of them.)
+"""
+
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._types import HeadWeight, Hidden
+from . import invariant, kernels, topk
+from .call import Options
+from .gradient import RowGrad
+from .invariant import BLOCK_ROWS, BLOCK_TILES
+from .rows import At, gather, pieces, size
+from .set_elements import Elements
+from .shard import Shard
+from .softmax import Softmax
+from .spec import TILE
+from .stats import Parts, RowStats, Stats, merge
+
+MIN_BLOCK_ROWS = 2048
+"""Blocks span at least this many rows (all rows if fewer): see ``Blocks``."""
+ELEMENT_BYTES = 16 * 2**20
+"""Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
+
+
+def spans(size: int, block: int) -> list[tuple[int, int]]:
+    """``[0, size)`` in spans ``[s, e)`` of ``block`` (the last one shorter)."""
+    return [(s, min(s + block, size)) for s in range(0, size, block)]
+
+
+class Blocks(NamedTuple):
+    """The ``[rows, columns]`` matmul blocks of both passes: half as many elements as one
+    chunk of ``chunk`` rows (``chunk * V_local``; a backward block holds its logits, its
+    gradient and the eager kernels' two work buffers) over at least ``MIN_BLOCK_ROWS`` rows
+    (all of them if fewer), so that a block's weight gradient sums many rows in one
+    matmul."""
+
+    rows: int
+    columns: int
+
+    @classmethod
+    def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Blocks":
+        """The blocks of ``rows`` rows of a ``vocab``-column shard; ``fixed`` (invariant
+        mode): always ``BLOCK_ROWS x BLOCK_TILES * TILE``, whatever the rows (``logits``
+        pads a smaller one)."""
+        if fixed:
+            return cls(BLOCK_ROWS, BLOCK_TILES * TILE)
+        block_rows = max(1, min(rows, max(chunk, MIN_BLOCK_ROWS)))
+        return cls(block_rows, max(1, min(vocab, chunk * vocab // (2 * block_rows))))
+
+    def logits(self, hidden: Tensor, weight: Tensor, fixed: bool) -> Tensor:
+        """``hidden @ weight.T`` of one block (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
+        by a matmul of exactly this block's shape, zero rows padding both (a BLAS picks
+        its kernel by shape, and a row's bits with it)."""
+        if not fixed:
+            return torch.mm(hidden, weight.t())
+        n, v = hidden.shape[0], weight.shape[0]
+        if n < self.rows:
+            hidden = torch.cat([hidden, hidden.new_zeros((self.rows - n, hidden.shape[1]))])
+        if v < self.columns:
+            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
+        return torch.mm(hidden, weight.t())[:n, :v]
+
+    def product(self, grad: Tensor, weight: Tensor, fixed: bool) -> Tensor:
+        """``grad @ weight`` of one block (``[n, v]`` logit gradients, ``[v, H]`` columns),
+        ``[n, H]``; ``fixed``: by a matmul of the block's shape, as ``logits``."""
+        if not fixed:
+            return torch.mm(grad, weight)
+        n, v = grad.shape
+        padded = grad.new_zeros((self.rows, self.columns))
+        padded[:n, :v] = grad
+        if v < self.columns:
+            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
+        return torch.mm(padded, weight)[:n]
+
+    def blocks(self, vocab: int) -> list[tuple[int, int]]:
+        """The vocabulary blocks ``[v0, v1)``."""
+        return spans(vocab, self.columns)
+
+    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
+        """The kernels' chunks on one block of ``rows`` rows: the whole block at once
+        eagerly, the compiled kernels' rows for its width."""
+        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
+
+
+def element_rows(width: int) -> int:
+    """Support elements per piece: one float32 ``[n, width]`` product within
+    ``ELEMENT_BYTES``."""
+    return max(1, ELEMENT_BYTES // (4 * max(width, 1)))
+
+
+def element_logits(hidden: Tensor, weight: Tensor, el: Elements, cdt: torch.dtype) -> Tensor:
+    """``[E]``: the logit of each support element, ``hidden[row] . weight[col]``, rounded
+    to the inputs' dtype as the materialized head's logits are; ``[n, H]`` pieces."""
+    x = torch.empty(el.row.numel(), dtype=cdt, device=hidden.device)
+    for s, e in spans(el.row.numel(), element_rows(hidden.shape[1])):
+        prod = hidden[el.row[s:e]].to(cdt) * weight[el.col[s:e]].to(cdt)
+        x[s:e] = prod.sum(1).to(hidden.dtype).to(cdt)
+    return x
+
+
+def in_block(row: RowGrad, held: Tensor, v0: int, v1: int) -> RowGrad:
+    """``row`` on the block's columns ``[v0, v1)``: the picked ids held there, by their column
+    in the block."""
+    inside = held & (row.column >= v0) & (row.column < v1)
+    hot = None if row.hot is None else torch.where(inside, row.hot, 0.0)
+    return row._replace(hot=hot, column=torch.where(inside, row.column - v0, 0))
+
+
+class _Pass(NamedTuple):
+    """What every piece of rows of one ``dense_pass`` shares."""
+
+    hidden: Hidden
+    weight: HeadWeight
+    column: Tensor
+    held: Tensor
+    shard: Shard
+    options: Options
+    blocks: Blocks
+    spans: list[tuple[int, int]]
+    best: int | None
+    cdt: torch.dtype
+    work: kernels.Workspace
+
+
+def dense_pass(
+    hidden: Hidden,
+    weight: HeadWeight,
+    column: Tensor,
+    held: Tensor,
+    dense: Stats,
+    rows: Tensor | None,
+    shard: Shard,
+    options: Options,
+    best: int | None = None,
+) -> topk.Candidates | None:
+    """Fill the ``rows`` (an ascending index, None: all) of ``dense`` (the picked ids'
+    ``column``/``held`` ``[T, k]`` included) from blocks of ``Blocks.rows`` of those rows of
+    ``hidden @ weight.T`` over the shard's valid columns; with ``best``, also return each
+    row's ``best`` largest logits and their global ids, -inf padded to ``min(best, V_local)``
+    (the other rows: -inf only)."""
+    assert options.chunk_size is not None
+    total, vocab = hidden.shape[0], weight.shape[0]
+    blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
+    run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
+                dense.max.dtype, kernels.Workspace())
+    width = 0 if best is None else min(best, vocab)
+    found = topk.Candidates(
+        torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
+        torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
+    )
+    for at in pieces(rows, total, blocks.rows):
+        if options.invariant:
+            running = _invariant_rows(run, dense, at)
+        else:
+            assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
+            running = _default_rows(run, dense, at)
+        if running is not None:
+            c = running.values.shape[1]
+            found.values[at, :c], found.ids[at, :c] = running
+    return None if best is None else found
+
+
+def _default_rows(run: _Pass, dense: RowStats, at: At) -> topk.Candidates | None:
+    """The rows ``at`` of ``dense``, block by block, each block's
+    statistics merged into the blocks' so far as TP shards merge (``merge``); their
+    running best candidates (None without ``best``)."""
+    n, h = size(at), gather(run.hidden, at, None)
+    if not run.spans:  # a shard of padded ids only: no mass, nothing to merge wrong
+        dense.max[at], dense.sum[at] = -math.inf, 0.0
+        if dense.ent is not None:
+            dense.ent[at] = 0.0
+        return None
+    chunks = run.blocks.chunks(n, run.hidden.dtype, run.hidden.device)
+    softmax = run.options.softmax.rows(at)
+    parts = _two_slots(dense, n)  # slot 0: the blocks so far, merged; slot 1: this block
+    running = None
+    for b, (v0, v1) in enumerate(run.spans):
+        # the same [rows, V_block] blocks, by the same matmuls, as backward: its
+        # recomputed logits are these bit for bit, so the gradient's p and the
+        # forward's max and sum agree (a row sure of its target gets exactly 0)
+        x = run.blocks.logits(h, run.weight[v0:v1], False)
+        part = parts.part(min(b, 1))
+        kernels.stats(x, softmax, part, chunks=chunks, work=run.work)
+        part.picked.copy_(_picked(run, x, at, v0, v1, softmax))
+        running = _running_best(run, running, x, v0, False)
+        del x
+        if b:
+            _write(parts, 0, merge(parts, softmax.tau))
+    _write(dense, at, parts.part(0))
+    return running
+
+
+def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
+    """The rows ``at`` of ``dense`` in invariant mode: each block's tiles written in place,
+    into these rows' own tiles (merged into ``dense`` at the end where it is ``RowStats``:
+    no TP, ``invariant.placeholders``); their running best candidates (None without
+    ``best``)."""
+    n, h = size(at), gather(run.hidden, at, None)
+    softmax = run.options.softmax.rows(at)
+    if isinstance(dense, RowStats):
+        parts = invariant.tile_placeholders(invariant.tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
+                                            run.hidden.device, dense.ent is not None)
+    else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
+        parts = dense.map(operator.itemgetter(at))
+    running = None
+    for v0, v1 in run.spans:
+        x = run.blocks.logits(h, run.weight[v0:v1], True)
+        invariant.stats(x, softmax, v1 - v0, parts, None, n, first=v0 // TILE)
+        parts.picked.add_(_picked(run, x, at, v0, v1, softmax))  # placeholders hold 0; one block holds each id
+        running = _running_best(run, running, x, v0, True)
+        del x
+    if isinstance(dense, RowStats):
+        invariant.merge_into(dense, at, parts, softmax.tau)
+    elif not isinstance(at, slice):
+        _write(dense, at, parts)
+    return running
+
+
+def _picked(run: _Pass, x: Tensor, at: At, v0: int, v1: int, softmax: Softmax) -> Tensor:
+    """``[n, k]``: the (capped) logits of the picked ids of the rows ``at`` that the block
+    ``x`` (columns ``[v0, v1)``) holds, 0 elsewhere."""
+    inside = run.held[at] & (run.column[at] >= v0) & (run.column[at] < v1)
+    local = torch.where(inside, run.column[at] - v0, 0)
+    return torch.where(inside, softmax.logits(x.gather(1, local).to(run.cdt)), 0.0)
+
+
+def _running_best(run: _Pass, running: topk.Candidates | None, x: Tensor, v0: int,
+                  fixed: bool) -> topk.Candidates | None:
+    """The best candidates of the blocks so far and the block ``x`` (its first column
+    ``v0``); in invariant mode (``fixed``) by the spec's rule. None without ``best``."""
+    if run.best is None:
+        return None
+    first = run.shard.offset + v0
+    mine = (topk.exact(x, first, run.best, run.cdt, 0, run.shard.total) if fixed
+            else topk.of_columns(x, first, run.best, run.cdt, width=0))  # padded by dense_pass
+    return mine if running is None else topk.merge(running, mine, run.best, fixed)
+
+
+def _two_slots(like: RowStats, rows: int) -> Parts:
+    """New ``[2, rows, ...]`` buffers for the fields of ``like``."""
+    return Parts(*like.map(lambda f: f.new_empty((2, rows, *f.shape[1:]))))
+
+
+def _write(into: Stats | Parts, at: int | At, stats: Stats) -> None:
+    """``into[at] = stats``, field by field."""
+    for field, value in zip(into, stats):
+        if field is not None and value is not None:
+            field[at] = value
