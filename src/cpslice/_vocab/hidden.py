@@ -25,13 +25,13 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Unpack, cast, overload
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal, NamedTuple, Unpack, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._types import (
     ChunkArg,
@@ -45,7 +45,7 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, invariant, kernels, topk
+from . import args, head, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .rows import At, count, gather, holding, index_of, places, size
 from .sparse import Elements, element_grad, elements, set_stats
@@ -261,68 +261,53 @@ def backward(
     return grad_h, grad_w
 
 
-class _LinearLogProbs(torch.autograd.Function):
-    """A thin shell over ``forward`` and ``backward``, as ``logits._LogProbs``."""
+@dataclass(frozen=True, slots=True)
+class HiddenHead:
+    """The hidden-state head (``head.Head``): the ``[T, H]`` final hidden states and this
+    rank's ``[V_local, H]`` LM-head shard, computed tile by tile by this module's
+    ``forward``, ``backward`` and ``topk_forward``."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
-    ) -> tuple[Tensor, PerRow | None]:
-        log_p, entropy, saved = forward(hidden, weight, ids, options)
-        keep = entropy is not None and options.entropy_grad
-        ctx.save_for_backward(hidden, weight, ids, entropy if keep else None)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        if entropy is not None and not keep:
-            ctx.mark_non_differentiable(entropy)
-        return log_p, entropy
+    hidden: Tensor
+    weight: Tensor
 
-    @staticmethod
-    @once_differentiable
+    what: ClassVar[str] = "hidden"
+    in_place: ClassVar[bool] = False
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.hidden, self.weight
+
+    @property
+    def x(self) -> Tensor:
+        return self.hidden
+
+    @property
+    def vocab_local(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def default_chunk(self) -> int:
+        return default_hidden_chunk_rows(self.vocab_local)
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor]) -> "HiddenHead":
+        hidden, weight = tensors
+        return cls(hidden, weight)
+
+    def take(self, index: Tensor) -> "HiddenHead":
+        return HiddenHead(self.hidden.index_select(0, index), self.weight)
+
+    def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
+        return forward(self.hidden, self.weight, ids, options)
+
+    def topk_forward(self, k: int, options: Options) -> tuple[Tensor, Tensor, Saved]:
+        return topk_forward(self.hidden, self.weight, k, options)
+
     def backward(
-        ctx: Any, g_lp: Tensor | None, g_entropy: PerRow | None
-    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_h or want_w):
-            return None, None, None, None
-        hidden, weight, ids, entropy = ctx.saved_tensors
-        grads = backward(hidden, weight, ids, entropy, ctx.saved, g_lp, g_entropy, want_h, want_w)
-        return *grads, None, None
-
-
-class _LinearTopK(torch.autograd.Function):
-    """``topk_forward``, differentiable like ``torch.topk``: the gradient of the chosen
-    entries is ``backward`` at the chosen ids."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Hidden, weight: HeadWeight, k: int, options: Options
-    ) -> tuple[Tensor, Tensor]:
-        log_p, ids, saved = topk_forward(hidden, weight, k, options)
-        ctx.save_for_backward(hidden, weight, ids)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(ids)
-        return log_p, ids
-
-    @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: Any, g_lp: Tensor | None, g_ids: None
-    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_h or want_w):
-            return None, None, None, None
-        hidden, weight, ids = ctx.saved_tensors
-        grads = backward(hidden, weight, ids, None, ctx.saved, g_lp, None, want_h, want_w)
-        return *grads, None, None
-
-
-# torch leaves Function.apply untyped; typed once here, at the boundary.
-apply = cast(
-    Callable[[Tensor, Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LinearLogProbs.apply
-)
-apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]], _LinearTopK.apply)
+        self, ids: Tensor, entropy: Tensor | None, saved: Saved, g_lp: Tensor | None, g_entropy: Tensor | None,
+        want: Sequence[bool],
+    ) -> tuple[Tensor | None, ...]:
+        return backward(self.hidden, self.weight, ids, entropy, saved, g_lp, g_entropy, want[0], want[1])
 
 
 @overload
@@ -409,26 +394,17 @@ def log_probs_and_entropy_from_hidden(
             collective.
     """
     hidden_, weight_, targets_, tp = args.head_and_targets(hidden, weight, targets, tp_group=tp_group)
-    options = args.options(
-        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
+    x = HiddenHead(hidden_, weight_)
+    return head.log_probs(x, targets_, head.options(
+        x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    return apply(hidden_, weight_, targets_, options)
+        invariant=invariant))
 
 
 def log_probs_at_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    ids: TensorArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, ids: TensorArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> Tensor:
     """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
     V_local]`` logits: the hidden-state path's tiles, forward and backward.
@@ -452,26 +428,16 @@ def log_probs_at_from_hidden(
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_, tp = args.head_and_targets(hidden, weight, ids, "ids", tp_group=tp_group)
-    options = args.options(
-        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    log_p, _ = apply(hidden_, weight_, ids_, options)
-    return log_p
+    x = HiddenHead(hidden_, weight_)
+    options = head.options(x, ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.log_probs(x, ids_, options)[0]
 
 
 def topk_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    k: IntArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, k: IntArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
     V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
@@ -494,11 +460,7 @@ def topk_log_probs_from_hidden(
     """
     hidden_, weight_, tp = args.head(hidden, weight, tp_group)
     k_ = args.k_best(k)
-    options = args.options(
-        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    assert options.vocab_size is not None
-    topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))
-    return apply_topk(hidden_, weight_, k_, options)
+    x = HiddenHead(hidden_, weight_)
+    options = head.options(x, None, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.topk(x, k_, options)
