@@ -26,13 +26,13 @@ from .engine import Options, Saved
 @runtime_checkable
 class Head(Protocol):
     """What a call's logits come from, as the shell and the glue need it: its ``tensors``
-    (the autograd inputs, rebuilt into a head by ``of``), ``x`` (the ``[T, ...]`` tensor of
+    (the autograd inputs; its class called with them rebuilds it), ``x`` (the ``[T, ...]`` tensor of
     its rows: their number, device and dtype), its shard's ``vocab_local`` ids, its name
     (``what``) and default ``chunk_size``, and its driver's numerics."""
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:
-        """The tensors the head's gradients are for, in ``of``'s order."""
+        """The tensors the head's gradients are for, in its constructor's order."""
         ...
 
     @property
@@ -61,11 +61,6 @@ class Head(Protocol):
         of rows, ``Options.rows``: the logits' rows cost nothing to skip) or on a copy of
         the distinct response rows (``take``: the hidden states, whose rows each cost a
         matmul)."""
-        ...
-
-    @classmethod
-    def of(cls, tensors: Sequence[Tensor]) -> "Head":
-        """The head of ``tensors`` (its ``tensors``, as the autograd shell saved them)."""
         ...
 
     def take(self, index: Tensor) -> "Head":
@@ -113,7 +108,7 @@ def _grads(
     want = ctx.needs_input_grad[3:]
     if not any(want):
         return None, None, None, *(None for _ in want)
-    head = ctx.kind.of(tensors)
+    head = ctx.kind(*tensors)
     return None, None, None, *head.backward(ids, entropy, ctx.saved, g_lp, g_entropy, want)
 
 
@@ -124,7 +119,7 @@ class _LogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, kind: Any, ids: Tensor, options: Options, *tensors: Tensor) -> tuple[Tensor, Tensor | None]:
-        log_p, entropy, saved = kind.of(tensors).forward(ids, options)
+        log_p, entropy, saved = kind(*tensors).forward(ids, options)
         keep = entropy is not None and options.entropy_grad
         _keep(ctx, kind, saved, (ids, entropy if keep else None, *tensors))
         if entropy is not None and not keep:
@@ -144,7 +139,7 @@ class _TopK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, kind: Any, k: int, options: Options, *tensors: Tensor) -> tuple[Tensor, Tensor]:
-        log_p, ids, saved = kind.of(tensors).topk_forward(k, options)
+        log_p, ids, saved = kind(*tensors).topk_forward(k, options)
         _keep(ctx, kind, saved, (ids, *tensors))
         ctx.mark_non_differentiable(ids)
         return log_p, ids

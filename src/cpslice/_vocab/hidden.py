@@ -26,8 +26,7 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple, Unpack, overload
+from typing import Literal, NamedTuple, Unpack, overload
 
 import torch
 import torch.distributed as dist
@@ -261,38 +260,20 @@ def backward(
     return grad_h, grad_w
 
 
-@dataclass(frozen=True, slots=True)
 class HiddenHead:
     """The hidden-state head (``head.Head``): the ``[T, H]`` final hidden states and this
     rank's ``[V_local, H]`` LM-head shard, computed tile by tile by this module's
     ``forward``, ``backward`` and ``topk_forward``."""
 
-    hidden: Tensor
-    weight: Tensor
+    what = "hidden"
+    in_place = False
 
-    what: ClassVar[str] = "hidden"
-    in_place: ClassVar[bool] = False
-
-    @property
-    def tensors(self) -> tuple[Tensor, ...]:
-        return self.hidden, self.weight
-
-    @property
-    def x(self) -> Tensor:
-        return self.hidden
-
-    @property
-    def vocab_local(self) -> int:
-        return int(self.weight.shape[0])
-
-    @property
-    def default_chunk(self) -> int:
-        return default_hidden_chunk_rows(self.vocab_local)
-
-    @classmethod
-    def of(cls, tensors: Sequence[Tensor]) -> "HiddenHead":
-        hidden, weight = tensors
-        return cls(hidden, weight)
+    def __init__(self, hidden: Tensor, weight: Tensor) -> None:
+        self.hidden = self.x = hidden
+        self.weight = weight
+        self.tensors = (hidden, weight)
+        self.vocab_local = int(weight.shape[0])
+        self.default_chunk = default_hidden_chunk_rows(self.vocab_local)
 
     def take(self, index: Tensor) -> "HiddenHead":
         return HiddenHead(self.hidden.index_select(0, index), self.weight)

@@ -9,8 +9,7 @@ writing the gradient once into one ``[T, V_local]`` buffer, with no communicatio
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, Literal, Unpack, overload
+from typing import Literal, Unpack, overload
 
 import torch
 import torch.distributed as dist
@@ -134,33 +133,18 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, options.rows)
 
 
-@dataclass(frozen=True, slots=True)
 class LogitsHead:
     """The logits head (``head.Head``): this rank's ``[T, V_local]`` logits, computed in
     place by this module's ``forward``, ``backward`` and ``topk_forward``."""
 
-    logits: Tensor
+    what = "logits"
+    in_place = True
+    default_chunk = None
 
-    what: ClassVar[str] = "logits"
-    default_chunk: ClassVar[int | None] = None
-    in_place: ClassVar[bool] = True
-
-    @property
-    def tensors(self) -> tuple[Tensor, ...]:
-        return (self.logits,)
-
-    @property
-    def x(self) -> Tensor:
-        return self.logits
-
-    @property
-    def vocab_local(self) -> int:
-        return int(self.logits.shape[1])
-
-    @classmethod
-    def of(cls, tensors: Sequence[Tensor]) -> "LogitsHead":
-        (logits,) = tensors
-        return cls(logits)
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = self.x = logits
+        self.tensors = (logits,)
+        self.vocab_local = int(logits.shape[1])
 
     def take(self, index: Tensor) -> "LogitsHead":
         return LogitsHead(self.logits.index_select(0, index))
