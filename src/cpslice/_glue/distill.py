@@ -110,6 +110,16 @@ def _check_divergence(kind: object, beta: object, tail: object) -> float:
     return b
 
 
+def _log_probs_arg(name: str, value: object) -> Tensor:
+    """``topk_divergence``'s argument ``name``: floating-point ``[..., k]`` log-probs, ``k >= 1``."""
+    x = checks.tensor(name, value, "a torch.Tensor [..., k] of log-probs")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} has dtype {x.dtype}; pass floating-point log-probs")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise LayoutError(f"{name} has shape {tuple(x.shape)}; it must be [..., k] with k >= 1")
+    return x
+
+
 def topk_divergence(
     student: TensorArg,
     teacher: TensorArg,
@@ -141,15 +151,7 @@ def topk_divergence(
         LayoutError: the shapes differ (``k`` or the leading dimensions), a 0-d tensor or
             ``k = 0``; ``kind`` or ``tail`` not one of the above; ``beta`` outside (0, 1).
     """
-    tensors = []
-    for name, value in (("student", student), ("teacher", teacher)):
-        x = checks.tensor(name, value, "a torch.Tensor [..., k] of log-probs")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} has dtype {x.dtype}; pass floating-point log-probs")
-        if x.dim() == 0 or x.shape[-1] == 0:
-            raise LayoutError(f"{name} has shape {tuple(x.shape)}; it must be [..., k] with k >= 1")
-        tensors.append(x)
-    s, t = tensors
+    s, t = _log_probs_arg("student", student), _log_probs_arg("teacher", teacher)
     if s.shape != t.shape:
         raise LayoutError(
             f"student has shape {tuple(s.shape)} but teacher has {tuple(t.shape)}: both are "
