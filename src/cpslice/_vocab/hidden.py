@@ -47,8 +47,8 @@ from .._types import (
 from . import args, head, invariant, kernels, topk
 from .engine import Options, Saved, Sets, finish, row_terms, tile_count
 from .rows import At, count, gather, holding, index_of, places, size
-from .sparse import Elements, element_grad, elements, set_stats
-from .stats import RowStats, Shard, placeholders, shard_of
+from .sparse import Elements, Split, element_grad, elements, set_stats
+from .stats import RowGrad, RowStats, Shard, placeholders, shard_of
 from .support import SupportArg
 from .tiles import Tiles, dense_pass, element_logits, element_rows, in_block, spans
 
@@ -192,6 +192,82 @@ def _pieces(
     return places(index, [(s, min(s + tile_rows, n)) for s in range(0, n, tile_rows)])
 
 
+def _set_grads(
+    saved: Saved, parts: Split, hidden: Hidden, weight: HeadWeight, acc_h: _Sum | None, want_weight: bool, block: int
+) -> _ByBlock | None:
+    """A support's share of the gradients: its elements' added into the hidden gradient's
+    sum at once (``O(K H)``), and, where the weight's is wanted, sorted by vocabulary
+    block (``block`` columns each) for each block's sum (None without a support)."""
+    if saved.restricted is None:
+        return None
+    el = saved.restricted.elements
+    assert parts.set_lp is not None
+    coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, saved.options.softmax)
+    if acc_h is not None:
+        for s, e in spans(coef.numel(), element_rows(hidden.shape[1])):
+            acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(acc_h.acc.dtype))
+    return _ByBlock.of(el, coef, saved.shard.valid, block) if want_weight else None
+
+
+class _Walk:
+    """The backward's walk over the forward's tiles (``pieces`` of rows by each vocabulary
+    block): each tile's logits recomputed by the same matmul, turned into its logit
+    gradient ``G`` (``kernels.grad``, or invariant mode's) and multiplied out at once."""
+
+    def __init__(
+        self, hidden: Hidden, ids: Tensor, saved: Saved, row: RowGrad, tiles: Tiles, pieces: list[At]
+    ) -> None:
+        self.hidden, self.saved, self.row, self.tiles, self.pieces = hidden, saved, row, tiles, pieces
+        self.held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
+        self.g_buf = torch.empty(tiles.rows * tiles.columns if pieces else 0, dtype=hidden.dtype, device=hidden.device)
+        self.work = kernels.Workspace()
+
+    def block(self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None) -> None:
+        """Every tile of the vocabulary block ``w_b`` (its first column ``v0``): ``d hidden
+        += G @ w_b`` into ``acc_h``, ``d w_b += G.T @ hidden[rows]`` into ``acc_w`` (each
+        where wanted)."""
+        row_b = in_block(self.row, self.held, v0, v0 + w_b.shape[0])
+        for at in self.pieces:
+            h = gather(self.hidden, at, None)
+            g = self._grad(h, w_b, at, row_b)
+            if acc_h is not None:
+                self._add_hidden(acc_h, at, g, w_b)
+            if acc_w is not None:
+                acc_w.add_mm(slice(0, w_b.shape[0]), g.t(), h)
+
+    def _grad(self, h: Tensor, w_b: HeadWeight, at: At, row_b: RowGrad) -> Tensor:
+        """The tile's logit gradient ``G`` (rows ``at``, in the reused buffer); its logits
+        recomputed, bit for bit those of the forward, and dropped."""
+        opts = self.saved.options
+        x = self.tiles.logits(h, w_b, opts.invariant)
+        g = self.g_buf[: x.numel()].view(x.shape)
+        (invariant.grad if opts.invariant else kernels.grad)(
+            x, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
+            chunks=self.tiles.chunks(size(at), self.hidden.dtype, self.hidden.device), work=self.work,
+        )
+        return g
+
+    def _add_hidden(self, acc_h: _Sum, at: At, g: Tensor, w_b: HeadWeight) -> None:
+        """``G @ w_b`` into rows ``at`` of the hidden gradient's sum."""
+        if not self.saved.options.invariant:
+            acc_h.add_mm(at, g, w_b)
+            return
+        # a row's sum whatever the others (an index's rows: one add each, as add_)
+        product = self.tiles.product(g, w_b, fixed=True)
+        if isinstance(at, slice):
+            acc_h.acc[at].add_(product)
+        else:
+            acc_h.acc.index_add_(0, at, product)
+
+
+def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
+    """The full hidden gradient: ``hidden`` is the same on every TP rank, its gradient
+    the sum of the shards' (one all-reduce)."""
+    if tp_group is not None:
+        _all_reduce(grad_h, group=tp_group)
+    return grad_h
+
+
 def backward(
     hidden: Hidden, weight: HeadWeight, ids: Tensor, entropy: Tensor | None, saved: Saved,
     g_lp: Tensor | None, g_entropy: Tensor | None, want_hidden: bool, want_weight: bool,
@@ -200,64 +276,24 @@ def backward(
     ``weight`` (this shard's), where wanted."""
     opts = saved.options
     assert opts.chunk_size is not None
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    dtype, cdt = hidden.dtype, compute_dtype(hidden.dtype)
+    rows, cdt, valid = hidden.shape[0], compute_dtype(hidden.dtype), saved.shard.valid
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
-    held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
-    valid = saved.shard.valid
-    tiles = Tiles.of(rows, vocab, opts.chunk_size, opts.invariant)
+    tiles = Tiles.of(rows, weight.shape[0], opts.chunk_size, opts.invariant)
     pieces = _pieces(saved.dense_rows, parts.dense, rows, tiles.rows, hidden.device)
+    walk = _Walk(hidden, ids, saved, row, tiles, pieces)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
-    by_block = None
-    if saved.restricted is not None:
-        el = saved.restricted.elements
-        assert parts.set_lp is not None
-        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.softmax)
-        if acc_h is not None:
-            for s, e in spans(coef.numel(), element_rows(hidden.shape[1])):
-                acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(cdt))
-        if grad_w is not None:
-            by_block = _ByBlock.of(el, coef, valid, tiles.columns)
-    g_buf = torch.empty(tiles.rows * tiles.columns if pieces else 0, dtype=dtype, device=hidden.device)
-    work = kernels.Workspace()
+    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, tiles.columns)
     for i, (v0, v1) in enumerate(tiles.blocks(valid)):
-        w_b = weight[v0:v1]
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
-        row_b = in_block(row, held, v0, v1)
-        for at in pieces:
-            h = gather(hidden, at, None)
-            x = tiles.logits(h, w_b, opts.invariant)
-            g = g_buf[: x.numel()].view(x.shape)
-            (invariant.grad if opts.invariant else kernels.grad)(
-                x, saved.max[at], saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
-                chunks=tiles.chunks(size(at), dtype, hidden.device), work=work,
-            )
-            del x
-            if acc_h is not None and opts.invariant:
-                # a row's sum whatever the others (an index's rows: one add each, as add_)
-                product = tiles.product(g, w_b, fixed=True)
-                if isinstance(at, slice):
-                    acc_h.acc[at].add_(product)
-                else:
-                    acc_h.acc.index_add_(0, at, product)
-            elif acc_h is not None:
-                acc_h.add_mm(at, g, w_b)
-            if acc_w is not None:
-                acc_w.add_mm(slice(0, v1 - v0), g.t(), h)
+        walk.block(weight[v0:v1], v0, acc_h, acc_w)
         if acc_w is not None:
             if by_block is not None:
                 by_block.add(acc_w, i, v0, hidden)
             acc_w.done()
-    grad_h = None
-    if acc_h is not None:
-        grad_h = acc_h.done()
-        if opts.tp_group is not None:
-            # hidden is the same on every TP rank; its gradient is the sum of the shards'.
-            _all_reduce(grad_h, group=opts.tp_group)
-    return grad_h, grad_w
+    return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
 
 
 class HiddenHead:
