@@ -26,9 +26,9 @@ from .engine import Options, Saved
 @runtime_checkable
 class Head(Protocol):
     """What a call's logits come from, as the shell and the glue need it: its ``tensors``
-    (the autograd inputs; its class called with them rebuilds it), ``x`` (the ``[T, ...]`` tensor of
-    its rows: their number, device and dtype), its shard's ``vocab_local`` ids, its name
-    (``what``) and default ``chunk_size``, and its driver's numerics."""
+    (the autograd inputs; its class called with them rebuilds it), ``x`` (the ``[T, ...]``
+    tensor of its rows: their number, device and dtype), its shard's ``vocab_local`` ids,
+    its name (``what``) and default ``chunk_size``, and its driver's numerics."""
 
     @property
     def tensors(self) -> tuple[Tensor, ...]:
@@ -113,9 +113,10 @@ def _grads(
 
 
 class _LogProbs(torch.autograd.Function):
-    """A thin shell over the head's ``forward`` and ``backward``: the head's tensors, the
-    ids and (when its gradient is wanted) the entropy through ``save_for_backward``, the
-    rest as one ``Saved``."""
+    """A thin shell over the head's ``forward`` and ``backward`` (``kind``: the head's
+    class, its ``tensors`` the last inputs): the head's tensors, the ids and (when its
+    gradient is wanted) the entropy through ``save_for_backward``, the rest as one
+    ``Saved``."""
 
     @staticmethod
     def forward(ctx: Any, kind: Any, ids: Tensor, options: Options, *tensors: Tensor) -> tuple[Tensor, Tensor | None]:
