@@ -316,12 +316,39 @@ def test_distillation_gives_a_sample_its_own_bits_in_any_batch() -> None:
                 assert torch.equal(part[k], want[i]), (order, i)
 
 
-def test_the_response_functions_from_hidden_give_a_sample_its_own_bits() -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_hidden_state_path_with_a_support_gives_a_row_its_own_gradient(dtype: torch.dtype) -> None:
+    """Rows with a set skip the dense pass: the others' hidden gradient is summed by index,
+    in float32 whatever the dtype, and each row's bits are its own."""
+    rows_n, h_dim = 10, 8
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(rows_n, h_dim, generator=gen).to(dtype)
+    weight = (torch.randn(V, h_dim, generator=gen) / 2).to(dtype)
+    targets = torch.randint(0, V, (rows_n,), generator=gen)
+    sets = [[1, 2, int(targets[t])] if t % 2 else [] for t in range(rows_n)]
+
+    def call(rows: Tensor) -> tuple[Tensor, ...]:
+        h = hidden[rows].clone().requires_grad_(True)
+        lp, _ = log_probs_and_entropy_from_hidden(h, weight, targets[rows], support=csr([sets[r] for r in rows]),
+                                                  invariant=True)
+        torch.autograd.backward(lp.sum())
+        assert h.grad is not None
+        return lp.detach(), h.grad
+
+    want = _each_row(call, rows_n)
+    assert bool(want[1].isfinite().all())
+    for got, w in zip(call(torch.arange(rows_n)), want):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_response_functions_from_hidden_give_a_sample_its_own_bits(dtype: torch.dtype) -> None:
+    """bfloat16 too: the response rows' hidden gradient is summed in float32 by index."""
     gen = torch.Generator().manual_seed(8)
     total, response = [9, 4, 12], [5, 0, 6]
-    hidden = [torch.randn(t, 16, generator=gen) for t in total]
+    hidden = [torch.randn(t, 16, generator=gen).to(dtype) for t in total]
     tokens = [torch.randint(0, 300, (t,), generator=gen) for t in total]
-    weight = torch.randn(300, 16, generator=gen) / 2
+    weight = (torch.randn(300, 16, generator=gen) / 2).to(dtype)
 
     def call(order: list[int]) -> dict[int, list[Tensor]]:
         layout = Layout([total[i] for i in order], [response[i] for i in order])

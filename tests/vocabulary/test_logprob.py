@@ -30,8 +30,9 @@ from cpslice import (
     shard_responses,
 )
 from cpslice._vocab.call import Options
+from cpslice._vocab.head import log_probs
 from cpslice._vocab.kernels import default_chunk_rows
-from cpslice._vocab.logits import apply
+from cpslice._vocab.logits import LogitsHead
 from tests.checked import refused
 
 from ..compare import check, check_logits
@@ -338,7 +339,8 @@ def test_caller_logits_never_modified_non_contiguous(driver: Driver) -> None:
 def test_out_of_range_target_off_the_cpu_check_is_nan() -> None:
     # The eager check runs only for CPU targets; past it (as on a GPU) the row is NaN.
     logits = torch.randn(3, 5)
-    logp, entropy = apply(logits, torch.tensor([0, 5, -1]), Options(True, True, 1.0, None, 2, None, False))
+    options = Options(True, True, 1.0, None, 2, None, False)
+    logp, entropy = log_probs(LogitsHead(logits), torch.tensor([0, 5, -1]), options)
     assert not math.isnan(float(logp[0]))
     assert math.isnan(float(logp[1])) and math.isnan(float(logp[2]))
     assert entropy is not None and torch.isfinite(entropy).all()

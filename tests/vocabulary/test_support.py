@@ -347,10 +347,11 @@ def test_an_unchecked_id_outside_the_vocabulary_gives_nan_not_a_silent_drop() ->
     """On a device the range check would cost a sync: the row's log-prob is NaN instead
     (the kernel is called directly here, past the CPU check)."""
     from cpslice._vocab.call import Options
-    from cpslice._vocab.logits import apply
+    from cpslice._vocab.head import log_probs
+    from cpslice._vocab.logits import LogitsHead
 
     logits, targets = torch.randn(3, 4), torch.tensor([0, 1, 2])
-    lp, _ = apply(logits, targets, Options(False, True, 1.0, None, 2, csr([[1], [9], []]), False))
+    lp, _ = log_probs(LogitsHead(logits), targets, Options(False, True, 1.0, None, 2, csr([[1], [9], []]), False))
     assert not bool(lp[1].isfinite()) and bool(lp[[0, 2]].isfinite().all())
 
 

@@ -33,10 +33,10 @@ from torch import Tensor
 
 from .. import _checks as checks
 from .._errors import LayoutError
-from .._layout.extract import picked_ids, picked_values, shard, split
+from .._layout.extract import gather_split, picked_ids, picked_values, shard
 from .._layout.layout import Layout
 from .._layout.pack import temperatures_of
-from .._layout.plan import Local, Read, Span, resolve
+from .._layout.plan import Local, Span, resolve
 from .._types import (
     ChunkArg,
     DivergenceArg,
@@ -49,10 +49,12 @@ from .._types import (
     TopK,
     compute_dtype,
 )
-from .._vocab import args, dtensor, topk
-from .._vocab import hidden as hidden_driver
-from .._vocab import logits as logits_driver
+from .._vocab import args, dtensor
 from .._vocab.call import Options
+from .._vocab.head import Head, log_probs, options, topk
+from .._vocab.hidden import HiddenHead
+from .._vocab.logits import LogitsHead
+from .response import on_responses
 
 KINDS = {
     "forward": "KL(teacher || student)",
@@ -108,6 +110,16 @@ def _check_divergence(kind: object, beta: object, tail: object) -> float:
     return b
 
 
+def _log_probs_arg(name: str, value: object) -> Tensor:
+    """``topk_divergence``'s argument ``name``: floating-point ``[..., k]`` log-probs, ``k >= 1``."""
+    x = checks.tensor(name, value, "a torch.Tensor [..., k] of log-probs")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} has dtype {x.dtype}; pass floating-point log-probs")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise LayoutError(f"{name} has shape {tuple(x.shape)}; it must be [..., k] with k >= 1")
+    return x
+
+
 def topk_divergence(
     student: TensorArg,
     teacher: TensorArg,
@@ -139,15 +151,7 @@ def topk_divergence(
         LayoutError: the shapes differ (``k`` or the leading dimensions), a 0-d tensor or
             ``k = 0``; ``kind`` or ``tail`` not one of the above; ``beta`` outside (0, 1).
     """
-    tensors = []
-    for name, value in (("student", student), ("teacher", teacher)):
-        x = checks.tensor(name, value, "a torch.Tensor [..., k] of log-probs")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} has dtype {x.dtype}; pass floating-point log-probs")
-        if x.dim() == 0 or x.shape[-1] == 0:
-            raise LayoutError(f"{name} has shape {tuple(x.shape)}; it must be [..., k] with k >= 1")
-        tensors.append(x)
-    s, t = tensors
+    s, t = _log_probs_arg("student", student), _log_probs_arg("teacher", teacher)
     if s.shape != t.shape:
         raise LayoutError(
             f"student has shape {tuple(s.shape)} but teacher has {tuple(t.shape)}: both are "
@@ -185,18 +189,7 @@ def _teacher(
     for i, (lp, tid) in enumerate(zip(lps, ids)):
         if tid.dtype != torch.int64:
             raise TypeError(f"sample {i}: teacher_ids[{i}] has dtype {tid.dtype}; pass int64 ids (.long())")
-        for name, x in (("teacher_log_probs", lp), ("teacher_ids", tid)):
-            if x.dim() != 2 or x.shape[1] < 1:
-                raise LayoutError(
-                    f"sample {i}: {name}[{i}] has shape {tuple(x.shape)}; it must be [R_i, k] "
-                    "(k >= 1 ids per response token)"
-                )
-            k = x.shape[1] if k is None else k
-            if x.shape[1] != k:
-                raise LayoutError(
-                    f"sample {i}: {name}[{i}] has k = {x.shape[1]} ids per token but sample 0's "
-                    f"teacher has {k}; one k for every sample and both tensors"
-                )
+        k = _width(i, "teacher_ids", tid, _width(i, "teacher_log_probs", lp, k))
         if tid.device.type == "cpu" and tid.numel():
             bad = ((tid < 0) | (tid >= total)).nonzero()
             if bad.numel():
@@ -208,10 +201,51 @@ def _teacher(
     return lps, ids
 
 
+def _width(i: int, name: str, x: Tensor, k: int | None) -> int:
+    """The ``k`` of sample ``i``'s ``[R_i, k]`` tensor ``x`` (``name``), the one of those
+    before it (``k``, None for the first)."""
+    if x.dim() != 2 or x.shape[1] < 1:
+        raise LayoutError(
+            f"sample {i}: {name}[{i}] has shape {tuple(x.shape)}; it must be [R_i, k] "
+            "(k >= 1 ids per response token)"
+        )
+    if k is not None and x.shape[1] != k:
+        raise LayoutError(
+            f"sample {i}: {name}[{i}] has k = {x.shape[1]} ids per token but sample 0's "
+            f"teacher has {k}; one k for every sample and both tensors"
+        )
+    return int(x.shape[1])
+
+
 def _rows(parts: list[Tensor], k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``[r, k]``: this rank's shares of per-sample ``[R_i, k]`` tensors, in extraction
     order, on ``device`` (``[0, k]`` for a layout of no samples)."""
     return torch.cat(parts).to(device) if parts else torch.zeros((0, k), dtype=dtype, device=device)
+
+
+class _Student(NamedTuple):
+    """A per-sample call's layout and the student's keywords, as given (``_checked``
+    checks them): ``response_distillation``'s and ``response_topk_log_probs``' (and their
+    hidden-state twins') arguments beside the head, the teacher and ``k``."""
+
+    layout: Layout
+    temperature: SampleTemperatureArg
+    tp_group: dist.ProcessGroup | None
+    chunk_size: ChunkArg
+    softcap: RealArg | None
+    vocab_size: IntArg | None
+    invariant: bool
+
+
+class _Teacher(NamedTuple):
+    """A distillation call's teacher, as given (``_prepare`` checks it): its per-sample
+    top-k log-probs and ids, and the divergence's ``kind``, ``beta`` and ``tail``."""
+
+    log_probs: Sequence[TopK]
+    ids: Sequence[TopK]
+    kind: DivergenceArg
+    beta: RealArg
+    tail: TailArg
 
 
 class _Step(NamedTuple):
@@ -226,56 +260,52 @@ class _Step(NamedTuple):
     k: int
 
 
-def _resolved(x: Tensor, what: str, layout: Layout, temperature: object) -> tuple[Local, float | Tensor]:
-    """The call's one resolution of ``layout`` (``T`` from ``x``, the response rows) and
-    its per-row temperature."""
-    per_sample = checks.sample_temperatures(dtensor.replicated("temperature", temperature), layout.num_samples,
-                                           layout.shared_prefix)
+def _checked(head: Head, call: _Student) -> tuple[Local, Options]:
+    """The call's one resolution of its layout (``T`` from ``head``, the response rows)
+    and the engine's ``Options`` over every local row, the temperature one per row."""
+    per_sample = checks.sample_temperatures(dtensor.replicated("temperature", call.temperature),
+                                           call.layout.num_samples, call.layout.shared_prefix)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
-    local = resolve(layout, int(x.shape[0]), what, spans, x.device)
-    return local, temperatures_of(per_sample, local)
+    local = resolve(call.layout, int(head.x.shape[0]), head.what, spans, head.x.device)
+    return local, options(
+        head, None, temperature=temperatures_of(per_sample, local), tp_group=call.tp_group,
+        chunk_size=call.chunk_size, softcap=call.softcap, vocab_size=call.vocab_size, invariant=call.invariant,
+    )
 
 
-def _prepare(
-    x: Tensor, vocab_local: int, what: str, layout: Layout, temperature: object, chunk_size: ChunkArg,
-    softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
-    teacher_log_probs: object, teacher_ids: object, kind: object, beta: object, tail: object,
-    invariant: bool = False,
-) -> _Step:
+def _prepare(head: Head, call: _Student, teacher: _Teacher) -> _Step:
     """Every check of a distillation step, in order, before any collective."""
-    local, tau = _resolved(x, what, layout, temperature)
-    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
-    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
-                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-                           invariant=invariant)
-    assert options.vocab_size is not None
-    lps, ids = _teacher(teacher_log_probs, teacher_ids, layout.response_lengths, options.vocab_size)
-    _check_divergence(kind, beta, tail)
-    return _Step(local, options, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
+    local, checked = _checked(head, call)
+    assert checked.vocab_size is not None
+    lps, ids = _teacher(teacher.log_probs, teacher.ids, call.layout.response_lengths, checked.vocab_size)
+    _check_divergence(teacher.kind, teacher.beta, teacher.tail)
+    return _Step(local, checked, shard(lps, local), shard(ids, local), lps[0].shape[1] if lps else 1)
 
 
-def _response_rows(options: Options, read: Read) -> Options:
-    """``options`` for the distinct response rows of ``read`` alone (the hidden path's
-    ``[R, H]`` copy; a shared prefix's prompt row once): their temperatures."""
-    rows = read.picks.rows
-    return options._replace(tau=options.tau if isinstance(options.tau, float) else options.tau[rows])
+def _distillation(head: Head, call: _Student, teacher: _Teacher) -> list[Share1D]:
+    """``response_distillation`` over any head: every argument checked (the tensors
+    before, by the caller), then the student's log-probs at the teacher's ids on the
+    response rows (``on_responses``) and the divergence per token, split per sample."""
+    step = _prepare(head, call, teacher)
+    read = step.local.reads["response"]
+    part, on_rows = on_responses(head, read, step.options)
+    device = head.x.device
+    # each element's k teacher ids, a shared row's branches side by side (``picked_ids``)
+    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, device),
+                        int(head.x.shape[0]) if head.in_place else None)
+    student, _ = log_probs(part, picked, on_rows)
+    div = topk_divergence(
+        picked_values(read, student, step.k, local=head.in_place), _rows(step.lps, step.k, student.dtype, device),
+        kind=teacher.kind, beta=teacher.beta, tail=teacher.tail,
+    )
+    return list(torch.split(div, read.selection.counts))
 
 
 def response_distillation(
-    logits: TensorArg,
-    teacher_log_probs: Sequence[TopK],
-    teacher_ids: Sequence[TopK],
-    layout: Layout,
-    *,
-    kind: DivergenceArg = "forward",
-    beta: RealArg = 0.5,
-    tail: TailArg = "bin",
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    logits: TensorArg, teacher_log_probs: Sequence[TopK], teacher_ids: Sequence[TopK], layout: Layout, *,
+    kind: DivergenceArg = "forward", beta: RealArg = 0.5, tail: TailArg = "bin",
+    temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> list[Share1D]:
     """This rank's share of each sample's per-token divergence from its teacher's top-k.
 
@@ -310,33 +340,15 @@ def response_distillation(
             hold. Raised before any collective.
     """
     x, tp = args.logits(logits, tp_group)
-    step = _prepare(x, x.shape[1], "logits", layout, temperature, chunk_size, softcap, vocab_size, tp,
-                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
-    read = step.local.reads["response"]
-    # each element's k teacher ids, a shared row's branches side by side (``picked_ids``)
-    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, x.device), x.shape[0])
-    student, _ = logits_driver.apply(x, picked, step.options._replace(rows=read.mask))
-    teacher = _rows(step.lps, step.k, student.dtype, x.device)
-    div = topk_divergence(picked_values(read, student, step.k), teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, read.selection.counts))
+    call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
+    return _distillation(LogitsHead(x), call, _Teacher(teacher_log_probs, teacher_ids, kind, beta, tail))
 
 
 def response_distillation_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    teacher_log_probs: Sequence[TopK],
-    teacher_ids: Sequence[TopK],
-    layout: Layout,
-    *,
-    kind: DivergenceArg = "forward",
-    beta: RealArg = 0.5,
-    tail: TailArg = "bin",
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, teacher_log_probs: Sequence[TopK], teacher_ids: Sequence[TopK],
+    layout: Layout, *, kind: DivergenceArg = "forward", beta: RealArg = 0.5, tail: TailArg = "bin",
+    temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
@@ -348,45 +360,29 @@ def response_distillation_from_hidden(
     gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w, tp = args.head(hidden, weight, tp_group)
-    step = _prepare(h, w.shape[0], "hidden", layout, temperature, chunk_size, softcap, vocab_size, tp,
-                    teacher_log_probs, teacher_ids, kind, beta, tail, invariant)
-    read = step.local.reads["response"]
-    picked = picked_ids(read, _rows(step.ids, step.k, torch.int64, h.device))
-    student, _ = hidden_driver.apply(h[read.picks.rows], w, picked, _response_rows(step.options, read))
-    teacher = _rows(step.lps, step.k, student.dtype, h.device)
-    div = topk_divergence(picked_values(read, student, step.k, local=False), teacher, kind=kind, beta=beta, tail=tail)
-    return list(torch.split(div, read.selection.counts))
+    call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
+    return _distillation(HiddenHead(h, w), call, _Teacher(teacher_log_probs, teacher_ids, kind, beta, tail))
 
 
-def _teacher_step(
-    x: Tensor, vocab_local: int, what: str, k: object, layout: Layout, temperature: object,
-    chunk_size: ChunkArg, softcap: RealArg | None, vocab_size: IntArg | None, tp_group: dist.ProcessGroup | None,
-    invariant: bool = False,
-) -> tuple[Local, int, Options]:
-    """Every check of a per-sample top-k, in order, before any collective: the layout
-    resolved once, ``k``, and the engine's ``Options`` over every local row."""
+def _response_topk(head: Head, k: object, call: _Student) -> tuple[list[TopK], list[TopK]]:
+    """``response_topk_log_probs`` over any head: ``k`` checked, then every other argument
+    (the tensors before, by the caller), then the top-k of the response rows
+    (``on_responses``; ``k`` against the vocabulary before any collective: ``head.topk``),
+    each element's share per sample."""
     k_ = args.k_best(k)
-    local, tau = _resolved(x, what, layout, temperature)
-    default = hidden_driver.default_hidden_chunk_rows(vocab_local) if what == "hidden" else None
-    options = args.options(x, vocab_local, None, what=what, default_chunk=default, temperature=tau,
-                           tp_group=tp_group, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-                           invariant=invariant)
-    assert options.vocab_size is not None
-    topk.check_k(k_, options.vocab_size, compute_dtype(x.dtype))
-    return local, k_, options
+    local, checked = _checked(head, call)
+    read = local.reads["response"]
+    part, on_rows = on_responses(head, read, checked)
+    values, ids = topk(part, k_, on_rows)
+    # the computed rows' results, back to the elements (a shared row's to each of its branches)
+    at, counts = (read.rows if head.in_place else read.picks.element), read.selection.counts
+    return gather_split(values, at, counts), gather_split(ids, at, counts)
 
 
 def response_topk_log_probs(
-    logits: TensorArg,
-    k: IntArg,
-    layout: Layout,
-    *,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    logits: TensorArg, k: IntArg, layout: Layout, *, temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> tuple[list[TopK], list[TopK]]:
     """The teacher's side of ``response_distillation``, per sample: each response
     token's ``k`` most likely ids over the whole (tensor-parallel) vocabulary and their
@@ -416,24 +412,14 @@ def response_topk_log_probs(
             cannot hold. Raised before any collective.
     """
     x, tp = args.logits(logits, tp_group)
-    local, k_, options = _teacher_step(x, x.shape[1], "logits", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp, invariant)
-    values, ids = logits_driver.apply_topk(x, k_, options._replace(rows=local.reads["response"].mask))
-    return split(local, values)[0], split(local, ids)[0]
+    call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
+    return _response_topk(LogitsHead(x), k, call)
 
 
 def response_topk_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    k: IntArg,
-    layout: Layout,
-    *,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, k: IntArg, layout: Layout, *, temperature: SampleTemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None, vocab_size:
+    IntArg | None = None, invariant: bool = False,
 ) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
@@ -444,11 +430,5 @@ def response_topk_log_probs_from_hidden(
     ``topk_log_probs_from_hidden``'s); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w, tp = args.head(hidden, weight, tp_group)
-    local, k_, options = _teacher_step(h, w.shape[0], "hidden", k, layout, temperature, chunk_size, softcap,
-                                       vocab_size, tp, invariant)
-    read = local.reads["response"]
-    values, ids = hidden_driver.apply_topk(h[read.picks.rows], w, k_, _response_rows(options, read))
-    # the distinct rows' results, back to the elements (a shared row's to each of its branches)
-    values, ids = values.index_select(0, read.picks.element), ids.index_select(0, read.picks.element)
-    counts = read.selection.counts
-    return list(torch.split(values, counts)), list(torch.split(ids, counts))
+    call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
+    return _response_topk(HiddenHead(h, w), k, call)

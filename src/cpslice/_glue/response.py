@@ -2,7 +2,7 @@
 the per-sample split. Where the layout side (``_pack``, ``_extract``) meets the
 vocabulary functions (``_vocab``)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Unpack, overload
 
 import torch
@@ -18,10 +18,10 @@ from .._layout.pack import checked_tokens, temperatures_of
 from .._layout.plan import Local, Read, Span, resolve
 from .._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from .._vocab import args, dtensor
-from .._vocab import hidden as hidden_driver
-from .._vocab import logits as logits_driver
 from .._vocab.call import Options
-from .._vocab.hidden import default_hidden_chunk_rows
+from .._vocab.head import Head, log_probs, options
+from .._vocab.hidden import HiddenHead
+from .._vocab.logits import LogitsHead
 from .support import SupportArg, take_rows
 
 if TYPE_CHECKING:
@@ -51,21 +51,10 @@ def response_log_probs(
     *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs(
-    logits: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    depth: IntArg = 0,
-    invariant: bool = False,
+    logits: TensorArg, tokens: Sequence[AnyShare], layout: Layout, *, with_entropy: bool = False,
+    entropy_grad: bool = True, temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None, depth: IntArg = 0, invariant: bool = False,
 ) -> tuple[list[Share], list[Share] | None]:
     """Per-sample response log-probs (and entropy) from this rank's logits, end to end.
 
@@ -102,37 +91,60 @@ def response_log_probs(
             differ, or whose prompts' tokens differ.
     """
     x, tp = args.logits(_two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])"), tp_group)
-    local, targets, tau = _inputs(x, "logits", tokens, layout, temperature, depth)
+    return _response_log_probs(LogitsHead(x), tokens, layout, temperature, depth,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, tp_group=tp, chunk_size=chunk_size, support=support,
+        entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant)
+
+
+def _response_log_probs(
+    head: Head, tokens: object, layout: Layout, per_sample: object, depth: object, *, with_entropy: bool,
+    **keywords: Unpack[args.Keywords],
+) -> tuple[list[Share], list[Share] | None]:
+    """``response_log_probs`` over any head: every argument checked (the tensors before,
+    by the caller; ``per_sample`` the temperature as given, one or one per sample), then
+    the response rows computed (``on_responses``) and split per sample."""
+    local, targets, tau = _inputs(head.x, head.what, tokens, layout, per_sample, depth)
     read = local.reads["response"]
+    # every argument against the whole head (a support's errors name the caller's rows)
     ids = picked_ids(read, targets, local.length)
-    options = args.options(
-        x, x.shape[1], ids, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=tau,
-        tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
-        vocab_size=vocab_size, invariant=invariant,
+    given: args.Keywords = {**keywords, "temperature": tau}
+    whole = options(head, ids, with_entropy=with_entropy, **given)
+    part, on_rows = on_responses(head, read, whole)
+    return _computed(part, read, targets, ids if head.in_place else picked_ids(read, targets), on_rows)
+
+
+def on_responses(head: Head, read: Read, options: Options) -> tuple[Head, Options]:
+    """The head and ``options`` (over every row of ``head``) with which a per-sample call
+    computes the response rows of ``read``: ``head`` itself, its rows a mask in the
+    options, where it computes them in place (``Head.in_place``: only the response rows
+    get the softmax's statistics, the others' gradient is zero, no copy selects them);
+    else the distinct response rows alone (``Head.take``, a shared prefix's prompt row
+    once), their temperatures and sets."""
+    if head.in_place:
+        return head, options._replace(rows=read.mask)
+    rows = read.picks.rows
+    return head.take(rows), options._replace(
+        tau=options.tau if isinstance(options.tau, float) else options.tau[rows],
+        support=None if options.support is None else take_rows(options.support, read.picks.host_rows),
     )
-    # only the response rows get the softmax's statistics; the others' gradient is zero
-    return _computed(lambda t, i, o: logits_driver.apply(t, i, o), x, read, targets, ids,
-                     options._replace(rows=read.mask), local=True)
-
-
-Driver = Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]]
 
 
 def _computed(
-    driver: Driver, base: Tensor, read: Read, targets: Tensor, ids: Tensor, options: Options, local: bool
+    head: Head, read: Read, targets: Tensor, ids: Tensor, options: Options
 ) -> tuple[list[Share], list[Share] | None]:
-    """``driver`` over the rows of ``base`` (the local logits, or the distinct response rows'
-    hidden states: ``local`` False) at the picks ``ids``, each element's result per sample.
+    """``head`` (from ``on_responses``: the local rows computed in place, or the distinct
+    response rows) at the picks ``ids``, each element's result per sample.
 
     A support's sets take one target per row (the restricted distribution is its set plus
     that target), so where a shared prefix puts several branches' targets on one row, the
     branches after the first go through a second call on their rows alone (a few rows per
     group: with a set, no full-vocabulary pass unless the entropy is over it)."""
+    local = head.in_place
     if options.support is None or read.picks.k == 1:
-        log_probs, entropy = driver(base, ids, options)
-        return _shares(read, log_probs, entropy, local)
+        values, entropy = log_probs(head, ids, options)
+        return _shares(read, values, entropy, local)
     p = read.picks
-    log_probs, entropy = driver(base, ids[:, 0], options)  # each row's first pick
+    values, entropy = log_probs(head, ids[:, 0], options)  # each row's first pick
     extra, host_extra = (p.slot > 0).nonzero()[:, 0], (p.host_slot > 0).nonzero()[:, 0]
     at = read.rows if local else p.element
     rows = (read.selection.rows if local else p.host_element)[host_extra]
@@ -141,12 +153,12 @@ def _computed(
         tau=options.tau if isinstance(options.tau, float) else options.tau[device_rows],
         support=take_rows(options.support, rows), rows=None,
     )
-    more, more_entropy = driver(base.index_select(0, device_rows), targets.index_select(0, extra), sub)
-    values = log_probs.index_select(0, at).index_put((extra,), more)
+    more, more_entropy = log_probs(head.take(device_rows), targets.index_select(0, extra), sub)
+    each = values.index_select(0, at).index_put((extra,), more)
     if entropy is None or more_entropy is None:
-        return split_elements(read, values), None
+        return split_elements(read, each), None
     h = entropy.index_select(0, at).index_put((extra,), more_entropy)
-    return split_elements(read, values), split_elements(read, h)
+    return split_elements(read, each), split_elements(read, h)
 
 
 def _shares(
@@ -206,22 +218,10 @@ def response_log_probs_from_hidden(
     *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    tokens: Sequence[AnyShare],
-    layout: Layout,
-    *,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    temperature: SampleTemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    support: SupportArg = None,
-    entropy_over: EntropyOverArg = "full",
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    depth: IntArg = 0,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout, *, with_entropy: bool = False,
+    entropy_grad: bool = True, temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full", softcap: RealArg
+    | None = None, vocab_size: IntArg | None = None, depth: IntArg = 0, invariant: bool = False,
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -250,20 +250,6 @@ def response_log_probs_from_hidden(
             hold; a support over another number of rows than ``hidden``'s.
     """
     h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
-    local, targets, tau = _inputs(h, "hidden", tokens, layout, temperature, depth)
-    read = local.reads["response"]
-    # every argument against the whole hidden (a support's errors name the caller's
-    # rows), then the distinct response rows' temperatures and sets
-    whole = args.options(
-        h, w.shape[0], picked_ids(read, targets, local.length), what="hidden",
-        default_chunk=default_hidden_chunk_rows(w.shape[0]), with_entropy=with_entropy, entropy_grad=entropy_grad,
-        temperature=tau, tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over,
-        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
-    )
-    rows = read.picks.rows
-    options = whole._replace(
-        tau=whole.tau if isinstance(whole.tau, float) else whole.tau[rows],
-        support=None if whole.support is None else take_rows(whole.support, read.picks.host_rows),
-    )
-    return _computed(lambda t, i, o: hidden_driver.apply(t, w, i, o), h[rows], read, targets,
-                     picked_ids(read, targets), options, local=False)
+    return _response_log_probs(HiddenHead(h, w), tokens, layout, temperature, depth,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, tp_group=tp, chunk_size=chunk_size, support=support,
+        entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant)

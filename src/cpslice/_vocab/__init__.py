@@ -32,9 +32,11 @@ computes its blocks of logits its own way and hands them to it:
   gradient's buffer from ``memory``), ``hidden`` (``[rows, V_block]`` matmul blocks of
   ``hidden @ weight.T``, cut and walked forward by ``blocks``:
   ``log_probs_and_entropy_from_hidden``), and ``set_elements`` (the gathered elements of
-  each row's token set, ``Support``), which the other two call for rows with a set.
+  each row's token set, ``Support``), which the other two call for rows with a set;
+- ``head``: what the logits come from, the ``Head`` of either driver
+  (``logits.LogitsHead``, ``hidden.HiddenHead``), and the one ``torch.autograd.Function``
+  of the log-probs and of the top-k over any head, a thin shell over the driver's
+  module-level ``forward`` and ``backward``; the public functions and the glue call it.
 
-Each public function's ``torch.autograd.Function`` is a thin shell over the driver's
-module-level ``forward`` and ``backward``. No module here imports the layout half or the
-glue (``tests/project/test_imports.py``).
+No module here imports the layout half or the glue (``tests/project/test_imports.py``).
 """

@@ -1,37 +1,36 @@
 """The hidden-state driver: log-probs and entropy straight from the final hidden states
 and the LM-head weight, ``logits = hidden @ weight.T`` never built whole.
 
-Its tiles are ``[rows, V_block]`` matmul tiles (``tiles.Tiles``), walked the same way
-forward and backward. Forward (``tiles.dense_pass``) computes each tile's logits,
+Its blocks are ``[rows, V_block]`` matmul blocks (``blocks.Blocks``), walked the same way
+forward and backward. Forward (``blocks.dense_pass``) computes each block's logits,
 reduces them with ``kernels.stats``, merges a row's vocabulary blocks (``stats.merge``,
-as TP shards merge) and drops the logits; ``engine.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
+as TP shards merge) and drops the logits; ``call.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
 log-probs and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
-Backward walks the same tiles vocabulary block by vocabulary block: each tile's logits
+Backward walks the same blocks vocabulary block by vocabulary block: each block's logits
 are recomputed by the same matmul, so bit for bit those the statistics came from (a row
-sure of its target gets a gradient of exactly 0), turned into the tile's logit gradient
+sure of its target gets a gradient of exactly 0), turned into the block's logit gradient
 ``G`` by ``kernels.grad`` and multiplied out at once:
 
     d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
-    d weight[block] = sum over tiles of G.T @ hidden[rows]   (written once per block)
+    d weight[block] = sum over row blocks of G.T @ hidden[rows]   (written once per block)
 
 so the weight gradient is summed over the rows by matmuls (their own float32
 accumulation for bfloat16) and stored once: no float32 ``[V_local, H]`` accumulator
 (``_Sum``). Memory beyond the inputs and their gradients is ``O(T)`` statistics, the
-``[T, H]`` hidden-gradient sum (the gradient itself in float32) and a few tiles.
+``[T, H]`` hidden-gradient sum (the gradient itself in float32) and a few blocks.
 
 A support restricts rows to their sets as on the logits path: each set element's logit
-is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no tile unless the
+is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no block unless the
 full entropy is asked for, and their gradient reaches ``d hidden`` and each block of
 ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, Unpack, cast, overload
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple, Unpack, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._types import (
     ChunkArg,
@@ -45,11 +44,12 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, invariant, kernels, topk
+from . import args, head, invariant, kernels, topk
 from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
+from .gradient import RowGrad
 from .rows import At, count, gather, holding, index_of, places, size
-from .set_elements import Elements, element_grad, elements, set_stats
+from .set_elements import Elements, Split, element_grad, elements, set_stats
 from .shard import Shard, shard_of
 from .stats import Stats, placeholders
 from .token_sets import SupportArg
@@ -59,8 +59,8 @@ _all_reduce: Callable[..., object] = dist.all_reduce
 
 LINEAR_CHUNK_BYTES = 32 * 2**20
 """Rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
-about this many bytes; a tile (``Tiles``) holds half as many elements. Larger than the
-logits path's chunks: each tile runs a matmul, and a matmul of few rows is slow
+about this many bytes; a block (``Blocks``) holds half as many elements. Larger than the
+logits path's chunks: each block runs a matmul, and a matmul of few rows is slow
 (measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
 matmul, 256-row chunks 1.2x)."""
 def default_hidden_chunk_rows(vocab: int) -> int:
@@ -182,16 +182,92 @@ class _ByBlock(NamedTuple):
 
 
 def _pieces(
-    forward: Tensor | None, need: Tensor | None, total: int, tile_rows: int, device: torch.device
+    forward: Tensor | None, need: Tensor | None, total: int, block_rows: int, device: torch.device
 ) -> list[At]:
-    """The forward's tiles of rows (``forward``, CPU bool ``[T]``, None: all, in pieces of
-    ``tile_rows``: the same matmuls, so the same logits bit for bit) that hold a row the
+    """The forward's blocks of rows (``forward``, CPU bool ``[T]``, None: all, in pieces of
+    ``block_rows``: the same matmuls, so the same logits bit for bit) that hold a row the
     backward needs (``need``, CPU bool ``[T]``; None: every row the forward read)."""
     index = None if forward is None else index_of(forward, device)
     if need is not None:
-        return places(index, holding(forward, need, total, tile_rows))
+        return places(index, holding(forward, need, total, block_rows))
     n = count(index, total)
-    return places(index, [(s, min(s + tile_rows, n)) for s in range(0, n, tile_rows)])
+    return places(index, [(s, min(s + block_rows, n)) for s in range(0, n, block_rows)])
+
+
+def _set_grads(
+    saved: Saved, parts: Split, hidden: Hidden, weight: HeadWeight, acc_h: _Sum | None, want_weight: bool, block: int
+) -> _ByBlock | None:
+    """A support's share of the gradients: its elements' added into the hidden gradient's
+    sum at once (``O(K H)``), and, where the weight's is wanted, sorted by vocabulary
+    block (``block`` columns each) for each block's sum (None without a support)."""
+    if saved.restricted is None:
+        return None
+    el = saved.restricted.elements
+    assert parts.set_lp is not None
+    coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, saved.options.softmax)
+    if acc_h is not None:
+        for s, e in spans(coef.numel(), element_rows(hidden.shape[1])):
+            acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(acc_h.acc.dtype))
+    return _ByBlock.of(el, coef, saved.shard.valid, block) if want_weight else None
+
+
+class _Walk:
+    """The backward's walk over the forward's blocks (``pieces`` of rows by each vocabulary
+    block): each block's logits recomputed by the same matmul, turned into its logit
+    gradient ``G`` (``kernels.grad``, or invariant mode's) and multiplied out at once."""
+
+    def __init__(
+        self, hidden: Hidden, ids: Tensor, saved: Saved, row: RowGrad, grid: Blocks, pieces: list[At]
+    ) -> None:
+        self.hidden, self.saved, self.row, self.grid, self.pieces = hidden, saved, row, grid, pieces
+        self.held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
+        self.g_buf = torch.empty(grid.rows * grid.columns if pieces else 0, dtype=hidden.dtype, device=hidden.device)
+        self.work = kernels.Workspace()
+
+    def block(self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None) -> None:
+        """Every row block of the vocabulary block ``w_b`` (its first column ``v0``): ``d hidden
+        += G @ w_b`` into ``acc_h``, ``d w_b += G.T @ hidden[rows]`` into ``acc_w`` (each
+        where wanted)."""
+        row_b = in_block(self.row, self.held, v0, v0 + w_b.shape[0])
+        for at in self.pieces:
+            h = gather(self.hidden, at, None)
+            g = self._grad(h, w_b, at, row_b)
+            if acc_h is not None:
+                self._add_hidden(acc_h, at, g, w_b)
+            if acc_w is not None:
+                acc_w.add_mm(slice(0, w_b.shape[0]), g.t(), h)
+
+    def _grad(self, h: Tensor, w_b: HeadWeight, at: At, row_b: RowGrad) -> Tensor:
+        """The block's logit gradient ``G`` (rows ``at``, in the reused buffer); its logits
+        recomputed, bit for bit those of the forward, and dropped."""
+        opts = self.saved.options
+        x = self.grid.logits(h, w_b, opts.invariant)
+        g = self.g_buf[: x.numel()].view(x.shape)
+        (invariant.grad if opts.invariant else kernels.grad)(
+            x, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
+            chunks=self.grid.chunks(size(at), self.hidden.dtype, self.hidden.device), work=self.work,
+        )
+        return g
+
+    def _add_hidden(self, acc_h: _Sum, at: At, g: Tensor, w_b: HeadWeight) -> None:
+        """``G @ w_b`` into rows ``at`` of the hidden gradient's sum."""
+        if not self.saved.options.invariant:
+            acc_h.add_mm(at, g, w_b)
+            return
+        # a row's sum whatever the others (an index's rows: one add each, as add_)
+        product = self.grid.product(g, w_b, fixed=True)
+        if isinstance(at, slice):
+            acc_h.acc[at].add_(product)
+        else:
+            acc_h.acc.index_add_(0, at, product.to(acc_h.acc.dtype))
+
+
+def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
+    """The full hidden gradient: ``hidden`` is the same on every TP rank, its gradient
+    the sum of the shards' (one all-reduce)."""
+    if tp_group is not None:
+        _all_reduce(grad_h, group=tp_group)
+    return grad_h
 
 
 def backward(
@@ -202,128 +278,55 @@ def backward(
     ``weight`` (this shard's), where wanted."""
     opts = saved.options
     assert opts.chunk_size is not None
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    dtype, cdt = hidden.dtype, compute_dtype(hidden.dtype)
+    rows, cdt, valid = hidden.shape[0], compute_dtype(hidden.dtype), saved.shard.valid
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
-    held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
-    valid = saved.shard.valid
-    tiles = Blocks.of(rows, vocab, opts.chunk_size, opts.invariant)
-    pieces = _pieces(saved.dense_rows, parts.dense, rows, tiles.rows, hidden.device)
+    grid = Blocks.of(rows, weight.shape[0], opts.chunk_size, opts.invariant)
+    pieces = _pieces(saved.dense_rows, parts.dense, rows, grid.rows, hidden.device)
+    walk = _Walk(hidden, ids, saved, row, grid, pieces)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
-    by_block = None
-    if saved.restricted is not None:
-        el = saved.restricted.elements
-        assert parts.set_lp is not None
-        coef = element_grad(saved.restricted, parts.set_lp, parts.set_entropy, opts.softmax)
-        if acc_h is not None:
-            for s, e in spans(coef.numel(), element_rows(hidden.shape[1])):
-                acc_h.index_add(el.row[s:e], coef[s:e, None] * weight[el.col[s:e]].to(cdt))
-        if grad_w is not None:
-            by_block = _ByBlock.of(el, coef, valid, tiles.columns)
-    g_buf = torch.empty(tiles.rows * tiles.columns if pieces else 0, dtype=dtype, device=hidden.device)
-    work = kernels.Workspace()
-    for i, (v0, v1) in enumerate(tiles.blocks(valid)):
-        w_b = weight[v0:v1]
+    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, grid.columns)
+    for i, (v0, v1) in enumerate(grid.blocks(valid)):
         acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
-        row_b = in_block(row, held, v0, v1)
-        for at in pieces:
-            h = gather(hidden, at, None)
-            x = tiles.logits(h, w_b, opts.invariant)
-            g = g_buf[: x.numel()].view(x.shape)
-            (invariant.grad if opts.invariant else kernels.grad)(
-                x, saved.max[at], saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
-                chunks=tiles.chunks(size(at), dtype, hidden.device), work=work,
-            )
-            del x
-            if acc_h is not None and opts.invariant:
-                # a row's sum whatever the others (an index's rows: one add each, as add_)
-                product = tiles.product(g, w_b, fixed=True)
-                if isinstance(at, slice):
-                    acc_h.acc[at].add_(product)
-                else:
-                    acc_h.acc.index_add_(0, at, product)
-            elif acc_h is not None:
-                acc_h.add_mm(at, g, w_b)
-            if acc_w is not None:
-                acc_w.add_mm(slice(0, v1 - v0), g.t(), h)
+        walk.block(weight[v0:v1], v0, acc_h, acc_w)
         if acc_w is not None:
             if by_block is not None:
                 by_block.add(acc_w, i, v0, hidden)
             acc_w.done()
-    grad_h = None
-    if acc_h is not None:
-        grad_h = acc_h.done()
-        if opts.tp_group is not None:
-            # hidden is the same on every TP rank; its gradient is the sum of the shards'.
-            _all_reduce(grad_h, group=opts.tp_group)
-    return grad_h, grad_w
+    return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
 
 
-class _LinearLogProbs(torch.autograd.Function):
-    """A thin shell over ``forward`` and ``backward``, as ``logits._LogProbs``."""
+class HiddenHead:
+    """The hidden-state head (``head.Head``): the ``[T, H]`` final hidden states and this
+    rank's ``[V_local, H]`` LM-head shard, computed block by block by this module's
+    ``forward``, ``backward`` and ``topk_forward``."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
-    ) -> tuple[Tensor, PerRow | None]:
-        log_p, entropy, saved = forward(hidden, weight, ids, options)
-        keep = entropy is not None and options.entropy_grad
-        ctx.save_for_backward(hidden, weight, ids, entropy if keep else None)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        if entropy is not None and not keep:
-            ctx.mark_non_differentiable(entropy)
-        return log_p, entropy
+    what = "hidden"
+    in_place = False
 
-    @staticmethod
-    @once_differentiable
+    def __init__(self, hidden: Tensor, weight: Tensor) -> None:
+        self.hidden = self.x = hidden
+        self.weight = weight
+        self.tensors = (hidden, weight)
+        self.vocab_local = int(weight.shape[0])
+        self.default_chunk = default_hidden_chunk_rows(self.vocab_local)
+
+    def take(self, index: Tensor) -> "HiddenHead":
+        return HiddenHead(self.hidden.index_select(0, index), self.weight)
+
+    def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
+        return forward(self.hidden, self.weight, ids, options)
+
+    def topk_forward(self, k: int, options: Options) -> tuple[Tensor, Tensor, Saved]:
+        return topk_forward(self.hidden, self.weight, k, options)
+
     def backward(
-        ctx: Any, g_lp: Tensor | None, g_entropy: PerRow | None
-    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_h or want_w):
-            return None, None, None, None
-        hidden, weight, ids, entropy = ctx.saved_tensors
-        grads = backward(hidden, weight, ids, entropy, ctx.saved, g_lp, g_entropy, want_h, want_w)
-        return *grads, None, None
-
-
-class _LinearTopK(torch.autograd.Function):
-    """``topk_forward``, differentiable like ``torch.topk``: the gradient of the chosen
-    entries is ``backward`` at the chosen ids."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Hidden, weight: HeadWeight, k: int, options: Options
-    ) -> tuple[Tensor, Tensor]:
-        log_p, ids, saved = topk_forward(hidden, weight, k, options)
-        ctx.save_for_backward(hidden, weight, ids)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(ids)
-        return log_p, ids
-
-    @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: Any, g_lp: Tensor | None, g_ids: None
-    ) -> tuple[Hidden | None, HeadWeight | None, None, None]:
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_h or want_w):
-            return None, None, None, None
-        hidden, weight, ids = ctx.saved_tensors
-        grads = backward(hidden, weight, ids, None, ctx.saved, g_lp, None, want_h, want_w)
-        return *grads, None, None
-
-
-# torch leaves Function.apply untyped; typed once here, at the boundary.
-apply = cast(
-    Callable[[Tensor, Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LinearLogProbs.apply
-)
-apply_topk = cast(Callable[[Tensor, Tensor, int, Options], tuple[Tensor, Tensor]], _LinearTopK.apply)
+        self, ids: Tensor, entropy: Tensor | None, saved: Saved, g_lp: Tensor | None, g_entropy: Tensor | None,
+        want: Sequence[bool],
+    ) -> tuple[Tensor | None, ...]:
+        return backward(self.hidden, self.weight, ids, entropy, saved, g_lp, g_entropy, want[0], want[1])
 
 
 @overload
@@ -374,9 +377,9 @@ def log_probs_and_entropy_from_hidden(
             ``BLOCK_TILES * 128`` columns) whatever ``chunk_size``. The gradients w.r.t.
             ``hidden`` and ``weight`` sum over the vocabulary and the rows (and the TP
             shards' all-reduce): not TP-invariant (docs/invariance.md).
-        chunk_size: sizes the tiles, forward and backward: each holds half the
+        chunk_size: sizes the blocks, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
-            ``tiles.TILE_ROWS`` rows (all rows if fewer). None picks
+            ``blocks.MIN_BLOCK_ROWS`` rows (all rows if fewer). None picks
             ``default_hidden_chunk_rows(V_local)``: ``chunk_size`` rows of float32
             within 32 MiB.
 
@@ -387,8 +390,8 @@ def log_probs_and_entropy_from_hidden(
         ``weight``'s gradient is this shard's; ``hidden``'s is the *full* gradient,
         summed over the TP group, so everything below the head gets correct gradients.
         Memory beyond the inputs and their gradients: ``[T]`` statistics and a few
-        tiles (a tile's logits and work buffers) in forward; in backward a few
-        tiles, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
+        blocks (a block's logits and work buffers) in forward; in backward a few
+        blocks, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
         inputs) and one float32 ``[V_block, H]`` block of the weight gradient at a
         time, never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
         more and ``[n, H]`` pieces of its elements. Backward recomputes the logits
@@ -410,29 +413,20 @@ def log_probs_and_entropy_from_hidden(
             collective.
     """
     hidden_, weight_, targets_, tp = args.head_and_targets(hidden, weight, targets, tp_group=tp_group)
-    options = args.options(
-        hidden_, weight_.shape[0], targets_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
+    x = HiddenHead(hidden_, weight_)
+    return head.log_probs(x, targets_, head.options(
+        x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    return apply(hidden_, weight_, targets_, options)
+        invariant=invariant))
 
 
 def log_probs_at_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    ids: TensorArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, ids: TensorArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> Tensor:
     """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
-    V_local]`` logits: the hidden-state path's tiles, forward and backward.
+    V_local]`` logits: the hidden-state path's blocks, forward and backward.
 
     Args:
         hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size: as
@@ -453,29 +447,19 @@ def log_probs_at_from_hidden(
             as ``log_probs_at`` for ids. Raised before any collective.
     """
     hidden_, weight_, ids_, tp = args.head_and_targets(hidden, weight, ids, "ids", tp_group=tp_group)
-    options = args.options(
-        hidden_, weight_.shape[0], ids_, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    log_p, _ = apply(hidden_, weight_, ids_, options)
-    return log_p
+    x = HiddenHead(hidden_, weight_)
+    options = head.options(x, ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.log_probs(x, ids_, options)[0]
 
 
 def topk_log_probs_from_hidden(
-    hidden: TensorArg,
-    weight: TensorArg,
-    k: IntArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
-    invariant: bool = False,
+    hidden: TensorArg, weight: TensorArg, k: IntArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
+    vocab_size: IntArg | None = None, invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
-    V_local]`` logits: each tile's top-k kept as a running best over the vocabulary
+    V_local]`` logits: each block's top-k kept as a running best over the vocabulary
     blocks; the teacher's top-k straight from its hidden states. ``hidden``, ``weight``
     (or a DTensor weight sharded ``Shard(0)`` on the TP mesh dimension), ``tp_group`` and
     the other keywords as ``log_probs_and_entropy_from_hidden``'s, ``k`` as
@@ -495,11 +479,7 @@ def topk_log_probs_from_hidden(
     """
     hidden_, weight_, tp = args.head(hidden, weight, tp_group)
     k_ = args.k_best(k)
-    options = args.options(
-        hidden_, weight_.shape[0], None, what="hidden", default_chunk=default_hidden_chunk_rows(weight_.shape[0]),
-        temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant,
-    )
-    assert options.vocab_size is not None
-    topk.check_k(k_, options.vocab_size, compute_dtype(hidden_.dtype))
-    return apply_topk(hidden_, weight_, k_, options)
+    x = HiddenHead(hidden_, weight_)
+    options = head.options(x, None, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.topk(x, k_, options)

@@ -2,19 +2,18 @@
 
 Its tiles are row chunks of the logits themselves (``kernels.stats`` forward,
 ``kernels.grad`` backward, compiled or Triton where ``CPSLICE_BACKEND`` says so); only ``[T]``
-statistics cross ranks (``engine.finish``: one all-gather under TP), and the backward
+statistics cross ranks (``call.finish``: one all-gather under TP), and the backward
 recomputes ``p`` chunk by chunk from the saved logits and the global ``M`` and ``log S``,
 writing the gradient once into one ``[T, V_local]`` buffer, with no communication.
 """
 
 import math
-from collections.abc import Callable
-from typing import Any, Literal, Unpack, cast, overload
+from collections.abc import Sequence
+from typing import Literal, Unpack, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._types import (
     ChunkArg,
@@ -27,7 +26,7 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, invariant, kernels, topk
+from . import args, head, invariant, kernels, topk
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .rows import gather, index_of, pieces
@@ -135,59 +134,33 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     return log_p, ids, Saved(shard, totals.max, totals.log_sum, None, options, options.rows)
 
 
-class _LogProbs(torch.autograd.Function):
-    """A thin shell over ``forward`` and ``backward``: the inputs and (when its gradient
-    is wanted) the entropy through ``save_for_backward``, the rest as one ``Saved``."""
+class LogitsHead:
+    """The logits head (``head.Head``): this rank's ``[T, V_local]`` logits, computed in
+    place by this module's ``forward``, ``backward`` and ``topk_forward``."""
 
-    @staticmethod
-    def forward(
-        ctx: Any, logits: Logits, ids: Tensor, options: Options
-    ) -> tuple[Tensor, PerRow | None]:
-        log_p, entropy, saved = forward(logits, ids, options)
-        keep = entropy is not None and options.entropy_grad
-        ctx.save_for_backward(logits, ids, entropy if keep else None)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        if entropy is not None and not keep:
-            ctx.mark_non_differentiable(entropy)
-        return log_p, entropy
+    what = "logits"
+    in_place = True
+    default_chunk = None
 
-    @staticmethod
-    @once_differentiable
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = self.x = logits
+        self.tensors = (logits,)
+        self.vocab_local = int(logits.shape[1])
+
+    def take(self, index: Tensor) -> "LogitsHead":
+        return LogitsHead(self.logits.index_select(0, index))
+
+    def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
+        return forward(self.logits, ids, options)
+
+    def topk_forward(self, k: int, options: Options) -> tuple[Tensor, Tensor, Saved]:
+        return topk_forward(self.logits, k, options)
+
     def backward(
-        ctx: Any, g_lp: Tensor | None, g_entropy: PerRow | None
-    ) -> tuple[Logits | None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        logits, ids, entropy = ctx.saved_tensors
-        return backward(logits, ids, entropy, ctx.saved, g_lp, g_entropy), None, None
-
-
-class _TopK(torch.autograd.Function):
-    """``topk_forward``, differentiable like ``torch.topk``: the gradient of the chosen
-    entries is ``backward`` at the chosen ids."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: Logits, k: int, options: Options) -> tuple[Tensor, Tensor]:
-        log_p, ids, saved = topk_forward(logits, k, options)
-        ctx.save_for_backward(logits, ids)
-        ctx.saved = saved
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(ids)
-        return log_p, ids
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, g_lp: Tensor | None, g_ids: None) -> tuple[Logits | None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        logits, ids = ctx.saved_tensors
-        return backward(logits, ids, None, ctx.saved, g_lp, None), None, None
-
-
-# torch leaves Function.apply untyped; typed once here, at the boundary.
-apply = cast(Callable[[Tensor, Tensor, Options], tuple[Tensor, Tensor | None]], _LogProbs.apply)
-apply_topk = cast(Callable[[Tensor, int, Options], tuple[Tensor, Tensor]], _TopK.apply)
+        self, ids: Tensor, entropy: Tensor | None, saved: Saved, g_lp: Tensor | None, g_entropy: Tensor | None,
+        want: Sequence[bool],
+    ) -> tuple[Tensor | None, ...]:
+        return (backward(self.logits, ids, entropy, saved, g_lp, g_entropy) if want[0] else None,)
 
 
 @overload
@@ -277,22 +250,16 @@ def log_probs_and_entropy(
             shard not whole tiles. Before any collective.
     """
     logits_, targets_, tp = args.logits_and_targets(logits, targets, tp_group=tp_group)
-    options = args.options(logits_, logits_.shape[1], targets_, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                           temperature=temperature, tp_group=tp, chunk_size=chunk_size, support=support,
-                           entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
-                           invariant=invariant)
-    return apply(logits_, targets_, options)
+    x = LogitsHead(logits_)
+    return head.log_probs(x, targets_, head.options(
+        x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
+        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
+        invariant=invariant))
 
 
 def log_probs_at(
-    logits: TensorArg,
-    ids: TensorArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, ids: TensorArg, *, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, softcap: RealArg | None = None, vocab_size: IntArg | None = None,
     invariant: bool = False,
 ) -> Tensor:
     """``log_softmax(logits / temperature)`` over the full (possibly tensor-parallel)
@@ -328,23 +295,15 @@ def log_probs_at(
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
     logits_, ids_, tp = args.logits_and_targets(logits, ids, "ids", tp_group=tp_group)
-    options = args.options(
-        logits_, logits_.shape[1], ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
-        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
-    )
-    log_p, _ = apply(logits_, ids_, options)
-    return log_p
+    x = LogitsHead(logits_)
+    options = head.options(x, ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.log_probs(x, ids_, options)[0]
 
 
 def topk_log_probs(
-    logits: TensorArg,
-    k: IntArg,
-    *,
-    temperature: TemperatureArg = 1.0,
-    tp_group: dist.ProcessGroup | None = None,
-    chunk_size: ChunkArg = None,
-    softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None,
+    logits: TensorArg, k: IntArg, *, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, softcap: RealArg | None = None, vocab_size: IntArg | None = None,
     invariant: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Each row's ``k`` most likely ids over the full (possibly tensor-parallel)
@@ -377,10 +336,7 @@ def topk_log_probs(
     """
     logits_, tp = args.logits(logits, tp_group)
     k_ = args.k_best(k)
-    options = args.options(
-        logits_, logits_.shape[1], None, temperature=temperature, tp_group=tp, chunk_size=chunk_size,
-        softcap=softcap, vocab_size=vocab_size, invariant=invariant,
-    )
-    assert options.vocab_size is not None
-    topk.check_k(k_, options.vocab_size, compute_dtype(logits_.dtype))
-    return apply_topk(logits_, k_, options)
+    x = LogitsHead(logits_)
+    options = head.options(x, None, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
+                           vocab_size=vocab_size, invariant=invariant)
+    return head.topk(x, k_, options)
