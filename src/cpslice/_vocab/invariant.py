@@ -44,12 +44,13 @@ from typing import cast, no_type_check
 import torch
 from torch import Tensor
 
+from .. import _probe
 from .._errors import LayoutError
 from . import kernels
-from . import stats as _stats  # merge_tiles read at each call: tests plant another order
+from . import stats as _stats
 from .backends import selection as backend
 from .memory import buffer
-from .rows import At, chunked, gather, numbers, pieces, size
+from .rows import At, chunked, count, gather, numbers, pieces, size
 from .stats import FLOOR, TILE, RowGrad, RowStats, Shard, Softmax, Tau, exp, softcap, tree, write
 
 BLOCK_ROWS = 64
@@ -115,14 +116,20 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return _stats.merge_tiles(m, s, a, tau)
+    return _merge(m, s, a, tau)
+
+
+def _merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``stats.merge_tiles``, or the step substituted for it (``_probe.substitute``)."""
+    merge = _stats.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _stats.merge_tiles)
+    return merge(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``stats.merge_tiles``); their picked logits added."""
-    write(out, at, *_stats.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+    write(out, at, *_merge(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
                                        tau))
     out.picked[at] += parts.picked
 
@@ -215,13 +222,13 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
 
 def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: RowStats, first: int) -> bool:
     """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
-    ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
+    ``out``, in chunks of a fixed number of rows (``rows.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
     n = x.shape[1] // TILE
     chunks, buf = chunked(x, rows, stats_chunk_rows(x.shape[1]))
     for at in chunks:
         part = gather(x, at, buf)
-        ok, result = kernels._call(tile_kernel, part, r[at])
+        ok, result = kernels._call(tile_kernel, part, r[at], invariant=True)
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
@@ -251,6 +258,8 @@ def stats(
     if rows is not None and not isinstance(rows, Tensor):
         rows = torch.cat([torch.arange(lo, hi) for lo, hi in rows] or [torch.zeros(0, dtype=torch.int64)])
         rows = rows.to(x.device)
+    if _probe.active is not None:
+        _probe.active.call("stats", count(rows, x.shape[0]), rows, invariant=True)
     if backend.triton_for(x, invariant=True):
         _triton_stats(x, softmax, valid, out, rows, first)
         return
@@ -295,6 +304,8 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
         return
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
+        if _probe.active is not None:
+            _probe.active.launch("eager", "rows", size(at), invariant=True)
         write(out, at, *eager_rows(gather(x, at, None), softmax.cap, r[at], tau[at], buf, out.ent is not None))
 
 
@@ -326,7 +337,7 @@ def eager_rows(
     """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
     then ``merge_tiles``."""
     m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return _stats.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
+    return _merge(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
 @no_type_check
@@ -343,14 +354,15 @@ def row_kernel(x, r, tau):
 
 def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
     """``row_kernel`` over the ``rows`` of ``x`` into ``out`` (``[T]`` fields), in chunks of
-    a fixed number of rows (``kernels.chunk_starts``), each compiled shape's first
+    a fixed number of rows (``rows.chunk_starts``), each compiled shape's first
     result checked against ``eager_rows``; False if it failed to compile (auto) or
     disagreed."""
     width = x.shape[1]
     chunks, buf = chunked(x, rows, stats_chunk_rows(width))
     for at in chunks:
         part = gather(x, at, buf)
-        ok, result = kernels._call(row_kernel, part, r[at], tau[at])
+        kernel = row_kernel if _probe.active is None else _probe.active.step("row_kernel", row_kernel)
+        ok, result = kernels._call(kernel, part, r[at], tau[at], invariant=True)
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
@@ -380,6 +392,8 @@ def _eager_stats(
         return
     cols = slice(first + start // TILE, first + n_tiles)
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), n * TILE, out.sum.dtype, x.device):
+        if _probe.active is not None:
+            _probe.active.launch("eager", "tiles", size(at), invariant=True)
         part = gather(x[:, start:valid], at, None)
         write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
 
@@ -442,6 +456,8 @@ def grad(
     picked ids' entries (``picks``); any other entry is the kernel's, whichever shard
     holds the ids. ``work`` is ``kernels.grad``'s: invariant mode's kernels take no
     workspace."""
+    if _probe.active is not None:
+        _probe.active.call("grad", count(rows, x.shape[0]), rows, invariant=True)
     r = reciprocal(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     chunk = max(chunks.eager, chunks.compiled)
@@ -453,6 +469,8 @@ def grad(
         return
     if not (softmax.cap is None and compiled_ok(x, rows) and _compiled_grad(x, rows, r, big_m, log_s, a, row.b, out)):
         for at in pieces(rows, x.shape[0], chunks.eager):
+            if _probe.active is not None:
+                _probe.active.launch("eager", "grad", size(at), invariant=True)
             dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
             grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], row.b[at], dst, softmax.cap)
             if not isinstance(at, slice):
@@ -511,11 +529,11 @@ def _compiled_grad(
         if pairs:
             v, o = _stats._pairs(src), _stats._pairs(dst)
             assert v is not None and o is not None
-            ok, _ = kernels._call(pairs_kernel, v, *terms, o)
+            ok, _ = kernels._call(pairs_kernel, v, *terms, o, invariant=True)
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
         else:
             part = src if wide is None else wide[:c].copy_(src)
-            ok, _ = kernels._call(grad_kernel, part, *terms, dst)
+            ok, _ = kernels._call(grad_kernel, part, *terms, dst, invariant=True)
             key = ("grad_kernel", part.dtype, dst.dtype, (c, width), part.stride(), dst.stride())
         if not ok:
             return False

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _probe
+
 FLOOR = -1.0e4
 """``exp`` of anything below this is exactly 0 in float32 and float64. Clamping ``d`` there
 changes no ``p`` and no ``p * log p``, but turns the ``0 * (-inf)`` of a masked (-inf)
@@ -320,6 +322,8 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     world = dist.get_world_size(group)
     # the concatenation form [W * r, T]: gloo refuses the stacked [W, r, T]
     flat = local.new_empty((world * local.shape[0], local.shape[1]))
+    if _probe.active is not None:
+        _probe.active.collective("all_gather", local.numel())
     _all_gather(flat, local, group=group)
     return flat.view(world, *local.shape)
 
