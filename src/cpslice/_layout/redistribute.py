@@ -80,6 +80,8 @@ def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int
     grouped = torch.empty_like(order)
     grouped[order] = torch.arange(order.numel(), dtype=_I64)
     dst_counts = selection_at(dst, dst_length, "response", depth).counts
+    if _probe.active is not None:
+        _probe.active.host_read("tolist")
     return _Route(
         send_index,
         splits.tolist(),

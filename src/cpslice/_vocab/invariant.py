@@ -116,20 +116,14 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return _merge(m, s, a, tau)
-
-
-def _merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``stats.merge_tiles``, or the step substituted for it (``_probe.substitute``)."""
-    merge = _stats.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _stats.merge_tiles)
-    return merge(m, s, a, tau)
+    return _stats.merge_step(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: At, parts: RowStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``stats.merge_tiles``); their picked logits added."""
-    write(out, at, *_merge(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+    write(out, at, *_stats.merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
                                        tau))
     out.picked[at] += parts.picked
 
@@ -304,8 +298,6 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
         return
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
-        if _probe.active is not None:
-            _probe.active.launch("eager", "rows", size(at), invariant=True)
         write(out, at, *eager_rows(gather(x, at, None), softmax.cap, r[at], tau[at], buf, out.ent is not None))
 
 
@@ -314,6 +306,8 @@ def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.dev
     buffer for the call."""
     work = torch.empty(max((size(at) for at in pieces), default=0) * width, dtype=dtype, device=device)
     for at in pieces:
+        if _probe.active is not None:  # one chunk of the eager forward
+            _probe.active.launch("eager", "stats", size(at), invariant=True)
         yield at, work[: size(at) * width].view(size(at), width)
 
 
@@ -337,7 +331,7 @@ def eager_rows(
     """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
     then ``merge_tiles``."""
     m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return _merge(m.t(), s.t(), None if a is None else a.t(), tau)
+    return _stats.merge_step(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
 @no_type_check
@@ -392,8 +386,6 @@ def _eager_stats(
         return
     cols = slice(first + start // TILE, first + n_tiles)
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), n * TILE, out.sum.dtype, x.device):
-        if _probe.active is not None:
-            _probe.active.launch("eager", "tiles", size(at), invariant=True)
         part = gather(x[:, start:valid], at, None)
         write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
 

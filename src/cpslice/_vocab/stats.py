@@ -275,6 +275,13 @@ Merger = Callable[[Tensor, Tensor, Tensor | None, Tau], tuple[Tensor, Tensor, Te
 """``merge_tiles``' signature: ``(m, s, a, tau)`` ``[n, R]`` tiles to ``(M, S, A)`` ``[R]``."""
 
 
+def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``merge_tiles``, or the step substituted for it (``_probe.substitute("merge_tiles", fn)``):
+    invariant mode's merges with torch."""
+    merge = merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", merge_tiles)
+    return merge(m, s, a, tau)
+
+
 def write(out: RowStats, at: slice | Tensor | tuple[slice | Tensor, slice], m: Tensor, s: Tensor,
           a: Tensor | None) -> None:
     """``out``'s ``max``, ``sum`` and (where both are there) ``ent`` at ``at`` from ``m``,
