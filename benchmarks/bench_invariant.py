@@ -17,7 +17,9 @@ before it (``harness.peak_growth``), in ``[T, V]`` buffers of the logits' dtype 
 gradient, one such buffer, included); then ``repeat`` rounds each time one step of
 every method in turn, so that a slower or faster stretch of the machine falls on all
 of them alike. Time is the median (and the best) over the rounds, ``cpu ms`` the median
-process CPU time of a step.
+process CPU time of a step. One more step of each, untimed, is watched by the
+instrumentation hook (``cpslice._probe``, docs/instrumentation.md): its kernel launches
+by backend and its host reads.
 
 Run: ``.venv/bin/python benchmarks/bench_invariant.py [--quick] [--dtypes float32,bfloat16]``
 (or ``python -m benchmarks.bench_invariant``).
@@ -33,12 +35,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import peak_growth  # noqa: E402
+
+if TYPE_CHECKING:
+    from cpslice import _probe
 
 METHODS = ("default", "eager", "invariant")
 DTYPES = ("float32", "bfloat16")
@@ -55,10 +61,12 @@ class Result:
     median_ms: float
     best_ms: float
     cpu_ms: float
+    launches: str
+    host_reads: int
 
 
 def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
-    from cpslice import log_probs_and_entropy
+    from cpslice import _probe, log_probs_and_entropy
     from cpslice._vocab.backends import selection as backend
 
     torch.manual_seed(0)
@@ -67,14 +75,18 @@ def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
     g_lp, g_h = torch.randn(t), torch.randn(t)
 
     def step(method: str) -> None:
-        backend.selected.name = "eager" if method == "eager" else "auto"  # CPSLICE_BACKEND, as a user sets it
-        lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, temperature=TEMPERATURE,
-                                      invariant=method == "invariant")
-        torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
+        with backend.using("eager" if method == "eager" else "auto"):  # CPSLICE_BACKEND, as a user sets it
+            lp, h = log_probs_and_entropy(logits, targets, with_entropy=True, temperature=TEMPERATURE,
+                                          invariant=method == "invariant")
+            torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())
         logits.grad = None
 
     for m in METHODS:
         step(m)  # warm-up (the compile, for default and invariant)
+    seen: dict[str, _probe.Seen] = {}
+    for m in METHODS:
+        with _probe.watch() as seen[m]:  # one step watched, apart from the timed ones
+            step(m)
     peaks = {m: peak_growth(functools.partial(step, m)) for m in METHODS}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     cpu: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -86,7 +98,14 @@ def _children(dtype_name: str, t: int, v: int, repeat: int) -> list[Result]:
             times[m].append(time.perf_counter() - start)
     buffer = t * v * logits.element_size()
     return [Result(m, dtype_name, t, v, peaks[m] / buffer, 1e3 * statistics.median(times[m]), 1e3 * min(times[m]),
-                   1e3 * statistics.median(cpu[m])) for m in METHODS]
+                   1e3 * statistics.median(cpu[m]), _launches(seen[m]), seen[m].count("host_read")) for m in METHODS]
+
+
+def _launches(seen: "_probe.Seen") -> str:
+    """A step's kernel launches by backend, e.g. ``compiled 32``."""
+    from cpslice import _probe
+
+    return " ".join(f"{b} {n}" for b in _probe.BACKENDS if (n := seen.count("launch", backend=b)))
 
 
 def _in_subprocess(dtype: str, t: int, v: int, repeat: int) -> list[Result]:
@@ -107,10 +126,11 @@ def report(results: Sequence[Result], say: Callable[[str], None] = print) -> Non
     first = results[0]
     say(f"T={first.t} V={first.v} temperature={TEMPERATURE}, forward + backward of log-probs and "
         f"entropy, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    say(f"{'method':<11}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}{'cpu ms':>9}")
+    say(f"{'method':<11}{'dtype':<10}{'peak [T,V] bufs':>16}{'median ms':>11}{'best ms':>9}{'cpu ms':>9}"
+        f"  {'launches a step':<16}{'host reads':>10}")
     for r in results:
         say(f"{r.method:<11}{r.dtype:<10}{r.peak_buffers:>16.2f}{r.median_ms:>11.1f}{r.best_ms:>9.1f}"
-            f"{r.cpu_ms:>9.1f}")
+            f"{r.cpu_ms:>9.1f}  {r.launches:<16}{r.host_reads:>10}")
     for dtype in dict.fromkeys(r.dtype for r in results):
         by = {r.method: r for r in results if r.dtype == dtype}
         for other in ("default", "eager"):

@@ -10,8 +10,8 @@ includes its compiles) is set against the bandwidth floor: one read of the logit
 forward, one read and one gradient write backward, at the copy bandwidth measured at
 the start; its peak memory beyond the logits and their targets; its error against
 float64 on the first 256 rows (log-prob, entropy and the logits' gradient); and which
-Triton kernels ran (``_vocab.triton.launches``: a fallback shows as none). The script
-prints its own elapsed time.
+Triton kernels one step launched (``cpslice._probe``'s launch events of the warm-up step:
+a fallback shows as none). The script prints its own elapsed time.
 
 Run: ``PYTHONPATH=src python3 -m benchmarks.gpu_bench`` (torch with CUDA and Triton,
 jaxtyping; no megatron). ``--quick`` runs only the bfloat16 V = 151936 case.
@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,9 +29,9 @@ import torch
 from torch import Tensor
 
 import cpslice
+from cpslice import _probe
 from cpslice._vocab.backends import selection as backend
 from cpslice._vocab.backends.triton import default as triton_default
-from cpslice._vocab.backends.triton import launches
 
 T = 16384
 VOCABS = (151936, 151936 // 4)
@@ -107,7 +108,6 @@ def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tenso
             floor: float, repeat: int) -> Row:
     x = x0.detach().requires_grad_()
     base = torch.cuda.memory_allocated()
-    before = launches.copy()
 
     def once() -> tuple[Tensor, Tensor | None]:
         x.grad = None
@@ -116,7 +116,8 @@ def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tenso
         loss.backward()  # type: ignore[no-untyped-call]
         return lp, h
 
-    lp, h = once()  # warm-up: compiles
+    with _probe.watch() as seen:  # the one step watched (the timed ones are not)
+        lp, h = once()  # warm-up: compiles
     torch.cuda.synchronize()
     assert x.grad is not None
     lp_err = float((lp[:REF_ROWS].double() - ref[0]).abs().max())
@@ -129,7 +130,7 @@ def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tenso
     ms = _time(once, repeat, warmup=0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     x.grad = None
-    ran = launches - before
+    ran = Counter(e.name for e in seen.of("launch", backend="triton"))
     kernels = ",".join(f"{k}x{v}" for k, v in sorted(ran.items())) or "-"
     return Row(name, str(x0.dtype).removeprefix("torch."), x0.shape[1], ms, ms / floor, peak, lp_err, h_err, g_err,
                kernels)
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     liger = liger_step()
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     vocabs = VOCABS[:1] if args.quick else VOCABS
-    print("| method | dtype | V | ms | x floor | peak GiB past logits | lp err | H err | grad err | Triton launches |")
+    print("| method | dtype | V | ms | x floor | peak GiB past logits | lp err | H err | grad err "
+          "| Triton launches a step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         for vocab in vocabs:

@@ -16,14 +16,15 @@ import math
 import os
 import sys
 import traceback
+from collections import Counter
 
 import torch
 from torch import Tensor
 
+from cpslice import _probe
 from cpslice._vocab import invariant as inv
 from cpslice._vocab import spec, stats
 from cpslice._vocab.backends.triton import invariant as tri
-from cpslice._vocab.backends.triton import launches
 from cpslice._vocab.softmax import Softmax
 
 DEV = os.environ.get("DEV", "cuda")
@@ -111,13 +112,15 @@ def main() -> int:
     print("torch", torch.__version__, "device", DEV, flush=True)
     gen = torch.Generator().manual_seed(0)
     ok = True
-    for dtype in (torch.float32, torch.bfloat16):
-        for cap in (None, 30.0, 5.0):
-            try:
-                ok &= _case(dtype, cap, gen)
-            except Exception:
-                ok = False
-                traceback.print_exc()
+    with _probe.watch() as seen:
+        for dtype in (torch.float32, torch.bfloat16):
+            for cap in (None, 30.0, 5.0):
+                try:
+                    ok &= _case(dtype, cap, gen)
+                except Exception:
+                    ok = False
+                    traceback.print_exc()
+    launches = Counter(e.name for e in seen.of("launch", backend="triton"))
     print("ALL TRITON == CPU EAGER:", ok, dict(launches), flush=True)
     if DEV == "cuda":
         _timing()

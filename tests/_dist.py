@@ -77,7 +77,8 @@ class _Baseline:
     """A rank's process-wide state between tasks, put back after each one: the global
     RNG state, thread count, default dtype, grad mode and environment of the fresh
     process, and the globals of ``torch.distributed`` and of cpslice's modules as they
-    were when the task started (a task may wrap a collective to count its calls).
+    were when the task started (a task that fails inside a block of cpslice's
+    instrumentation hook leaves nothing open for the next one).
     megatron-core's parallel_state is the task's to destroy (``destroy_megatron``):
     one left initialized is destroyed here and fails the task."""
 
@@ -344,20 +345,3 @@ def tp_groups(rank: int, world: int) -> list[tuple[Any, int, int]]:
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             _TP_GROUPS.append((pairs[rank // 2], 2, rank % 2))
     return list(_TP_GROUPS)
-
-
-@contextmanager
-def counting(module: ModuleType, name: str, log: list[str]) -> Iterator[None]:
-    """Within the block, ``module.name`` (a collective) appends ``name`` to ``log`` and
-    makes the real call; the real one is back after it."""
-    real = getattr(module, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        log.append(name)
-        return real(*args, **kwargs)
-
-    setattr(module, name, counted)
-    try:
-        yield
-    finally:
-        setattr(module, name, real)

@@ -1,10 +1,9 @@
-"""What cpslice's compiled chunk kernels ran, for test_kernels.py and the compiled TP cases."""
+"""The compiled kernels a block ran, as the instrumentation hook saw them (``cpslice._probe``)."""
 
-import torch
-
-from cpslice._vocab.backends import selection as _backend
+from cpslice._probe import Seen
 
 
-def ran(backend: object, dtype: torch.dtype, rows: int) -> set[str]:
-    """Names of the kernels compiled and run for this backend, dtype and chunk rows."""
-    return {str(k[0]) for k in _backend.selected.ready if k[1] == dtype and k[2] == rows and k[-1] == backend}
+def ran(seen: Seen, rows: int) -> set[str]:
+    """The compiled kernels launched within ``seen``'s block on chunks of ``rows`` rows
+    (a compiled kernel's chunk shape is fixed: the launches' rows are its chunk's)."""
+    return {e.name for e in seen.of("launch", backend="compiled") if e.rows == rows}

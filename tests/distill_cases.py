@@ -3,13 +3,13 @@ through ``run_distributed``): every rank holds a shard of the same full logits (
 weight) and must get the same values as the float64 reference of the full vocabulary,
 its shard's columns of the gradient, and enter exactly the documented collectives."""
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from cpslice import (
     Layout,
+    _probe,
     log_probs_at,
     log_probs_at_from_hidden,
     pack,
@@ -26,34 +26,19 @@ V_LOCAL = 5
 ROWS = 7
 
 
-def _counted() -> tuple[dict[str, int], Callable[[], None]]:
-    from cpslice._vocab import hidden, stats
-
-    calls = {"all_gather": 0, "all_reduce": 0}
-    real = (stats._all_gather, hidden._all_reduce)
-
-    def gather(*args: Any, **kwargs: Any) -> object:
-        calls["all_gather"] += 1
-        return real[0](*args, **kwargs)
-
-    def reduce(*args: Any, **kwargs: Any) -> object:
-        calls["all_reduce"] += 1
-        return real[1](*args, **kwargs)
-
-    stats._all_gather, hidden._all_reduce = gather, reduce
-
-    def restore() -> None:
-        stats._all_gather, hidden._all_reduce = real
-
-    return calls, restore
+def _calls(seen: _probe.Seen) -> dict[str, int]:
+    """The collectives ``seen`` so far, by name."""
+    return {name: seen.count("collective", name=name) for name in ("all_gather", "all_reduce", "all_to_all_single")}
 
 
-def _expect(calls: dict[str, int], before: dict[str, int], gather: int, reduce: int) -> None:
+def _expect(seen: _probe.Seen, before: dict[str, int], gather: int, reduce: int) -> None:
+    calls = _calls(seen)
     assert calls["all_gather"] - before["all_gather"] == gather, (calls, before)
     assert calls["all_reduce"] - before["all_reduce"] == reduce, (calls, before)
+    assert calls["all_to_all_single"] == before["all_to_all_single"], (calls, before)
 
 
-def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
+def _cases(group: Any, tp: int, rank: int, seen: _probe.Seen) -> int:
     vocab = tp * V_LOCAL
     cols = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
     gen = torch.Generator().manual_seed(40 + tp)
@@ -66,7 +51,7 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
     for name in ("at", "topk"):
         x = full[:, cols].float().requires_grad_(True)
         x64 = full.clone().requires_grad_(True)
-        before = dict(calls)
+        before = _calls(seen)
         if name == "at":
             got = log_probs_at(x, ids, temperature=0.9, tp_group=group, chunk_size=3)
             want = ref.log_probs_at(x64, ids, 0.9)
@@ -74,9 +59,9 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
             got, top = topk_log_probs(x, 4, temperature=0.9, tp_group=group, chunk_size=3)
             want, want_ids = ref.teacher_top_k(x64, 4, 0.9)
             assert torch.equal(top, want_ids)
-        _expect(calls, before, 1, 0)
+        _expect(seen, before, 1, 0)
         torch.autograd.backward([(got.double() * g).sum(), (want * g).sum()])
-        _expect(calls, before, 1, 0)
+        _expect(seen, before, 1, 0)
         atol = ref.entropy_free_tolerance(full, 0.9)
         torch.testing.assert_close(got.double(), want.detach(), rtol=0, atol=atol)
         assert x64.grad is not None
@@ -89,7 +74,7 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
     for name in ("at", "topk"):
         hid, shard = h.clone().requires_grad_(True), w[cols].clone().requires_grad_(True)
         h64, w64 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        before = dict(calls)
+        before = _calls(seen)
         if name == "at":
             got = log_probs_at_from_hidden(hid, shard, ids, temperature=0.9, tp_group=group, chunk_size=2)
             want = ref.log_probs_at(h64 @ w64.T, ids, 0.9)
@@ -98,7 +83,7 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
             want, want_ids = ref.teacher_top_k(h64 @ w64.T, 4, 0.9)
             assert torch.equal(top, want_ids)
         torch.autograd.backward([(got * g).sum(), (want * g).sum()])
-        _expect(calls, before, 1, 1)
+        _expect(seen, before, 1, 1)
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
         assert w64.grad is not None and h64.grad is not None
         ref.grad_close(hid.grad, h64.grad, 1e-12)
@@ -114,10 +99,10 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
     for cp_rank in (0, 1):
         layout = Layout(total, response, cp_mode="zigzag", cp_rank=cp_rank, cp_size=2)
         x = pack([s[:, cols] for s in samples], layout).float().requires_grad_(True)
-        before = dict(calls)
+        before = _calls(seen)
         div = response_distillation(x, lp, t_ids, layout, tp_group=group)
         torch.autograd.backward(sum((d.sum() for d in div), 0 * x.sum()))
-        _expect(calls, before, 1, 0)
+        _expect(seen, before, 1, 0)
         whole = [
             ref.divergence(ref.log_probs_at(s[n - r - 1 : n - 1], i, 1.0), v, "forward", 0.5, "bin")
             for n, r, s, v, i in zip(total, response, samples, lp, t_ids)
@@ -130,8 +115,5 @@ def _cases(group: Any, tp: int, rank: int, calls: dict[str, int]) -> int:
 
 
 def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    calls, restore = _counted()
-    try:
-        return [(tp, _cases(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
-    finally:
-        restore()
+    with _probe.watch() as seen:
+        return [(tp, _cases(group, tp, tp_rank, seen)) for group, tp, tp_rank in tp_groups(rank, world)]

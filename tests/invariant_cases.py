@@ -15,6 +15,7 @@ from torch import Tensor
 from cpslice import (
     Layout,
     LayoutError,
+    _probe,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
     pack,
@@ -23,11 +24,8 @@ from cpslice import (
     topk_log_probs,
     topk_log_probs_from_hidden,
 )
-from cpslice._vocab import hidden as _hidden
-from cpslice._vocab import spec as _spec
-from cpslice._vocab import stats as _stats
 
-from ._dist import counting, tp_groups
+from ._dist import tp_groups
 from ._docs import DOCS, blocks, run_block
 
 Spec = Callable[..., tuple[Tensor, Tensor]]
@@ -234,16 +232,12 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     x, targets = peaked(256, VOCAB, 11)
     want = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True)
     planted = {}
-    real = _spec.merge_tiles
     for group, tp, tp_rank in ((whole, 4, rank), (pair, 2, pair_rank)):
         shard = x[:, tp_rank * (VOCAB // tp) : (tp_rank + 1) * (VOCAB // tp)]
         got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        _spec.merge_tiles = shard_first  # the baseline would put it back after the task too
-        try:
+        with _probe.substitute("merge_tiles", shard_first):
             got = log_probs_and_entropy(shard, targets, with_entropy=True, tp_group=group, invariant=True)
-        finally:
-            _spec.merge_tiles = real
         planted[tp] = "passed" if all(torch.equal(a, b) for a, b in zip(got, want)) else "caught"
     _refuses_partial_tiles(whole, pair)
     return {"seen": seen, "planted": planted}
@@ -252,7 +246,6 @@ def worker(rank: int, world: int) -> dict[str, Any]:
 def _refuses_partial_tiles(whole: Any, pair: Any) -> None:
     """A shard that does not hold whole tiles is refused at TP 4 (``V_local = 96``) and at
     TP 2 (``V_local = 192``: one tile and a half), by each driver, before any collective."""
-    log: list[str] = []
     targets = torch.zeros(2, dtype=torch.int64)
 
     def refused(group: Any, tp: int, v_local: int) -> None:
@@ -266,10 +259,10 @@ def _refuses_partial_tiles(whole: Any, pair: Any) -> None:
             with pytest.raises(LayoutError, match=rf"V_local = {v_local} is not a multiple of 128 \(TP size {tp}\)"):
                 call()
 
-    with counting(_stats, "_all_gather", log), counting(_hidden, "_all_reduce", log):
+    with _probe.watch() as seen:
         refused(whole, 4, 96)
         refused(pair, 2, 192)
-    assert log == [], log
+    assert seen.of("collective") == [], seen.of("collective")
 
 
 # --- top-k ties across TP shards: the gloo worker

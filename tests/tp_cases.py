@@ -22,12 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import LayoutError, log_probs_and_entropy, log_probs_and_entropy_from_hidden
-from cpslice._vocab import hidden as _hidden
-from cpslice._vocab import stats as _stats
+from cpslice import LayoutError, _probe, log_probs_and_entropy, log_probs_and_entropy_from_hidden
 from cpslice._vocab.backends import selection as _backend
 
-from ._dist import counting, tp_groups
+from ._dist import tp_groups
 from .compiled import ran
 from .reference import (
     EPS32,
@@ -82,7 +80,7 @@ def _targets(case_index: int, t: int, vocab: int) -> Tensor:
     return targets
 
 
-def _run_logits(cases: list[LogitsCase], group: Any, tp: int, tp_rank: int, calls: list[str]) -> int:
+def _run_logits(cases: list[LogitsCase], group: Any, tp: int, tp_rank: int, seen: _probe.Seen) -> int:
     checked = 0
     for i, (t, v_local, temp, with_entropy, entropy_grad, dtype_name, chunk) in enumerate(cases):
         dtype = getattr(torch, dtype_name)
@@ -94,18 +92,19 @@ def _run_logits(cases: list[LogitsCase], group: Any, tp: int, tp_rank: int, call
         x = shard.detach().requires_grad_(True)
         gen = torch.Generator().manual_seed(300 + i)
         g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
-        n0 = len(calls)
+        n0 = seen.count("collective")
         logp, entropy = log_probs_and_entropy(
             x, targets, with_entropy=with_entropy, entropy_grad=entropy_grad,
             temperature=temp, tp_group=group, chunk_size=chunk,
         )
-        assert len(calls) == n0 + 1, "forward must enter exactly one all-gather"
+        assert seen.count("collective") == n0 + 1, "forward must enter exactly one collective"
+        assert seen.of("collective")[-1].name == "all_gather", seen.of("collective")[-1]
         use_h = with_entropy and entropy_grad
         loss = (logp * g_lp).sum()
         if entropy is not None and use_h:
             loss = loss + (entropy * g_h).sum()
         torch.autograd.backward(loss)
-        assert len(calls) == n0 + 1, "backward must enter no collective"
+        assert seen.count("collective") == n0 + 1, "backward must enter no collective"
         g_h = g_h if use_h else torch.zeros(t)
         ref_lp, ref_h, ref_grad = reference(full, targets, temp, g_lp, g_h)
         atol = tolerance(full, temp)
@@ -126,24 +125,24 @@ def _run_logits(cases: list[LogitsCase], group: Any, tp: int, tp_rank: int, call
     return checked
 
 
-def _run_compiled(rank: int, world: int, calls: list[str]) -> None:
+def _run_compiled(rank: int, world: int, seen: _probe.Seen) -> None:
     """``COMPILED_CASES`` through the compiled kernels (aot_eager) on the same groups;
     raises on any mismatch with the float64 reference, or if the compiled path did not
     run (only the kernels of this call count: the world's ranks outlive a task)."""
-    with _backend.using("compiled", compiler="aot_eager", fresh=True):
+    with _backend.using("compiled", compiler="aot_eager", fresh=True), _probe.watch() as compiled:
         for group, tp, tp_rank in tp_groups(rank, world):
-            assert _run_logits(COMPILED_CASES, group, tp, tp_rank, calls) == 2
-        assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
-        assert ran("aot_eager", torch.bfloat16, 3) == {"chunk_stats", "chunk_grad"}
+            assert _run_logits(COMPILED_CASES, group, tp, tp_rank, seen) == 2
+    # the float32 case in chunks of 4 rows, the bfloat16 one in chunks of 3
+    assert ran(compiled, 4) == ran(compiled, 3) == {"chunk_stats", "chunk_grad"}
+    assert compiled.count("launch", backend="eager") == 0
 
 
 def logits_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    calls: list[str] = []
-    with counting(_stats, "_all_gather", calls):
-        done = [(tp, _run_logits(LOGITS_CASES, group, tp, tp_rank, calls))
+    with _probe.watch() as seen:
+        done = [(tp, _run_logits(LOGITS_CASES, group, tp, tp_rank, seen))
                 for group, tp, tp_rank in tp_groups(rank, world)]
         if world == 4:
-            _run_compiled(rank, world, calls)
+            _run_compiled(rank, world, seen)
     # The eager range check refuses an id >= tp_size * V_local, before any collective.
     with pytest.raises(LayoutError, match=rf"targets\[0\] = {world * 3} is outside"):
         log_probs_and_entropy(
@@ -166,7 +165,7 @@ SUPPORT_CASES: list[tuple[int, int, float, bool, Over, int | None]] = [
 ]
 
 
-def _run_support(group: Any, tp: int, tp_rank: int, calls: list[str]) -> int:
+def _run_support(group: Any, tp: int, tp_rank: int, seen: _probe.Seen) -> int:
     done = 0
     for i, (t, v_local, temp, with_entropy, over, chunk) in enumerate(SUPPORT_CASES):
         vocab = tp * v_local
@@ -176,15 +175,16 @@ def _run_support(group: Any, tp: int, tp_rank: int, calls: list[str]) -> int:
         sets = tp_sets(i, t, vocab, targets)
         g_lp, g_h = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
         x = full[:, tp_rank * v_local : (tp_rank + 1) * v_local].clone().requires_grad_(True)
-        n0 = len(calls)
+        n0 = seen.count("collective")
         lp, h = log_probs_and_entropy(
             x, targets, with_entropy=with_entropy, temperature=temp, tp_group=group,
             chunk_size=chunk, support=csr(sets), entropy_over=over,
         )
-        assert len(calls) == n0 + 1, "forward enters exactly one all-gather"
+        assert seen.count("collective") == n0 + 1, "forward enters exactly one collective"
+        assert seen.of("collective")[-1].name == "all_gather", seen.of("collective")[-1]
         loss = (lp * g_lp).sum() + ((h * g_h).sum() if h is not None else 0.0)
         torch.autograd.backward(loss)
-        assert len(calls) == n0 + 1, "backward enters none"
+        assert seen.count("collective") == n0 + 1, "backward enters none"
         g_h = g_h if with_entropy else torch.zeros(t)
         ref_lp, ref_h, ref_grad = support_reference(full, targets, sets, temp, over, g_lp, g_h)
         atol = tolerance(full, temp)
@@ -201,9 +201,8 @@ def _run_support(group: Any, tp: int, tp_rank: int, calls: list[str]) -> int:
 
 
 def support_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    calls: list[str] = []
-    with counting(_stats, "_all_gather", calls):
-        done = [(tp, _run_support(group, tp, tp_rank, calls)) for group, tp, tp_rank in tp_groups(rank, world)]
+    with _probe.watch() as seen:
+        done = [(tp, _run_support(group, tp, tp_rank, seen)) for group, tp, tp_rank in tp_groups(rank, world)]
     # an id beyond tp_size * V_local is refused before any collective
     with pytest.raises(LayoutError, match=rf"support row 0: id {world * 3} is outside"):
         log_probs_and_entropy(torch.zeros(1, 3), torch.tensor([0]), tp_group=dist.group.WORLD,
@@ -232,9 +231,12 @@ LINEAR_SUPPORT_CASES: list[tuple[int, int, float, bool, str, int]] = [
 ]
 
 
-def _run_linear(group: Any, tp: int, tp_rank: int, log: list[str]) -> int:
+def _run_linear(group: Any, tp: int, tp_rank: int, seen: _probe.Seen) -> int:
     def calls() -> dict[str, int]:
-        return {"all_gather": log.count("_all_gather"), "all_reduce": log.count("_all_reduce")}
+        every = seen.count("collective")
+        gather, reduce = seen.count("collective", name="all_gather"), seen.count("collective", name="all_reduce")
+        assert every == gather + reduce, seen.of("collective")
+        return {"all_gather": gather, "all_reduce": reduce}
 
     for i, (t, h, v_local, temp, with_entropy, entropy_grad, dtype_name, chunk) in enumerate(LINEAR_CASES):
         dtype = getattr(torch, dtype_name)
@@ -306,9 +308,8 @@ def _run_linear_support(group: Any, tp: int, tp_rank: int) -> int:
 
 
 def linear_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    log: list[str] = []
-    with counting(_stats, "_all_gather", log), counting(_hidden, "_all_reduce", log):
-        done = [(tp, _run_linear(group, tp, tp_rank, log) + _run_linear_support(group, tp, tp_rank))
+    with _probe.watch() as seen:
+        done = [(tp, _run_linear(group, tp, tp_rank, seen) + _run_linear_support(group, tp, tp_rank))
                 for group, tp, tp_rank in tp_groups(rank, world)]
     dist.barrier()
     return done

@@ -7,11 +7,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpslice._vocab.backends.triton import launches
+from cpslice._probe import Seen
 
 
-def launched(before: dict[str, int]) -> set[str]:
-    return {k for k, v in launches.items() if v > before.get(k, 0)}
+def launched(seen: Seen, since: int = 0) -> set[str]:
+    """The Triton kernels launched among ``seen``'s events from the ``since``-th on (a
+    fallback to another backend shows as none)."""
+    return {e.name for e in seen.events[since:] if e.kind == "launch" and e.backend == "triton"}
 
 
 def reference(x: Tensor, ids: Tensor, temperature: float | Tensor, softcap: float | None, vocab: int | None,

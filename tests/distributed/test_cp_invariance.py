@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from cpslice import (
     Layout,
+    _probe,
     extract_responses,
     gather_responses,
     pack,
@@ -111,18 +112,9 @@ def test_cp_invariance() -> None:
             assert err < 1e-5, f"{name}: {err}"
 
 
-def _count(log: list[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Record each call, then make the real collective."""
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        log.append(name)
-        return fn(*args, **kwargs)
-    return wrapped
-
-
 def _symmetry(rank: int, world: int) -> list[list[str]]:
-    log: list[str] = []
-    for name in ("all_to_all_single", "all_gather", "all_reduce", "all_gather_into_tensor"):
-        setattr(dist, name, _count(log, name, getattr(dist, name)))
+    """Each case's collectives, as the library enters them (``cpslice._probe``), forward then
+    backward; then the refusals' messages."""
     sequences = []
     # allgather cp4, T=6: ranks 1 and 2 hold no response at all; zigzag cp4: the
     # short samples leave several ranks empty; one sample, one rank holds it all
@@ -136,30 +128,38 @@ def _symmetry(rank: int, world: int) -> list[list[str]]:
         ([3, 20], [1, 2], "allgather", 16),
     ]
     for total, response, mode, align in cases:
-        log.clear()
-        layout = Layout(total, response, cp_mode=mode, cp_rank=rank, cp_size=world, align=align)
-        length = pack([torch.zeros(t) for t in total], layout).shape[0]
-        layout = layout.with_local_length(length)
-        zig = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world)
-        # row holding position p of sample i: 1000 * i + p (padding: -1)
-        code = [torch.arange(t, dtype=torch.float32) + 1000 * i for i, t in enumerate(total)]
-        values = pack(code, layout, fill=-1).requires_grad_()
-        shares, ent = extract_responses(values, layout, values * 2)
-        lp2, ent2 = redistribute((shares, ent), layout, zig, cp_group=dist.group.WORLD)
-        whole = gather_responses(lp2, zig, cp_group=dist.group.WORLD)
-        spans = [c[t - r - 1 : t - 1] for c, t, r in zip(code, total, response)]
-        assert [w.tolist() for w in whole] == [x.tolist() for x in spans], (mode, align)
-        assert [x.tolist() for x in lp2] == [x.tolist() for x in shard_responses(spans, zig)]
-        masks = [torch.ones(r, dtype=torch.bool) for r in response]
-        loss = sum_of_sample_means(lp2, masks, zig) + sum_of_tokens(ent2, masks, zig)
-        loss = loss + sum((w.sum() for w in whole), torch.zeros(()))
-        log.append("forward done")
-        torch.autograd.backward(loss)
+        with _probe.watch() as forward:
+            loss, values = _round_trip(rank, world, total, response, mode, align)
+        with _probe.watch() as backward:
+            torch.autograd.backward(loss)
         assert values.grad is not None
-        log.append("backward done")
-        sequences.append(list(log))
+        sequences.append([e.name for e in forward.of("collective")] + ["forward done"]
+                         + [e.name for e in backward.of("collective")] + ["backward done"])
     sequences.append(_redistribute_errors(rank, world))
     return sequences
+
+
+def _round_trip(rank: int, world: int, total: list[int], response: list[int], mode: CpMode,
+                align: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responses extracted, redistributed to zigzag and gathered back, checked; the loss
+    of their sample means, token sums and gathered values, and the packed values."""
+    layout = Layout(total, response, cp_mode=mode, cp_rank=rank, cp_size=world, align=align)
+    length = pack([torch.zeros(t) for t in total], layout).shape[0]
+    layout = layout.with_local_length(length)
+    zig = Layout(total, response, cp_mode="zigzag", cp_rank=rank, cp_size=world)
+    # row holding position p of sample i: 1000 * i + p (padding: -1)
+    code = [torch.arange(t, dtype=torch.float32) + 1000 * i for i, t in enumerate(total)]
+    values = pack(code, layout, fill=-1).requires_grad_()
+    shares, ent = extract_responses(values, layout, values * 2)
+    lp2, ent2 = redistribute((shares, ent), layout, zig, cp_group=dist.group.WORLD)
+    whole = gather_responses(lp2, zig, cp_group=dist.group.WORLD)
+    spans = [c[t - r - 1 : t - 1] for c, t, r in zip(code, total, response)]
+    assert [w.tolist() for w in whole] == [x.tolist() for x in spans], (mode, align)
+    assert [x.tolist() for x in lp2] == [x.tolist() for x in shard_responses(spans, zig)]
+    masks = [torch.ones(r, dtype=torch.bool) for r in response]
+    loss = sum_of_sample_means(lp2, masks, zig) + sum_of_tokens(ent2, masks, zig)
+    loss = loss + sum((w.sum() for w in whole), torch.zeros(()))
+    return loss, values
 
 
 def _redistribute_errors(rank: int, world: int) -> list[str]:

@@ -143,7 +143,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 LAYOUT = "cpslice._layout"
 VOCAB = "cpslice._vocab"
 GLUE = "cpslice._glue"
-SHARED = {f"cpslice.{m}" for m in ("_checks", "_errors", "_types", "_cache")}
+SHARED = {f"cpslice.{m}" for m in ("_checks", "_errors", "_types", "_cache", "_probe")}
 OUTSIDE = {"cpslice", "cpslice.__main__", "cpslice._debug"}
 OUTSIDE_PACKAGES = ("cpslice._cli", "cpslice._verify")
 

@@ -20,6 +20,7 @@ from torch import Tensor
 import cpslice
 from cpslice import (
     LayoutError,
+    _probe,
     log_probs_at,
     log_probs_at_from_hidden,
     response_distillation,
@@ -29,7 +30,7 @@ from cpslice import (
     topk_log_probs_from_hidden,
 )
 from cpslice._types import compute_dtype
-from cpslice._vocab import kernels, topk
+from cpslice._vocab import topk
 from cpslice._vocab.backends import selection as backend
 from tests.checked import refused
 
@@ -91,13 +92,15 @@ def compiled() -> Iterator[None]:
         yield
 
 
-def test_log_probs_at_through_the_compiled_kernels(compiled: None) -> None:
+def test_log_probs_at_through_the_compiled_kernels(compiled: None, seen: _probe.Seen) -> None:
     gen = torch.Generator().manual_seed(5)
     for k in (1, 4):
         case = {"logits": ref.peaked_logits(11, 16, gen), "ids": ref.spread_ids(11, k, 16, gen),
                 "g": torch.randn(11, k, generator=gen, dtype=torch.float64), "temperature": 0.8,
                 "chunk": 4}
         _check_at(case, torch.float32, 8 * EPS32)
+    # 11 rows in compiled chunks of 4, forward and backward; nothing eager
+    assert {(e.name, e.rows) for e in seen.of("launch")} == {("chunk_stats", 4), ("chunk_grad", 4)}
 
 
 @pytest.mark.parametrize("k", [1, 3, 12])
@@ -356,25 +359,17 @@ def test_the_teachers_top_k_refusals() -> None:
         cpslice.response_topk_log_probs_from_hidden(torch.zeros(9, 3), torch.zeros(6, 3), 0, layout)
 
 
-def test_only_the_response_rows_are_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_the_response_rows_are_computed() -> None:
     """The dense kernels are given the response rows alone, as an index (no copy of the
     logits selects them): a long prompt is never read."""
     layout = cpslice.Layout([40, 6], [3, 2])
-    asked: list[list[int]] = []
-
-    def spy(real: Any) -> Any:
-        def call(x: Tensor, *args: Any, rows: Tensor | None = None, **kwargs: Any) -> None:
-            asked.append(list(range(x.shape[0])) if rows is None else rows.tolist())
-            real(x, *args, rows=rows, **kwargs)
-        return call
-
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(46, 8, generator=gen, requires_grad=True)
     lp, ids = topk_log_probs(torch.randn(5, 8, generator=gen), 2)
-    monkeypatch.setattr(kernels, "stats", spy(kernels.stats))
-    monkeypatch.setattr(kernels, "grad", spy(kernels.grad))
-    div = response_distillation(logits, [lp[:3], lp[3:]], [ids[:3], ids[3:]], layout, chunk_size=2)
-    torch.autograd.backward(sum((d.sum() for d in div), 0 * logits.sum()))
+    with _probe.watch() as seen:
+        div = response_distillation(logits, [lp[:3], lp[3:]], [ids[:3], ids[3:]], layout, chunk_size=2)
+        torch.autograd.backward(sum((d.sum() for d in div), 0 * logits.sum()))
+    asked = [list(range(e.rows)) if e.index is None else e.index.tolist() for e in seen.of("call")]
     assert asked == [[36, 37, 38, 43, 44]] * 2, asked  # forward and backward: the response rows
     assert logits.grad is not None and float(logits.grad[:36].abs().sum()) == 0.0
 

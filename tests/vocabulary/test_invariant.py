@@ -18,6 +18,7 @@ from torch import Tensor
 
 from cpslice import (
     Layout,
+    _probe,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
     log_probs_at,
@@ -202,8 +203,7 @@ def test_the_hidden_state_path_gives_a_row_the_same_bits_in_any_batch(dtype: tor
     (torch.bfloat16, None, "pairs_kernel"),  # two bfloat16 columns an int32
     (torch.bfloat16, 681, "grad_kernel"),  # an odd width: widened chunk by chunk instead
 ])
-def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                            vocab_size: int | None, kernel: str) -> None:
+def test_the_compile_setting_changes_no_bit(dtype: torch.dtype, vocab_size: int | None, kernel: str) -> None:
     logits, targets, temps, g_lp, g_h = _data(dtype)
     logits = logits.repeat(300, 1)  # past the compiled kernels' size threshold
     targets = targets.repeat(300).clamp(max=(vocab_size or V) - 1)
@@ -218,15 +218,15 @@ def test_the_compile_setting_changes_no_bit(monkeypatch: pytest.MonkeyPatch, dty
 
     with _backend.using("eager"):
         eager = run()
-    # this test's kernels only, each compiled shape checked again
-    with _backend.using("compiled", fresh=True) as state:
+    # each compiled shape checked again
+    with _backend.using("compiled", fresh=True), _probe.watch() as seen:
         for a, b in zip(run(), eager):
             assert torch.equal(a, b)
-        assert {"row_kernel", kernel} <= {key[0] for key in state.ready}  # run compiled
-        assert state.disagree is None  # and no kernel turned eager after a difference
+    assert {e.name for e in seen.of("launch", backend="compiled", invariant=True)} == {"row_kernel", kernel}
+    assert seen.count("launch", backend="eager") == 0  # no kernel turned eager after a difference
 
 
-def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept() -> None:
     logits, targets, temps, _, _ = _data(torch.float32)
     logits = logits.repeat(300, 1)
     targets = targets.repeat(300)
@@ -238,15 +238,17 @@ def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept(monkey
 
     with _backend.using("eager"):
         want = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
-    monkeypatch.setattr(_invariant, "row_kernel", planted)
-    with _backend.using("compiled", fresh=True) as state:
-        with warnings.catch_warnings(record=True) as caught:  # the filters as they are: torch's own stay quiet
-            warnings.simplefilter("always", RuntimeWarning)
+    with _backend.using("compiled", fresh=True):
+        with warnings.catch_warnings(record=True) as caught, _probe.substitute("row_kernel", planted):
+            warnings.simplefilter("always", RuntimeWarning)  # the filters as they are: torch's own stay quiet
             got = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
         assert any(issubclass(w.category, RuntimeWarning) and "compiled row_kernel differs from the eager one"
                    in str(w.message) for w in caught), [str(w.message) for w in caught]
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert state.disagree is not None
+        with _probe.watch() as seen:  # the real kernel back, but the compiled kernels stay off
+            again = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, want))
+        assert seen.count("launch", backend="compiled") == 0 and seen.count("launch", backend="eager") > 0
         assert _invariant.compiled_ok(logits) is False  # for the rest of the process
 
 
@@ -264,8 +266,7 @@ def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytest.MonkeyPatch,
-                                                             dtype: torch.dtype) -> None:
+def test_the_per_tile_statistics_compiled_give_the_eager_bits(dtype: torch.dtype) -> None:
     # the TP path's per-tile statistics (whole tiles compiled, the partial last one eager)
     gen = torch.Generator().manual_seed(12)
     x = (torch.randn(40, 1000, generator=gen) * 3).to(dtype)
@@ -279,10 +280,11 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(monkeypatch: pytes
 
     with _backend.using("eager"):
         eager = run()
-    with _backend.using("compiled", fresh=True) as state:
+    with _backend.using("compiled", fresh=True), _probe.watch() as seen, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
         compiled = run()
-        assert "tile_kernel" in {key[0] for key in state.ready}
-        assert state.disagree is None
+    assert {e.name for e in seen.of("launch", backend="compiled")} == {"tile_kernel"}
+    assert not [w for w in caught if "differs from the eager one" in str(w.message)]  # no kernel turned eager
     for a, b in zip(compiled, eager):
         assert a is not None and b is not None and torch.equal(a, b)
     assert torch.equal(eager.sum[17:20], torch.ones(3, 8))  # rows outside the runs left as they were
@@ -369,7 +371,7 @@ def test_the_response_functions_from_hidden_give_a_sample_its_own_bits(dtype: to
             assert all(torch.equal(a, b) for a, b in zip(parts, whole[i])), (order, i)
 
 
-def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_planted_merge_order_is_caught() -> None:
     # rows whose S is near 1, where a change in the sums' last bit shows in log S
     logits, targets = peaked(256, V, 9)
     want = spec()(logits, targets, 0.9)
@@ -385,9 +387,9 @@ def test_a_planted_merge_order_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
         return real(m.roll(1, 0), s.roll(1, 0), None if a is None else a.roll(1, 0), tau)  # from the 2nd tile
 
     for plant in (rotated, shard_first):
-        monkeypatch.setattr(_spec, "merge_tiles", plant)
-        assert not all(torch.equal(a, b) for a, b in zip(run(), want)), plant
-        monkeypatch.setattr(_spec, "merge_tiles", real)
+        with _probe.substitute("merge_tiles", plant):
+            assert not all(torch.equal(a, b) for a, b in zip(run(), want)), plant
+    assert all(torch.equal(a, b) for a, b in zip(run(), want))  # the real order back
 
 
 @pytest.mark.parametrize("value", [1, "yes", None, 1.0])

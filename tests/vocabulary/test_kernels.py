@@ -21,11 +21,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpslice import log_probs_and_entropy
+from cpslice import _probe, log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
 from cpslice._vocab.backends import selection as _backend
 from cpslice._vocab.gradient import RowGrad
+from cpslice._vocab.memory import buffer
+from cpslice._vocab.rows import chunk_starts
 from cpslice._vocab.softmax import Softmax
 from cpslice._vocab.spec import FLOOR
 from cpslice._vocab.stats import placeholders
@@ -43,12 +45,11 @@ MODE = {"1": "compiled", "0": "eager", "auto": "auto"}  # the compiled kernels' 
 @pytest.fixture
 def use() -> Iterator[Use]:
     """``use(mode, compiler)`` for one test: the backend of the mode (``1`` compiled, ``0``
-    eager, ``auto``) with ``compiler`` as torch.compile's backend, no compile failure seen
-    yet; the selection is restored after the test (``backend.using``)."""
+    eager, ``auto``) with ``compiler`` as torch.compile's backend, no compiled kernel run,
+    verified or broken yet; the selection is restored after the test (``backend.using``)."""
     with contextlib.ExitStack() as stack:
         def set_(mode: str, compiler: str | Callable[..., Any] = "aot_eager") -> None:
-            stack.enter_context(_backend.using(MODE[mode], compiler=compiler))
-            _backend.selected.broken = None
+            stack.enter_context(_backend.using(MODE[mode], compiler=compiler, fresh=True))
 
         yield set_
 
@@ -83,7 +84,7 @@ def test_invalid_value_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> Non
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 70), st.integers(1, 16))
 def test_chunk_starts_cover_every_row_with_one_shape(rows: int, chunk: int) -> None:
-    c, starts = _kernels.chunk_starts(rows, chunk)
+    c, starts = chunk_starts(rows, chunk)
     if rows == 0:
         assert starts == []
         return
@@ -108,13 +109,13 @@ def test_compiled_chunk_rows() -> None:
     assert _kernels.compiled_chunk_rows(10**9) == 1
 
 
-def test_auto_runs_eager_for_small_work(use: Use) -> None:
+def test_auto_runs_eager_for_small_work(use: Use, seen: _probe.Seen) -> None:
     use("auto")
-    before = set(_backend.selected.ready)
     logits = torch.randn(8, 16, requires_grad=True)
     lp, _ = log_probs_and_entropy(logits, torch.zeros(8, dtype=torch.int64), chunk_size=4)
     torch.autograd.backward(lp.sum())
-    assert _backend.selected.ready == before
+    assert seen.count("launch", backend="compiled") == 0
+    assert seen.count("launch", backend="eager") == 4  # two chunks of 4 rows, forward and backward
     assert not _kernels.use_compiled(torch.zeros(2**11, 2**10))
     assert _kernels.use_compiled(torch.zeros(2**12, 2**10))
     assert not _kernels.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
@@ -135,16 +136,18 @@ DTYPES = [(torch.float32, 16 * 2.0**-24), (torch.bfloat16, 1e-2), (torch.float16
 
 
 @pytest.mark.parametrize(("dtype", "grad_rtol"), DTYPES)
-def test_compiled_path_matches_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
+def test_compiled_path_matches_float64_reference(
+    dtype: torch.dtype, grad_rtol: float, use: Use, seen: _probe.Seen
+) -> None:
     use("1")
     for t, chunk, temperature in [(11, 4, 0.7), (6, None, 1.0), (5, 8, 1.7)]:
         logits, targets = _masked_logits(t, 24, dtype, seed=t)
         check_logits(logits, targets, temperature, chunk, grad_rtol=grad_rtol)
     # 11 rows in chunks of 4 (starts 0, 4, 7); 6 and 5 rows below their chunk: 4 rows.
-    assert ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran(seen, 4) == {"chunk_stats", "chunk_grad"}
 
 
-def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
+def test_compiled_path_without_entropy_and_all_masked_row(use: Use, seen: _probe.Seen) -> None:
     logits, targets = _masked_logits(9, 20, torch.float32, seed=3)
     logits[4] = -math.inf  # NaN log-prob, and NaN gradient on that row, as eager
     g = torch.randn(9)
@@ -163,11 +166,13 @@ def test_compiled_path_without_entropy_and_all_masked_row(use: Use) -> None:
         torch.testing.assert_close(x.grad[keep].double(), ref_grad, rtol=1e-5, atol=1e-6)
         grads.append(x.grad[4])
     assert torch.isnan(grads[0]).all() and torch.isnan(grads[1]).all()
-    assert ran("aot_eager", torch.float32, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran(seen, 4) == {"chunk_stats", "chunk_grad"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_masked_target_gets_the_same_finite_gradient_compiled_and_eager(dtype: torch.dtype, use: Use) -> None:
+def test_a_masked_target_gets_the_same_finite_gradient_compiled_and_eager(
+    dtype: torch.dtype, use: Use, seen: _probe.Seen
+) -> None:
     """A row whose target logit is -inf (a masked token): its log-prob is -inf, and the
     gradient of its entropy (and of the log-prob) is finite, the eager one, in the
     compiled kernels too, whose picked entries are written apart (``gradient.pick_grad``)."""
@@ -191,7 +196,7 @@ def test_a_masked_target_gets_the_same_finite_gradient_compiled_and_eager(dtype:
     for compiled, eager in zip(grads[:2], grads[2:]):
         atol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(compiled.double(), eager.double(), rtol=0, atol=atol)
-    assert ran("aot_eager", dtype, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran(seen, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
@@ -213,19 +218,29 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
         torch.testing.assert_close(c.double(), w)
 
 
-def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_falls_back_to_eager_once_with_one_warning(use: Use) -> None:
+    """A compiler that fails (a torch.compile backend that raises): ``auto`` warns once and
+    computes eagerly, then stays eager silently, even for work large enough to compile
+    (``T * V >= 2**22``, docs/backends.md); ``compiled`` makes it an error."""
     def broken_backend(gm: Any, example_inputs: Any) -> Any:
         raise RuntimeError("no C++ compiler here")
 
     use("auto", broken_backend)
-    monkeypatch.setattr(_kernels, "AUTO_MIN_ELEMENTS", 0)
-    logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
+    big = torch.randn(2**10, 2**12, generator=torch.Generator().manual_seed(5))  # 2**22 elements: compiled
+    ids = torch.zeros(2**10, dtype=torch.int64)
     with pytest.warns(RuntimeWarning, match="torch.compile of the log-prob kernels failed.*no C\\+\\+ compiler"):
-        check_logits(logits, targets, 0.9, 3)
-    assert _backend.selected.broken is not None
+        with _probe.watch() as seen:
+            want = log_probs_and_entropy(big, ids, with_entropy=True)
+    assert seen.count("launch", backend="compiled") == 0 and seen.rows("launch", backend="eager") == 2**10
+    with warnings.catch_warnings(), _probe.watch() as seen:
+        warnings.simplefilter("error")
+        got = log_probs_and_entropy(big, ids, with_entropy=True)  # eager from now on, silently
+    assert seen.count("launch", backend="compiled") == 0 and seen.rows("launch", backend="eager") == 2**10
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    logits, targets = _masked_logits(7, 12, torch.float32, seed=5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_logits(logits, targets, 0.9, 3)  # eager from now on, silently
+        check_logits(logits, targets, 0.9, 3)
     use("1", broken_backend)
     with pytest.raises(RuntimeError,
                        match="CPSLICE_BACKEND=compiled but torch.compile of cpslice's chunk_stats failed"):
@@ -234,9 +249,7 @@ def test_auto_falls_back_to_eager_once_with_one_warning(use: Use, monkeypatch: p
 
 @pytest.mark.parametrize("mode", ["1", "0"], ids=["compiled", "eager"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
-def test_the_rows_of_an_index_are_computed_in_full_chunks(
-    mode: str, invariant: bool, use: Use, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_rows_of_an_index_are_computed_in_full_chunks(mode: str, invariant: bool, use: Use) -> None:
     """``rows`` an index of every third row (runs of one row): the compiled kernels take
     them in full chunks of selected rows (two of 8 for 13 rows, where a chunk per run
     would take 13 of one: read in place by the default kernels, gathered by invariant
@@ -244,18 +257,7 @@ def test_the_rows_of_an_index_are_computed_in_full_chunks(
     are those of the selected rows as a tile of their own (to the default compiled
     kernels' rounding: another compiled loop), and no other row is read (NaN there) or
     written (its placeholders, its gradient's 7s)."""
-    use(mode)
-    # only this test's kernels count, each compiled shape checked again
-    _backend.selected.ready, _backend.selected.verified, _backend.selected.disagree = set(), set(), None
-    shapes: list[int] = []
-    real = _kernels._call
-
-    def spy(fn: Callable[..., Any], x: torch.Tensor, first: torch.Tensor, *args: object,
-            at: torch.Tensor | None = None) -> tuple[bool, object]:
-        shapes.append(x.shape[0] if at is None else at.numel())  # a chunk's rows, gathered or read in place
-        return real(fn, x, first, *args, at=at)
-
-    monkeypatch.setattr(_kernels, "_call", spy)
+    use(mode)  # each compiled shape checked again
     gen = torch.Generator().manual_seed(9)
     t, v = 40, 24
     rows = torch.arange(1, t, 3)  # 13 rows
@@ -280,8 +282,10 @@ def test_the_rows_of_an_index_are_computed_in_full_chunks(
         grad_fn(x, out.max, torch.log(out.sum), Softmax(tau), terms, grad, chunks=chunks, rows=index)
         return out, grad
 
-    out, grad = both(x, tau, grad_terms, rows)
-    asked = shapes.copy()
+    with _probe.watch() as seen:
+        out, grad = both(x, tau, grad_terms, rows)
+    # a compiled chunk's rows, gathered or read in place
+    asked = [e.rows for e in seen.of("launch", backend="compiled", invariant=invariant)]
     want, want_grad = both(x[rows], tau[rows], grad_terms.rows(rows), None)
     for got, expected in zip(out, want):
         if got is not None and expected is not None and got.dim() == 1:
@@ -293,15 +297,18 @@ def test_the_rows_of_an_index_are_computed_in_full_chunks(
     if mode == "1":
         assert asked == [8, 8, 8, 8], asked  # forward and backward: two full chunks each
     else:
-        assert asked == []
+        assert asked == [] and seen.rows("launch", backend="eager", invariant=invariant) == 2 * 13
+    assert [e.rows for e in seen.of("call")] == [13, 13]  # stats and grad, the index's rows
 
 
 @pytest.mark.parametrize(("dtype", "grad_rtol"), DTYPES[:2])
-def test_inductor_kernels_match_float64_reference(dtype: torch.dtype, grad_rtol: float, use: Use) -> None:
+def test_inductor_kernels_match_float64_reference(
+    dtype: torch.dtype, grad_rtol: float, use: Use, seen: _probe.Seen
+) -> None:
     use("1", "inductor")
     logits, targets = _masked_logits(11, 24, dtype, seed=6)
     check_logits(logits, targets, 0.7, 4, grad_rtol=grad_rtol)
-    assert ran("inductor", dtype, 4) == {"chunk_stats", "chunk_grad"}
+    assert ran(seen, 4) == {"chunk_stats", "chunk_grad"}
 
 
 def _vma_flags(address: int) -> list[str]:
@@ -320,9 +327,9 @@ def _vma_flags(address: int) -> list[str]:
 
 def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
     shape = (1024, 16384)  # 64 MiB of float32
-    zeroed = _kernels.buffer(shape, torch.float32, torch.device("cpu"), zero=True)
+    zeroed = buffer(shape, torch.float32, torch.device("cpu"), zero=True)
     assert zeroed.shape == shape and zeroed.is_contiguous() and not zeroed.any()
-    small = _kernels.buffer((8, 8), torch.bfloat16, torch.device("cpu"), zero=True)
+    small = buffer((8, 8), torch.bfloat16, torch.device("cpu"), zero=True)
     assert small.dtype == torch.bfloat16 and not small.any()
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -331,7 +338,7 @@ def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
         pytest.skip("no transparent huge pages on this system")
     if "[never]" in setting:
         pytest.skip("transparent huge pages are off on this system")
-    big = _kernels.buffer(shape, torch.float32, torch.device("cpu"), zero=False)
+    big = buffer(shape, torch.float32, torch.device("cpu"), zero=False)
     middle = big.data_ptr() + big.numel() * big.element_size() // 2
     assert "hg" in _vma_flags(middle)  # MADV_HUGEPAGE landed on the buffer's mapping
     assert "hg" not in _vma_flags(small.data_ptr())
@@ -342,17 +349,17 @@ def test_gradient_buffer_is_advised_huge_pages_and_zeroed_on_request() -> None:
     [(torch.float32, 2.0**-18, 1e-5), (torch.bfloat16, 2.0**-7, 3e-2)],
 )
 def test_hidden_state_path_runs_the_compiled_kernels(
-    dtype: torch.dtype, value_rel: float, grad_rel: float, use: Use, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, value_rel: float, grad_rel: float, use: Use, seen: _probe.Seen
 ) -> None:
     """log_probs_and_entropy_from_hidden through the compiled kernels, forward and backward on
     its [rows, V_block] tiles; values and gradients against the float64 reference."""
     use("1")
-    _backend.selected.ready, _backend.selected.compiled = set(), {}  # only this test's kernels count
     gen = torch.Generator().manual_seed(8)
     t, h, v = 12, 4, 24
     hidden, weight = torch.randn(t, h, generator=gen).to(dtype), torch.randn(v, h, generator=gen).to(dtype)
     targets = torch.randint(0, v, (t,), generator=gen)
     check_linear(hidden, weight, targets, 0.8, 4, value_rel=value_rel, grad_rel=grad_rel)
-    # forward and backward on the same [12, 4 * 24 // (2 * 12) = 4] tiles
-    ran = {(str(k[0]), k[3]) for k in _backend.selected.ready if k[1] == dtype and k[-1] == "aot_eager"}
-    assert {("chunk_stats", 4), ("chunk_grad", 4)} <= ran
+    # forward and backward on the same six [12, 4 * 24 // (2 * 12) = 4] tiles, each in two
+    # compiled chunks of 8 rows (the second overlapping the first)
+    assert ran(seen, 8) == {"chunk_stats", "chunk_grad"}
+    assert seen.count("launch", backend="compiled") == 24 and seen.count("launch", backend="eager") == 0

@@ -26,6 +26,7 @@ from cpslice import (
     Layout,
     LayoutError,
     Support,
+    _probe,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
     pack,
@@ -147,40 +148,31 @@ def test_matches_the_masked_reference(
     run()
 
 
-def test_rows_split_across_chunks_and_no_dense_pass_without_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_split_across_chunks_and_no_dense_pass_without_entropy() -> None:
     """Every row has a set: without entropy no row of the full vocabulary is read. The
     logits path's kernels; the hidden path's matmuls: test_rows_with_a_set_compute_no_logits_row..."""
-    from cpslice._vocab import kernels
-
     gen = torch.Generator().manual_seed(3)
     t, v = 9, 50
     logits = torch.randn(t, v, generator=gen) * 2
     targets = torch.randint(0, v, (t,), generator=gen)
     sets = [torch.randperm(v, generator=gen)[: 1 + r % 5].tolist() for r in range(t)]
-    asked: list[list[int]] = []  # the rows each dense kernel call was given
 
-    def spy(real: Any) -> Any:
-        def call(x: Tensor, *args: Any, rows: Tensor | None = None, **kwargs: Any) -> None:
-            asked.append(list(range(x.shape[0])) if rows is None else rows.tolist())
-            real(x, *args, rows=rows, **kwargs)
-        return call
+    def asked(case: dict[str, Any]) -> list[list[int]]:
+        """The rows each dense kernel call was given (its index, or every row of its tile)."""
+        with _probe.watch() as seen:
+            check(LOGITS, case)
+        return [list(range(e.rows)) if e.index is None else e.index.tolist() for e in seen.of("call")]
 
-    monkeypatch.setattr(kernels, "stats", spy(kernels.stats))
-    monkeypatch.setattr(kernels, "grad", spy(kernels.grad))
     for chunk in (1, 2, 4):
-        asked.clear()
-        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
-               "chunk": chunk, "with_entropy": False, "entropy_grad": True, "over": "full"})
-        assert asked == [[], []], "forward and backward make no dense pass"
-        asked.clear()
-        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets[:4] + [[]] + sets[5:],
-               "temperature": 0.8, "chunk": chunk, "with_entropy": True, "entropy_grad": True,
-               "over": "support"})
-        assert asked == [[4], [4]], "only the empty row"
-        asked.clear()
-        check(LOGITS, {"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
-               "chunk": chunk, "with_entropy": True, "entropy_grad": True, "over": "full"})
-        assert asked == [list(range(t))] * 2, "full entropy: every row"
+        assert asked({"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
+                      "chunk": chunk, "with_entropy": False, "entropy_grad": True, "over": "full"}) == [[], []], \
+            "forward and backward make no dense pass"
+        assert asked({"logits": logits, "targets": targets, "sets": sets[:4] + [[]] + sets[5:],
+                      "temperature": 0.8, "chunk": chunk, "with_entropy": True, "entropy_grad": True,
+                      "over": "support"}) == [[4], [4]], "only the empty row"
+        assert asked({"logits": logits, "targets": targets, "sets": sets, "temperature": 0.8,
+                      "chunk": chunk, "with_entropy": True, "entropy_grad": True, "over": "full"}) == \
+            [list(range(t))] * 2, "full entropy: every row"
 
 
 def test_masked_logits_in_a_set() -> None:
@@ -557,32 +549,16 @@ def _keep_mask_worker(rank: int, world: int) -> list[str]:
     at all too."""
     import torch.distributed as dist
 
-    from cpslice._vocab import stats
-
     group, t, v_local = dist.group.WORLD, 9, 6
     failures: list[str] = []
-    sent: list[tuple[str, int]] = []
-    real_gather, real_a2a = stats._all_gather, dist.all_to_all_single
-
-    def gather(out: Tensor, local: Tensor, **kw: Any) -> object:
-        sent.append(("all_gather", local.numel()))
-        return real_gather(out, local, **kw)
-
-    def a2a(out: Tensor, x: Tensor, *args: Any, **kw: Any) -> object:
-        sent.append(("all_to_all_single", x.numel()))
-        return real_a2a(out, x, *args, **kw)
 
     nothing = torch.zeros(t, v_local, dtype=torch.bool)  # the second case's rank 1 keeps no id
     wholes = (_keep_mask(t, world * v_local, 3), torch.cat([_keep_mask(t, v_local, 4), nothing], 1))
     for case, whole in enumerate(wholes):
         local = whole[:, rank * v_local:(rank + 1) * v_local].clone()
-        sent.clear()
-        stats._all_gather = gather
-        dist.all_to_all_single = a2a  # type: ignore[assignment]
-        try:
+        with _probe.watch() as seen:
             mine = Support.from_keep_mask(local, tp_group=group)
-        finally:
-            stats._all_gather, dist.all_to_all_single = real_gather, real_a2a
+        sent = [(e.name, e.elements) for e in seen.of("collective")]
         want = Support.from_keep_mask(whole)
         if not (torch.equal(mine.ids, want.ids) and torch.equal(mine.offsets, want.offsets)):
             failures.append(f"case {case}: sets {mine.ids.tolist()} {mine.offsets.tolist()}, "

@@ -14,13 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import log_probs_and_entropy, log_probs_at, topk_log_probs
-from cpslice._vocab import stats as _stats
+from cpslice import _probe, log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab.backends import selection as backend
-from cpslice._vocab.backends.triton import launches
 
 from .. import tp_cases
-from .._dist import counting, run_distributed, tp_groups
+from .._dist import run_distributed, tp_groups
 from ..reference import support_reference
 from ..supports import csr
 from ..triton_cases import OPTIONS, launched, logits, reference
@@ -38,7 +36,7 @@ def triton_backend() -> Iterator[None]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torch.dtype,
+def test_log_probs_and_entropy_against_float64(triton_backend: None, seen: _probe.Seen, dtype: torch.dtype,
                                                options: dict[str, Any]) -> None:
     t, v = 6, 700
     opts = dict(options)
@@ -50,14 +48,14 @@ def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torc
     x0 = logits(t, v, dtype, 1)
     targets = torch.tensor([0, 500, 699, 3, 250, 11]) % (vocab or v)
     x = x0.clone().requires_grad_()
-    before = dict(launches)
+    before = len(seen.events)
     lp, h = log_probs_and_entropy(x, targets, with_entropy=with_entropy, **opts)
-    assert launched(before) == {"default.stats"}
+    assert launched(seen, before) == {"default.stats"}
     g_lp, g_h = torch.randn(t), torch.randn(t)
     use_h = with_entropy and entropy_grad
     loss = (lp * g_lp).sum() + ((h * g_h).sum() if use_h and h is not None else 0.0)
     loss.backward()
-    assert launched(before) == {"default.stats", "default.grad"}
+    assert launched(seen, before) == {"default.stats", "default.grad"}
     ref_lp, ref_h, ref_grad = reference(x0, targets[:, None], opts.get("temperature", 1.0), opts.get("softcap"),
                                          vocab, g_lp[:, None], g_h if use_h else torch.zeros(t))
     torch.testing.assert_close(lp.double(), ref_lp[:, 0], rtol=0, atol=2e-5)
@@ -73,16 +71,16 @@ def test_log_probs_and_entropy_against_float64(triton_backend: None, dtype: torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.dtype) -> None:
+def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, seen: _probe.Seen, dtype: torch.dtype) -> None:
     t, v = 5, 600
     x0 = logits(t, v, dtype, 2)
     ids = torch.tensor([[3, 3, 599], [0, 400, 400], [599, 1, 2], [7, 7, 7], [100, 200, 300]])
     x = x0.clone().requires_grad_()
-    before = dict(launches)
+    before = len(seen.events)
     lp = log_probs_at(x, ids, temperature=0.9, softcap=25.0)
     g = torch.randn(t, 3)
     (lp * g).sum().backward()  # type: ignore[no-untyped-call]
-    assert launched(before) == {"default.stats", "default.grad"}
+    assert launched(seen, before) == {"default.stats", "default.grad"}
     ref_lp, _, ref_grad = reference(x0, ids, 0.9, 25.0, None, g, torch.zeros(t))
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     assert x.grad is not None
@@ -90,11 +88,11 @@ def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, dtype: torch.d
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
 
     x = x0.clone().requires_grad_()
-    before = dict(launches)
+    before = len(seen.events)
     top, top_ids = topk_log_probs(x, 4, temperature=0.9)
     g = torch.randn(t, 4)
     (top * g).sum().backward()  # type: ignore[no-untyped-call]
-    assert {"default.stats", "default.grad"} <= launched(before)
+    assert {"default.stats", "default.grad"} <= launched(seen, before)
     ref_lp, _, ref_grad = reference(x0, top_ids, 0.9, None, None, g, torch.zeros(t))
     want = torch.log_softmax(x0.double() / 0.9, -1).topk(4, -1)
     torch.testing.assert_close(top.double(), want.values, rtol=0, atol=2e-5)
@@ -130,37 +128,36 @@ def test_backend_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
             backend.setting()
 
 
-def test_triton_on_a_cpu_tensor_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_on_a_cpu_tensor_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch, seen: _probe.Seen) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with backend.using("triton"), pytest.raises(RuntimeError, match="CPSLICE_BACKEND=triton runs on CUDA tensors"):
         log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
     # auto never takes Triton for a CPU tensor
-    before = dict(launches)
+    before = len(seen.events)
     with backend.using("auto"):
         log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]))
-    assert launched(before) == set()
+    assert launched(seen, before) == set()
 
 
-def test_float64_falls_back(triton_backend: None) -> None:
+def test_float64_falls_back(triton_backend: None, seen: _probe.Seen) -> None:
     """float64 logits are not the Triton kernels' (documented): the selection falls back."""
-    before = dict(launches)
+    before = len(seen.events)
     x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
     lp, _ = log_probs_and_entropy(x, torch.tensor([0, 1, 2]))
     lp.sum().backward()  # type: ignore[no-untyped-call]
-    assert launched(before) == set()
+    assert launched(seen, before) == set()
     torch.testing.assert_close(lp, torch.log_softmax(x.detach(), -1)[[0, 1, 2], [0, 1, 2]])
 
 
 def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
     """tests/tp_cases.py's logits cases through the Triton kernels at every TP size of the
     world: one all-gather forward, none backward, float64 references."""
-    calls: list[str] = []
     done = []
-    with backend.using("triton"), counting(_stats, "_all_gather", calls):
+    with backend.using("triton"), _probe.watch() as seen:
         for group, tp, tp_rank in tp_groups(rank, world):
-            before = dict(launches)
-            done.append((tp, tp_cases._run_logits(tp_cases.LOGITS_CASES, group, tp, tp_rank, calls)))
-            assert {"default.stats", "default.grad"} <= launched(before)
+            before = len(seen.events)
+            done.append((tp, tp_cases._run_logits(tp_cases.LOGITS_CASES, group, tp, tp_rank, seen)))
+            assert {"default.stats", "default.grad"} <= launched(seen, before)
     dist.barrier()
     return done
 
@@ -171,7 +168,7 @@ def test_tensor_parallel_on_gloo() -> None:
 
 
 @pytest.mark.parametrize("over", ["full", "support"])
-def test_supports_against_float64(triton_backend: None, over: Literal["full", "support"]) -> None:
+def test_supports_against_float64(triton_backend: None, seen: _probe.Seen, over: Literal["full", "support"]) -> None:
     """A support's set statistics stay in torch; the dense ones (every row with entropy
     over the full vocabulary, the rows without a set) are the Triton kernels'."""
     t, v = 5, 400
@@ -180,12 +177,12 @@ def test_supports_against_float64(triton_backend: None, over: Literal["full", "s
     targets = torch.tensor([3, 17, 399, 0, 250])
     sets = [[1, 2, 3, 100], [17], [], [5, 6, 350, 399], list(range(0, 400, 7))]
     x = x0.clone().requires_grad_()
-    before = dict(launches)
+    before = len(seen.events)
     lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=0.8, support=csr(sets),
                                   entropy_over=over)
     g_lp, g_h = torch.randn(t), torch.randn(t)
     ((lp * g_lp).sum() + (h * g_h).sum()).backward()  # type: ignore[no-untyped-call]
-    assert {"default.stats", "default.grad"} <= launched(before)
+    assert {"default.stats", "default.grad"} <= launched(seen, before)
     ref_lp, ref_h, ref_grad = support_reference(x0, targets, sets, 0.8, over, g_lp, g_h)
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
     torch.testing.assert_close(h.double(), ref_h, rtol=0, atol=2e-5)
@@ -217,7 +214,7 @@ def _invariant_call(which: str, x0: Tensor, targets: Tensor, opts: dict[str, Any
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("options", INVARIANT_OPTIONS, ids=lambda o: ",".join(o) or "plain")
-def test_invariant_mode_gives_the_eager_bits(dtype: torch.dtype, options: dict[str, Any]) -> None:
+def test_invariant_mode_gives_the_eager_bits(seen: _probe.Seen, dtype: torch.dtype, options: dict[str, Any]) -> None:
     t, v = 5, 700
     opts = dict(options)
     if opts.get("temperature") == "per-row":
@@ -225,9 +222,9 @@ def test_invariant_mode_gives_the_eager_bits(dtype: torch.dtype, options: dict[s
     x0 = logits(t, v, dtype, 6)
     x0[3, :10] = x0[3, 10:20]  # ties for the top-k
     targets = torch.tensor([0, 500, 649, 3, 250])
-    before = dict(launches)
+    before = len(seen.events)
     got = _invariant_call("triton", x0, targets, opts)
-    assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+    assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(seen, before)
     want = _invariant_call("eager", x0, targets, opts)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
@@ -237,6 +234,14 @@ def invariant_tp_worker(rank: int, world: int) -> int:
     """Invariant mode through the Triton kernels at TP 2: the bits of the eager backend at
     TP 1 on the whole rows (each rank's gradient its shard's columns)."""
     checked = 0
+    with _probe.watch() as seen:
+        _invariant_at_tp_2(rank, seen)
+        checked = len(DTYPES) * len(INVARIANT_OPTIONS)
+    dist.barrier()
+    return checked
+
+
+def _invariant_at_tp_2(rank: int, seen: _probe.Seen) -> None:
     for dtype in DTYPES:
         for options in INVARIANT_OPTIONS:
             opts = dict(options)
@@ -247,17 +252,14 @@ def invariant_tp_worker(rank: int, world: int) -> int:
             full = logits(5, 768, dtype, 7)
             targets = torch.tensor([0, 500, 699, 3, 250])
             shard = full[:, rank * 384 : (rank + 1) * 384].contiguous()
-            before = dict(launches)
+            before = len(seen.events)
             got = _invariant_call("triton", shard, targets, opts, dist.group.WORLD)
-            assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(before)
+            assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(seen, before)
             want = _invariant_call("eager", full, targets, opts)
             cols = slice(rank * 384, (rank + 1) * 384)
             for i, (g, w) in enumerate(zip(got, want)):
                 w = w[:, cols] if i == 2 else w
                 assert g.dtype == w.dtype and torch.equal(g, w), (dtype, options, i)
-            checked += 1
-    dist.barrier()
-    return checked
 
 
 def test_invariant_mode_at_tp_2_on_gloo() -> None:

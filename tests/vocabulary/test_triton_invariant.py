@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from cpslice import log_probs_and_entropy
+from cpslice import _probe, log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
@@ -45,7 +45,6 @@ with _interpreting():
     import triton
     import triton.language as tl
 
-    from cpslice._vocab.backends import triton as _launches
     from cpslice._vocab.backends.triton import invariant as _tri
 
 
@@ -209,16 +208,16 @@ def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows(monkeypatch:
     assert _same(chunked[0], whole[0]) and _same(chunked[1], whole[1]) and chunked[2] is None
 
 
-def test_every_launch_is_counted() -> None:
+def test_every_launch_is_counted(seen: _probe.Seen) -> None:
     x = _logits(torch.bfloat16)
     tau = torch.ones(T)
-    before = _launches.launches.copy()
     big, total, _ = _tri.merged_stats(x, ROWS, tau, tau, 5.0, V)
     out = torch.empty_like(x)
     _tri.grad(x, None, tau, tau, tau, None, tau, None, out)
     _tri.grad(x, ROWS[:0], tau, tau, tau, None, tau, None, out)  # no rows: no launch
-    ran = _launches.launches - before
-    assert ran == {"invariant_tiles": 1, "invariant_merge": 1, "invariant_grad": 1}, ran
+    ran = [(e.name, e.rows) for e in seen.of("launch", backend="triton", invariant=True)]
+    assert ran == [("invariant_tiles", 4), ("invariant_merge", 4), ("invariant_grad", T)], ran
+    assert seen.of("launch") == seen.of("launch", backend="triton")
 
 
 @_jit

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks as checks
+from .. import _probe
 from .._cache import cached
 from .._errors import LayoutError
 from .._types import IntArg, Share
@@ -79,6 +80,8 @@ def _route(src: Layout, src_length: int, dst: Layout, dst_length: int, size: int
     grouped = torch.empty_like(order)
     grouped[order] = torch.arange(order.numel(), dtype=_I64)
     dst_counts = selection_at(dst, dst_length, "response", depth).counts
+    if _probe.active is not None:
+        _probe.active.host_read("tolist")
     return _Route(
         send_index,
         splits.tolist(),
@@ -131,6 +134,8 @@ class _AllToAll(torch.autograd.Function):
     ) -> Tensor:
         ctx.splits = (send_splits, recv_splits, group)
         out = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        if _probe.active is not None:
+            _probe.active.collective("all_to_all_single", send.numel())
         dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=group)
         return out
 
@@ -138,6 +143,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         send_splits, recv_splits, group = ctx.splits
         out = grad.new_empty((sum(send_splits), *grad.shape[1:]))
+        if _probe.active is not None:
+            _probe.active.collective("all_to_all_single", grad.numel())
         dist.all_to_all_single(out, grad.contiguous(), send_splits, recv_splits, group=group)
         return out, None, None, None
 

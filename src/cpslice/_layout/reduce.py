@@ -21,6 +21,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from .. import _checks as checks
+from .. import _probe
 from .._cache import cached
 from .._errors import LayoutError
 from .._types import Denominators, IntArg, Masks, Shares, compute_dtype
@@ -260,12 +261,16 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         ctx.group = group
         y = x.clone()
+        if _probe.active is not None:
+            _probe.active.collective("all_reduce", y.numel())
         dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         g = grad.clone()
+        if _probe.active is not None:
+            _probe.active.collective("all_reduce", g.numel())
         dist.all_reduce(g, group=ctx.group)
         return g, None
 
@@ -400,6 +405,8 @@ def _extreme(
             # the NaN flags ride in the same all_reduce, marked in its direction (1 for
             # MAX, -1 for MIN), so that NaN never meets the backend's comparison
             both = torch.stack([local, nan.to(local.dtype) * how.flag])
+            if _probe.active is not None:
+                _probe.active.collective("all_reduce", both.numel())
             dist.all_reduce(both, op=how.op, group=cp_group)
             local, nan = both[0], both[1] != 0
     return torch.where(nan, math.nan, local)

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks as checks
+from .. import _probe
 from .._cache import boundary
 from .._errors import LayoutError
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
 from . import dtensor
 from .call import Options
 from .softmax import Tau
-from .token_sets import Support, check_support
+from .token_sets import Support, check_support, on_host
 
 if TYPE_CHECKING:
     Keywords = LogProbKeywords[TemperatureArg, Support]
@@ -250,7 +251,8 @@ def tp_world(tp_group: dist.ProcessGroup | None) -> int:
 def in_vocabulary(targets: Tensor, vocab_total: int, name: str = "targets") -> None:
     """On the CPU, where it costs no device sync, refuse an id outside the vocabulary
     (``[T]`` targets or ``[T, k]`` ids)."""
-    if targets.device.type != "cpu" or targets.numel() == 0:
+    checked = on_host if _probe.active is None else _probe.active.step("host_checks", on_host)
+    if not checked(targets) or targets.numel() == 0:
         return
     bad = ((targets < 0) | (targets >= vocab_total)).nonzero()
     if bad.numel():

@@ -25,13 +25,14 @@ full entropy is asked for, and their gradient reaches ``d hidden`` and each bloc
 ``d weight`` as ``O(K H)`` index-adds in float32.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal, NamedTuple, Unpack, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _probe
 from .._types import (
     ChunkArg,
     EntropyOverArg,
@@ -54,8 +55,13 @@ from .shard import Shard, shard_of
 from .stats import Stats, placeholders
 from .token_sets import SupportArg
 
-# Module-level, so that a test can count the collectives.
-_all_reduce: Callable[..., object] = dist.all_reduce
+
+def _all_reduce(grad_h: Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``grad_h`` over the TP ``group`` in place: one ``all_reduce`` (a ``_probe`` event)."""
+    if _probe.active is not None:
+        _probe.active.collective("all_reduce", grad_h.numel())
+    dist.all_reduce(grad_h, group=group)
+
 
 LINEAR_CHUNK_BYTES = 32 * 2**20
 """Rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
@@ -168,6 +174,8 @@ class _ByBlock(NamedTuple):
         key = torch.where(el.member, el.col, vocab)
         order = torch.argsort(key)
         edges = torch.tensor([*range(0, vocab, block), vocab], device=key.device)
+        if _probe.active is not None:
+            _probe.active.host_read("tolist")
         bounds = torch.searchsorted(key[order], edges).tolist()
         return cls(el.col[order], el.row[order], coef[order], bounds)
 

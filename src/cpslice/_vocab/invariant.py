@@ -32,14 +32,15 @@ from typing import cast, no_type_check
 import torch
 from torch import Tensor
 
+from .. import _probe
 from .._errors import LayoutError
 from . import bits, kernels
-from . import spec as _spec  # merge_tiles read at each call: tests plant another order
+from . import spec as _spec
 from . import stats as _stats
 from .backends import selection as backend
 from .gradient import RowGrad
 from .memory import buffer
-from .rows import At, chunked, gather, numbers, pieces, size
+from .rows import At, chunked, count, gather, numbers, pieces, size
 from .shard import Shard
 from .softmax import Softmax, Tau, reciprocals, taus
 from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
@@ -108,15 +109,22 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return _spec.merge_tiles(m, s, a, tau)
+    return merge_step(m, s, a, tau)
+
+
+def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``spec.merge_tiles`` with torch, or the step substituted for it
+    (``_probe.substitute("merge_tiles", fn)``, a planted reduction order)."""
+    merge = _spec.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _spec.merge_tiles)
+    return merge(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``spec.merge_tiles``); their picked logits added."""
-    write(out, at, *_spec.merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
-                                       tau))
+    write(out, at, *merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+                                  tau))
     out.picked[at] += parts.picked
 
 
@@ -195,13 +203,13 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
 
 def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first: int) -> bool:
     """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
-    ``out``, in chunks of a fixed number of rows (``kernels.chunk_starts``); False if
+    ``out``, in chunks of a fixed number of rows (``rows.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
     n = x.shape[1] // TILE
     chunks, buf = chunked(x, rows, stats_chunk_rows(x.shape[1]))
     for at in chunks:
         part = gather(x, at, buf)
-        ok, result = kernels._call(tile_kernel, part, r[at])
+        ok, result = kernels._call(tile_kernel, part, r[at], invariant=True)
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
@@ -231,6 +239,8 @@ def stats(
     if rows is not None and not isinstance(rows, Tensor):
         rows = torch.cat([torch.arange(lo, hi) for lo, hi in rows] or [torch.zeros(0, dtype=torch.int64)])
         rows = rows.to(x.device)
+    if _probe.active is not None:
+        _probe.active.call("stats", count(rows, x.shape[0]), rows, invariant=True)
     if backend.triton_for(x, invariant=True):
         _triton_stats(x, softmax, valid, out, rows, first)
         return
@@ -284,6 +294,8 @@ def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.dev
     buffer for the call."""
     work = torch.empty(max((size(at) for at in pieces), default=0) * width, dtype=dtype, device=device)
     for at in pieces:
+        if _probe.active is not None:  # one chunk of the eager forward
+            _probe.active.launch("eager", "stats", size(at), invariant=True)
         yield at, work[: size(at) * width].view(size(at), width)
 
 
@@ -307,7 +319,7 @@ def eager_rows(
     """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
     then ``merge_tiles``."""
     m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return _spec.merge_tiles(m.t(), s.t(), None if a is None else a.t(), tau)
+    return merge_step(m.t(), s.t(), None if a is None else a.t(), tau)
 
 
 @no_type_check
@@ -324,14 +336,15 @@ def row_kernel(x, r, tau):
 
 def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
     """``row_kernel`` over the ``rows`` of ``x`` into ``out`` (``[T]`` fields), in chunks of
-    a fixed number of rows (``kernels.chunk_starts``), each compiled shape's first
+    a fixed number of rows (``rows.chunk_starts``), each compiled shape's first
     result checked against ``eager_rows``; False if it failed to compile (auto) or
     disagreed."""
     width = x.shape[1]
     chunks, buf = chunked(x, rows, stats_chunk_rows(width))
     for at in chunks:
         part = gather(x, at, buf)
-        ok, result = kernels._call(row_kernel, part, r[at], tau[at])
+        kernel = row_kernel if _probe.active is None else _probe.active.step("row_kernel", row_kernel)
+        ok, result = kernels._call(kernel, part, r[at], tau[at], invariant=True)
         if not ok:
             return False
         got = cast(tuple[Tensor, Tensor, Tensor], result)
@@ -421,6 +434,8 @@ def grad(
     picked ids' entries (``picks``); any other entry is the kernel's, whichever shard
     holds the ids. ``work`` is ``kernels.grad``'s: invariant mode's kernels take no
     workspace."""
+    if _probe.active is not None:
+        _probe.active.call("grad", count(rows, x.shape[0]), rows, invariant=True)
     r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
     chunk = max(chunks.eager, chunks.compiled)
@@ -432,6 +447,8 @@ def grad(
         return
     if not (softmax.cap is None and compiled_ok(x, rows) and _compiled_grad(x, rows, r, big_m, log_s, a, row.b, out)):
         for at in pieces(rows, x.shape[0], chunks.eager):
+            if _probe.active is not None:
+                _probe.active.launch("eager", "grad", size(at), invariant=True)
             dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
             grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], row.b[at], dst, softmax.cap)
             if not isinstance(at, slice):
@@ -490,11 +507,11 @@ def _compiled_grad(
         if pairs:
             v, o = bits.pairs(src), bits.pairs(dst)
             assert v is not None and o is not None
-            ok, _ = kernels._call(pairs_kernel, v, *terms, o)
+            ok, _ = kernels._call(pairs_kernel, v, *terms, o, invariant=True)
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
         else:
             part = src if wide is None else wide[:c].copy_(src)
-            ok, _ = kernels._call(grad_kernel, part, *terms, dst)
+            ok, _ = kernels._call(grad_kernel, part, *terms, dst, invariant=True)
             key = ("grad_kernel", part.dtype, dst.dtype, (c, width), part.stride(), dst.stride())
         if not ok:
             return False

@@ -49,12 +49,11 @@ from typing import Any, NamedTuple, cast, no_type_check
 import torch
 from torch import Tensor
 
+from .. import _probe
 from .._types import compute_dtype
 from .backends import selection as backend
 from .gradient import RowGrad, pick_grad
-from .memory import buffer as buffer  # the gradient's buffer, read here by tests/vocabulary/test_kernels.py
-from .rows import At, count, gather, numbers, pieces, size
-from .rows import chunk_starts as chunk_starts  # kernels.chunk_starts to its readers
+from .rows import At, chunk_starts, count, gather, numbers, pieces, size
 from .softmax import (
     Softmax,
     capped_,
@@ -277,12 +276,14 @@ def _reason(error: BaseException) -> str:
 
 
 def _call(
-    fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object, at: Tensor | None = None
+    fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object, at: Tensor | None = None,
+    invariant: bool = False,
 ) -> tuple[bool, object]:
     """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape, or
     (an ``_at`` kernel) on the rows ``at`` of the block ``x``, its rows (and the gradient
     block's, among ``args``) marked dynamic; ``(False, None)`` if its first call (the
-    compilation) failed in ``auto``, which warns once and turns ``auto`` eager."""
+    compilation) failed in ``auto``, which warns once and turns ``auto`` eager.
+    ``invariant``: invariant mode's kernel (for ``_probe``'s launch events)."""
     state = backend.selected
     key, compiled = _kernel(fn, x, inv_tau.dim() > 0, at)
     args = (inv_tau, *args)
@@ -294,6 +295,8 @@ def _call(
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         args = (at, *args)
     if key in state.ready:
+        if _probe.active is not None:
+            _probe.active.launch("compiled", fn.__name__, x.shape[0] if at is None else at.numel(), invariant)
         return True, compiled(x, *args)
     try:
         result = compiled(x, *args)
@@ -314,6 +317,8 @@ def _call(
         )
         return False, None
     state.ready.add(key)
+    if _probe.active is not None:
+        _probe.active.launch("compiled", fn.__name__, x.shape[0] if at is None else at.numel(), invariant)
     return True, result
 
 
@@ -367,6 +372,8 @@ def _eager_stats(
             a[every] = 0.0
         return
     for at in pieces(rows, x.shape[0], chunk):
+        if _probe.active is not None:
+            _probe.active.launch("eager", "stats", size(at))
         buf, expd = work.take((size(at), vocab), m.dtype, x.device)
         y = gather(x, at, buf)  # a view of a slice's rows; an index's in buf
         if softmax.cap is not None:
@@ -403,6 +410,8 @@ def stats(
     them (capped, then tempered; the max is the capped logits'). A block of no columns
     (a shard of padded ids only) has ``m = -inf`` and ``S = A = 0``. The compiled
     kernels run on full chunks of the selected rows, whatever their runs."""
+    if _probe.active is not None:
+        _probe.active.call("stats", count(rows, x.shape[0]), rows)
     if backend.triton_for(x):
         from .backends.triton import default as tri
 
@@ -454,6 +463,8 @@ def _eager_grad(
     cdt = row.b.dtype
     capped = softmax.cap is not None
     for at in pieces(rows, x.shape[0], chunk) if vocab else []:
+        if _probe.active is not None:
+            _probe.active.launch("eager", "grad", size(at))
         bufs = work.take((size(at), vocab), cdt, x.device, 3 if capped else 2)
         buf, expd = bufs[0], bufs[1]
         m = big_m[at]
@@ -504,6 +515,8 @@ def grad(
     b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``,
     through the cap's ``tanh``. ``compiled=False`` (invariant mode) runs the eager loop
     alone."""
+    if _probe.active is not None:
+        _probe.active.call("grad", count(rows, x.shape[0]), rows)
     if backend.triton_for(x):
         from .backends.triton import default as tri
 

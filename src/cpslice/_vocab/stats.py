@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _probe
 from . import spec
 from .softmax import Tau, rows_of, scaled
 from .spec import Merger
@@ -172,6 +173,8 @@ def all_gather_rows(local: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     world = dist.get_world_size(group)
     # the concatenation form [W * r, T]: gloo refuses the stacked [W, r, T]
     flat = local.new_empty((world * local.shape[0], local.shape[1]))
+    if _probe.active is not None:
+        _probe.active.collective("all_gather", local.numel())
     _all_gather(flat, local, group=group)
     return flat.view(world, *local.shape)
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _probe
 from .._errors import LayoutError
 from .._types import TensorArg
 from .dtensor import replicated
@@ -140,6 +141,8 @@ def keep_mask_sets(mask: Tensor, rank: int, group: dist.ProcessGroup | None) -> 
     totals = every.sum(1)
     received = ids.new_empty(int(totals.sum()))
     world = every.shape[0]
+    if _probe.active is not None:
+        _probe.active.collective("all_to_all_single", world * ids.numel())
     dist.all_to_all_single(received, ids.repeat(world), totals.tolist(), [ids.numel()] * world, group=group)
     # rank q's ids of row t start at its block's start plus its earlier rows' counts; the
     # sets are row-major, and in a row the shards in rank order: ascending global ids
@@ -154,6 +157,12 @@ def keep_mask_sets(mask: Tensor, rank: int, group: dist.ProcessGroup | None) -> 
 def host_offsets(support: Support) -> Tensor:
     """The CPU copy of ``support.offsets`` its constructor read (no further device sync)."""
     return support._host_offsets
+
+
+def on_host(ids: Tensor) -> bool:
+    """Whether ``ids`` are checked against the vocabulary on the host: on the CPU, where it
+    costs no device sync (``_probe``'s step ``host_checks``)."""
+    return ids.device.type == "cpu"
 
 
 def check_support(support: object, rows: int, vocab_total: int, what: str = "logits") -> Support:
@@ -172,7 +181,8 @@ def check_support(support: object, rows: int, vocab_total: int, what: str = "log
             "Layout with local_length=T)"
         )
     ids = support.ids
-    if ids.device.type == "cpu" and ids.numel():
+    checked = on_host if _probe.active is None else _probe.active.step("host_checks", on_host)
+    if checked(ids) and ids.numel():
         bad = (ids >= vocab_total).nonzero()
         if bad.numel():
             k = int(bad[0, 0])

@@ -7,16 +7,12 @@ CUDA builds of torch and is no dependency of cpslice. ``default`` holds the defa
 reduction's kernels (online statistics forward, one read; the gradient backward, one read
 and one write), ``invariant`` invariant mode's (the spec of docs/invariance.md: 128-column
 tiles, the spec's ``exp``, pairwise-halving sums, no contraction, correctly rounded
-divisions). ``launches`` counts every kernel launch by name, so that a test (and a
-benchmark) can see that a Triton kernel ran: a silent fallback to another backend shows
-as no launch.
+divisions). Every launch is a ``launch`` event of ``cpslice._probe`` (backend
+``triton``), so that a test (and a benchmark) can see that a Triton kernel ran: a silent
+fallback to another backend shows as no launch.
 """
 
 import os
-from collections import Counter
-
-launches: Counter[str] = Counter()
-"""Kernel launches of this process, by kernel name."""
 
 
 def interpreted() -> bool:
@@ -41,8 +37,3 @@ def check_interpreter() -> None:
             "cpslice's kernels on CPU tensors; set it in the environment before the process starts "
             "(`make test` does)"
         )
-
-
-def count(name: str) -> None:
-    """Count one launch of the kernel ``name``."""
-    launches[name] += 1

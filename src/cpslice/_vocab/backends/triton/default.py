@@ -22,11 +22,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .... import _probe
 from ...gradient import RowGrad, pick_grad
 from ...softmax import Softmax, exp_constants, reciprocal
 from ...spec import FLOOR as _FLOOR
 from ...stats import RowStats
-from . import count
 
 STATS_BLOCK = 8192
 """Columns per iteration of a row's forward loop on a GPU (16 KiB of bfloat16 logits per
@@ -181,7 +181,8 @@ def stats(
         return
     r_t, r_s, per_row = _temperature(tau, x)
     c, two = _cap(cap)
-    count("default.stats")
+    if _probe.active is not None:
+        _probe.active.launch("triton", "default.stats", grid[0])
     _stats_kernel[grid](
         x, x.stride(0), m if index is None else index, r_t, r_s, m, s, m if a is None else a, x.shape[1], c, two,
         HAS_ROWS=index is not None, PER_ROW=per_row, HAS_CAP=cap is not None, HAS_A=a is not None,
@@ -205,7 +206,8 @@ def grad(
         return
     r_t, r_s, per_row = _temperature(tau, x)
     c, two = _cap(cap)
-    count("default.grad")
+    if _probe.active is not None:
+        _probe.active.launch("triton", "default.grad", grid[0])
     _grad_kernel[grid](
         x, x.stride(0), out, out.stride(0), b if index is None else index, r_t, r_s, big_m, log_s,
         b if a is None else a, b, x.shape[1], c, two,

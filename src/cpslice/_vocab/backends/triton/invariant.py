@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .... import _probe
 from ...spec import EXP, FLOOR, LOG2E, TILE
-from . import count
 
 _F32 = EXP[torch.float32]
 assert _F32.degree == 7 and TILE == 128, "the kernels spell out the float32 spec"
@@ -269,7 +269,8 @@ def _tiles(x: Tensor, index: Tensor, dest: Tensor, r: Tensor, cap: float | None,
         return
     bt = min(TILES_PER_PROGRAM, _pow2(n))
     ent = s if a is None else a  # not written without entropy
-    count("invariant_tiles")
+    if _probe.active is not None:
+        _probe.active.launch("triton", "invariant_tiles", index.numel(), True)
     invariant_tiles[(index.numel(), -(-n // bt))](
         _bits(x), x.stride(0), index, dest, r, m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1),
         ent, ent.stride(0), ent.stride(1), valid, n, first, 1.0 if cap is None else float(cap),
@@ -294,7 +295,8 @@ def merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tensor) -> tuple[Tensor, 
     np_ = _pow2(n)
     br = min(_pow2(rows), max(1, MERGE_BLOCK // np_))
     aa = s if a is None else a
-    count("invariant_merge")
+    if _probe.active is not None:
+        _probe.active.launch("triton", "invariant_merge", rows, True)
     invariant_merge[(-(-rows // br),)](
         m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1), aa, aa.stride(0), aa.stride(1),
         tau.contiguous(), big, total, total if ent is None else ent, rows, n,
@@ -352,7 +354,8 @@ def grad(x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a:
         return
     bf16 = out.dtype == torch.bfloat16
     dst = out.view(torch.int16) if bf16 else out
-    count("invariant_grad")
+    if _probe.active is not None:
+        _probe.active.launch("triton", "invariant_grad", index.numel(), True)
     invariant_grad[(index.numel(), -(-x.shape[1] // GRAD_BLOCK))](
         _bits(x), x.stride(0), index, r, m, log_s, torch.zeros_like(b) if a is None else a, b, dst, dst.stride(0),
         x.shape[1], 1.0 if cap is None else float(cap),
