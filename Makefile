@@ -1,5 +1,5 @@
 # `make test` is the one command: it builds .venv/ from nothing when needed,
-# then runs the type gate and the test suite.
+# then runs the type gate, the lint gate (ruff, complexity included) and the test suite.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -22,7 +22,7 @@ typecheck: install
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples
 
-test: install typecheck
+test: install typecheck lint
 	TRITON_INTERPRET=1 $(BIN)/pytest
 
 # Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
