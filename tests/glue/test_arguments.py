@@ -57,15 +57,12 @@ def layout_kinds(i: Any, r: Any) -> None:
 
 
 def from_parallel_state(i: Any, r: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # megatron-core's parallel_state is read through one adapter function; its CP rank and
-    # size are ints from megatron, the caller's arguments are what this test varies.
-    # megatron-core first, outside the jaxtyping hook: imported from the hooked adapter
-    # module, it is compiled from source.
-    import megatron.core.parallel_state  # noqa: F401
+    # megatron-core's parallel_state (the environment, not cpslice) says CP rank 0 of 1;
+    # the caller's arguments are what this test varies. megatron-core first, outside the
+    # jaxtyping hook: imported from the hooked adapter module, it is compiled from source.
+    from megatron.core import parallel_state
 
-    from cpslice._layout import megatron as _megatron
-
-    monkeypatch.setattr(_megatron, "cp_rank_and_size", lambda: (0, 1))
+    _parallel_state(monkeypatch, parallel_state, 0, 1)
     layout = Layout.from_parallel_state(TOTAL, RESPONSE, local_length=np.int64(9), align=i)
     assert layout.local_length == 9
     rows = Layout.from_parallel_state(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=9,
@@ -245,3 +242,11 @@ def test_numpy_scalars_and_ints_are_accepted(call: Callable[..., None], i: Any, 
 @pytest.mark.parametrize("i", INTS, ids=repr)
 def test_from_parallel_state_takes_them_too(i: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from_parallel_state(i, 1.0, monkeypatch)
+
+
+def _parallel_state(monkeypatch: pytest.MonkeyPatch, state: Any, rank: int, size: int) -> None:
+    """megatron-core's parallel_state as an initialized CP group of ``size`` would read
+    on its rank ``rank`` (tests/distributed/test_end_to_end.py reads a real one)."""
+    monkeypatch.setattr(state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(state, "get_context_parallel_rank", lambda: rank)
+    monkeypatch.setattr(state, "get_context_parallel_world_size", lambda: size)

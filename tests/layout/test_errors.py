@@ -118,13 +118,13 @@ def test_a_short_local_length_is_refused_where_it_is_read(kwargs: dict[str, Any]
 def test_from_parallel_state_checks_cp_mode_against_the_cp_size(
     size: int, cp_mode: Any, error: type, match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # megatron-core's CP rank and size come through one adapter function (test_end_to_end
-    # reads them from a real parallel_state); megatron-core first, outside jaxtyping's hook
-    import megatron.core.parallel_state  # noqa: F401
+    # megatron-core's parallel_state (the environment) as CP rank size - 1 of size would
+    # read it (test_end_to_end reads a real one); megatron-core first, outside jaxtyping's hook
+    from megatron.core import parallel_state
 
-    from cpslice._layout import megatron as _megatron
-
-    monkeypatch.setattr(_megatron, "cp_rank_and_size", lambda: (size - 1, size))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: size - 1)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: size)
     with refused(error, match):
         Layout.from_parallel_state([10], [4], cp_mode=cp_mode, qkv_format="bshd", max_seq_len=12)
 
