@@ -61,7 +61,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     x = _logits(dtype, gen)
     tau = torch.rand(T, generator=gen) + 0.5
     r = 1.0 / tau
-    n = inv.tiles(V)
+    n = spec.tiles(V)
     softmax = Softmax(tau, cap, True)
     want = inv.tile_placeholders(n, T, 0, torch.float32, cpu, True)
     inv.stats(x, softmax, VALID, want, [(0, T)], 16)

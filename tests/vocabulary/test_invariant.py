@@ -274,7 +274,7 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(dtype: torch.dtype
     softmax = _softmax.Softmax(torch.rand(40, generator=gen) + 0.5)
 
     def run() -> _stats.TileStats:
-        out = _invariant.tile_placeholders(_invariant.tiles(1000), 40, 0, torch.float32, x.device, True)
+        out = _invariant.tile_placeholders(_spec.tiles(1000), 40, 0, torch.float32, x.device, True)
         _invariant.stats(x, softmax, 1000, out, [(0, 17), (20, 40)], 8)
         return out
 

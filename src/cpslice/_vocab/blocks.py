@@ -22,7 +22,7 @@ from .rows import At, gather, pieces, size
 from .set_elements import Elements
 from .shard import Shard
 from .softmax import Softmax
-from .spec import TILE
+from .spec import TILE, tiles
 from .stats import Parts, RowStats, Stats, merge
 
 MIN_BLOCK_ROWS = 2048
@@ -207,7 +207,7 @@ def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
     n, h = size(at), gather(run.hidden, at, None)
     softmax = run.options.softmax.rows(at)
     if isinstance(dense, RowStats):
-        parts = invariant.tile_placeholders(invariant.tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
+        parts = invariant.tile_placeholders(tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
                                             run.hidden.device, dense.ent is not None)
     else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
         parts = dense.map(operator.itemgetter(at))

@@ -45,7 +45,7 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, topk
+from . import args, head, invariant, kernels, spec, topk
 from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .gradient import RowGrad
@@ -97,7 +97,7 @@ def forward(
             need = ~el.host_has_set if need is None else ~el.host_has_set & need
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
-        tiles = invariant.tiles(shard.size) if options.invariant else None
+        tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
     dense_pass(hidden, weight, column, held, dense, None if need is None else index_of(need, hidden.device),
                shard, options)

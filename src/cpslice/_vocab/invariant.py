@@ -43,7 +43,7 @@ from .memory import buffer
 from .rows import At, chunked, count, gather, numbers, pieces, size
 from .shard import Shard
 from .softmax import Softmax, Tau, reciprocals, taus
-from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tree
+from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tiles, tree
 from .stats import RowStats, Stats, TileStats, write
 
 BLOCK_ROWS = 64
@@ -53,11 +53,6 @@ the other rows (measured with MKL: 1 or 2 rows take another kernel)."""
 BLOCK_TILES = 8
 """Tiles per column block of those matmuls (``BLOCK_TILES * TILE`` columns, zero weight
 rows padding a shard's last block)."""
-
-
-def tiles(columns: int) -> int:
-    """Tiles of ``columns`` columns (the last one partial)."""
-    return -(-columns // TILE)
 
 
 def check(shard: Shard) -> None:

@@ -26,7 +26,7 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, topk
+from . import args, head, invariant, kernels, spec, topk
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .rows import gather, index_of, pieces
@@ -58,7 +58,7 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     if el is not None:
         x = softmax.logits(logits[el.row, el.col].to(dense.max.dtype))
         with_h = options.with_entropy and options.over_support
-        tiles = invariant.tiles(shard.size) if options.invariant else None
+        tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h, tiles))
     return finish(dense, sets, ids, shard, options, need)
 
