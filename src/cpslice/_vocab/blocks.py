@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._types import HeadWeight, Hidden
 from . import invariant, kernels, topk
+from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
 from .call import Options
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
@@ -85,10 +86,10 @@ class Blocks(NamedTuple):
         """The vocabulary blocks ``[v0, v1)``."""
         return spans(vocab, self.columns)
 
-    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
+    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> Chunks:
         """The kernels' chunks on one block of ``rows`` rows: the whole block at once
         eagerly, the compiled kernels' rows for its width."""
-        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
+        return Chunks(rows, compiled_chunk_rows(self.columns, dtype, device))
 
 
 def element_rows(width: int) -> int:
@@ -128,7 +129,7 @@ class _Pass(NamedTuple):
     spans: list[tuple[int, int]]
     best: int | None
     cdt: torch.dtype
-    work: kernels.Workspace
+    work: Workspace
 
 
 def dense_pass(
@@ -151,7 +152,7 @@ def dense_pass(
     total, vocab = hidden.shape[0], weight.shape[0]
     blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
     run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
-                dense.max.dtype, kernels.Workspace())
+                dense.max.dtype, Workspace())
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),

@@ -38,6 +38,7 @@ from . import bits, kernels
 from . import spec as _spec
 from . import stats as _stats
 from .backends import selection as backend
+from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
 from .gradient import RowGrad
 from .memory import buffer
 from .rows import At, chunked, count, gather, numbers, pieces, size
@@ -421,7 +422,7 @@ def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
 
 def grad(
     x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor,
-    *, chunks: kernels.Chunks, rows: Tensor | None = None, work: kernels.Workspace | None = None,
+    *, chunks: Chunks, rows: Tensor | None = None, work: Workspace | None = None,
 ) -> None:
     """``kernels.grad`` in invariant mode: the gradient w.r.t. the raw logits of the ``rows``
     of ``x`` (as ``kernels.grad`` takes them) into ``out``: ``grad_kernel`` over every
@@ -490,7 +491,7 @@ def _compiled_grad(
     width = x.shape[1]
     pairs = bits.pairs(x) is not None and bits.pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
-    chunk = stats_chunk_rows(width) if widen else kernels.compiled_chunk_rows(width, x.dtype, x.device)
+    chunk = stats_chunk_rows(width) if widen else compiled_chunk_rows(width, x.dtype, x.device)
     chunks, buf = chunked(x, rows, chunk)
     most = max((size(at) for at in chunks), default=0)
     wide = torch.empty((most, width), dtype=r.dtype, device=x.device) if widen and chunks else None

@@ -9,7 +9,7 @@ picked ids (``gradient.RowGrad``) into ``out``, rounded once to ``out``'s dtype.
 the rows to compute as an index (``rows``, see ``_vocab.rows``; None: every row) and
 never read or write another row. Both always do their job: with the compiled kernels
 where the backend (``CPSLICE_BACKEND``) and the block allow, else with the eager loop, chunk by chunk
-(``Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
+(``backends.chunks.Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
 
 The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
 into one fused loop each (one read of the logits forward, one read and one write
@@ -44,14 +44,14 @@ import math
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast, no_type_check
+from typing import Any, cast, no_type_check
 
 import torch
 from torch import Tensor
 
 from .. import _probe
-from .._types import compute_dtype
 from .backends import selection as backend
+from .backends.chunks import Chunks, Workspace
 from .gradient import RowGrad, pick_grad
 from .rows import At, chunk_starts, count, gather, numbers, pieces, size
 from .softmax import (
@@ -71,79 +71,10 @@ from .softmax import (
 from .spec import FLOOR
 from .stats import RowStats
 
-CHUNK_BYTES = 64 * 2**20
-CPU_CHUNK_BYTES = 8 * 2**20
-"""Eager row chunks are sized so that the two work buffers of one chunk hold about this
-many bytes together (at least one row). On the CPU a chunk small enough to stay in the
-last-level cache makes the several elementwise passes over it cheap (measured: 8 MiB is
-1.4x faster than 64 MiB at T=4096, V=32768); on an accelerator larger chunks amortize
-the per-kernel launch cost (measured on an H200: 64 MiB within 10% of 1 GiB chunks,
-8 MiB 5x slower)."""
-CPU_COMPILED_CHUNK_BYTES = 32 * 2**20
-COMPILED_CHUNK_BYTES = 2**30
-"""Rows per compiled chunk: ``[C, V]`` of the compute dtype within these bytes (CPU /
-other devices), rounded down to a power of two. A compiled chunk needs no work buffer,
-so the size only trades per-call overhead (and, on a GPU, occupancy) against the
-redundant overlap of the tail chunk: on a GPU a chunk of a few hundred rows of a large
-vocabulary would leave most of the device idle (one row per program)."""
 AUTO_MIN_ELEMENTS = 2**22
 """In ``auto``, the compiled kernels run only for blocks of at least this many elements
 (about 16 MiB of float32 logits): below it the eager kernels cost little and a first
 compile (seconds) would not pay for itself."""
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=compute_dtype(dtype)).element_size()
-
-
-def default_chunk_rows(
-    vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> int:
-    """Rows per eager chunk when ``chunk_size`` is None: two ``[rows, vocab]`` work buffers
-    of the compute dtype within ``CPU_CHUNK_BYTES`` on the CPU and ``CHUNK_BYTES`` on any
-    other device; at least one row."""
-    budget = CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else CHUNK_BYTES
-    return max(1, budget // (2 * max(vocab, 1) * _itemsize(dtype)))
-
-
-def compiled_chunk_rows(
-    vocab: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> int:
-    """Rows ``C`` of a compiled chunk: ``[C, vocab]`` of the compute dtype within
-    ``CPU_COMPILED_CHUNK_BYTES`` on the CPU, ``COMPILED_CHUNK_BYTES`` elsewhere, rounded
-    down to a power of two; at least 1."""
-    budget = CPU_COMPILED_CHUNK_BYTES if torch.device(device).type == "cpu" else COMPILED_CHUNK_BYTES
-    rows = max(1, budget // (max(vocab, 1) * _itemsize(dtype)))
-    return 1 << (rows.bit_length() - 1)
-
-
-class Chunks(NamedTuple):
-    """Rows per chunk of the eager loop and of the compiled kernels."""
-
-    eager: int
-    compiled: int
-
-
-def chunks_for(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: torch.device) -> Chunks:
-    """``chunk_size`` rows for both when given, else ``default_chunk_rows`` and
-    ``compiled_chunk_rows`` of ``[*, vocab]`` blocks."""
-    if chunk_size is not None:
-        return Chunks(chunk_size, chunk_size)
-    return Chunks(default_chunk_rows(vocab, dtype, device), compiled_chunk_rows(vocab, dtype, device))
-
-
-class Workspace:
-    """The eager loop's work buffers of the compute dtype (two; three with a cap), made on
-    first use at the largest size asked of them and reused for every chunk (and block) of
-    one pass."""
-
-    def __init__(self) -> None:
-        self._flat: list[Tensor] = []
-
-    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device, count: int = 2) -> list[Tensor]:
-        n = shape[0] * shape[1]
-        if len(self._flat) < count or self._flat[0].numel() < n:
-            size = max(n, self._flat[0].numel() if self._flat else 0)
-            self._flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(max(count, len(self._flat)))]
-        return [buf[:n].view(shape) for buf in self._flat[:count]]
 
 
 @no_type_check
