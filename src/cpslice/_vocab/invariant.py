@@ -6,7 +6,7 @@ distribution's columns ``[0, V)`` cut into ``spec.TILE``-column tiles of global 
 column ``>= V`` counts as a -inf logit); per tile, in the compute dtype, the capped
 logits (``spec.softcap``), the tile's max (``spec.tile_max``), ``d = max((y - m_j') * r,
 FLOOR)`` with ``r = 1 / tau`` (one division per row), ``e = spec.exp(d)`` and the
-``spec.tree`` sums of ``e`` and ``e * d`` (``eager_tiles``); the tiles, in global order,
+``spec.tree`` sums of ``e`` and ``e * d`` (``backends.eager.eager_tiles``); the tiles, in global order,
 merged by ``spec.merge_tiles``; ``log p_t = (y_t - M) / tau - log S``, ``H = log S - A /
 S``. This module runs it: eagerly, compiled, or by the Triton backend.
 
@@ -26,7 +26,7 @@ for bit against the eager kernel's (a difference warns and turns them off).
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import cast, no_type_check
 
 import torch
@@ -37,6 +37,7 @@ from .._errors import LayoutError
 from . import bits, kernels
 from . import spec as _spec
 from . import stats as _stats
+from .backends import eager
 from .backends import selection as backend
 from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
 from .gradient import RowGrad
@@ -44,7 +45,7 @@ from .memory import buffer
 from .rows import At, chunked, count, gather, numbers, pieces, size
 from .shard import Shard
 from .softmax import Softmax, Tau, reciprocals, taus
-from .spec import FLOOR, TILE, exp, halve, softcap, softcap_slope, tile_max, tiles, tree
+from .spec import FLOOR, TILE, exp, halve, tile_max, tiles
 from .stats import RowStats, Stats, TileStats, write
 
 BLOCK_ROWS = 64
@@ -105,21 +106,14 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tenso
         from .backends.triton import invariant as tri
 
         return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return merge_step(m, s, a, tau)
-
-
-def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``spec.merge_tiles`` with torch, or the step substituted for it
-    (``_probe.substitute("merge_tiles", fn)``, a planted reduction order)."""
-    merge = _spec.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _spec.merge_tiles)
-    return merge(m, s, a, tau)
+    return eager.merge_step(m, s, a, tau)
 
 
 def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
     spec's order (``spec.merge_tiles``); their picked logits added."""
-    write(out, at, *merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
+    write(out, at, *eager.merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
                                   tau))
     out.picked[at] += parts.picked
 
@@ -147,18 +141,6 @@ def tile_kernel(x, r):
     # [n, R]: each tile's row of statistics contiguous, as the placeholders hold them
     return (m.t().contiguous(), halve(list(s.unbind(-1))).t().contiguous(),
             halve(list(a.unbind(-1))).t().contiguous())
-
-
-def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
-    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
-    is +0: the max of +0 and -0 has no order-free sign)."""
-    m = tile_max(y)
-    shift = torch.where(m == -math.inf, 0.0, m)
-    d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
-    e = exp(d)
-    a = tree(d.mul_(e)) if with_entropy else None
-    return m, tree(e), a
 
 
 LANES = 16
@@ -212,7 +194,8 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, f
         key = ("tile_kernel", part.dtype, part.shape, part.stride())
         if key not in backend.selected.verified and not _checked(
                 "tile_kernel", got,
-                [t.t() for t in eager_tiles(part.to(r.dtype).view(-1, n, TILE), r[at], True) if t is not None], key):
+                [t.t() for t in eager.eager_tiles(part.to(r.dtype).view(-1, n, TILE), r[at], True) if t is not None],
+                key):
             return False
         write(out, (at, slice(first, first + n)), got[0].t(), got[1].t(), got[2].t())
     return True
@@ -248,7 +231,7 @@ def stats(
     whole = valid // TILE * TILE if softmax.cap is None else 0
     part = x[:, :whole]
     start = whole if whole and compiled_ok(part, rows) and _compiled_stats(part, rows, r, out, first) else 0
-    _eager_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
+    eager.tile_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
 
 
 def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | None, first: int) -> None:
@@ -281,41 +264,7 @@ def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None
     r = reciprocals(tau, x.shape[0], cdt, x.device)
     if softmax.cap is None and compiled_ok(x, rows) and _compiled_rows(x, rows, r, tau, out):
         return
-    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
-        write(out, at, *eager_rows(gather(x, at, None), softmax.cap, r[at], tau[at], buf, out.ent is not None))
-
-
-def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[At, Tensor]]:
-    """Each piece of rows with a ``[rows, width]`` work buffer, all of them views of one
-    buffer for the call."""
-    work = torch.empty(max((size(at) for at in pieces), default=0) * width, dtype=dtype, device=device)
-    for at in pieces:
-        if _probe.active is not None:  # one chunk of the eager forward
-            _probe.active.launch("eager", "stats", size(at), invariant=True)
-        yield at, work[: size(at) * width].view(size(at), width)
-
-
-def padded_tiles(
-    x: Tensor, cap: float | None, r: Tensor, buf: Tensor, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``eager_tiles`` ``[n, tiles(w)]`` of the rows of ``x`` ``[n, w]`` (whose first column
-    starts a tile): capped and -inf padded into ``buf`` (``[n, tiles(w) * TILE]``, the
-    compute dtype) first."""
-    w = x.shape[1]
-    buf[:, :w].copy_(x)
-    if cap is not None:
-        buf[:, :w] = softcap(buf[:, :w], cap)[0]
-    buf[:, w:] = -math.inf
-    return eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
-
-
-def eager_rows(
-    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, buf: Tensor, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
-    then ``merge_tiles``."""
-    m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
-    return merge_step(m.t(), s.t(), None if a is None else a.t(), tau)
+    eager.merged_stats(x, softmax.cap, r, tau, out, rows, chunk)
 
 
 @no_type_check
@@ -347,7 +296,7 @@ def _compiled_rows(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: 
         key = ("row_kernel", x.dtype, tuple(part.shape), part.stride())
         if key not in backend.selected.verified:
             work = torch.empty((part.shape[0], tiles(width) * TILE), dtype=r.dtype, device=x.device)
-            want = eager_rows(part, None, r[at], tau[at], work, True)
+            want = eager.eager_rows(part, None, r[at], tau[at], work, True)
             if not _checked("row_kernel", got, [t for t in want if t is not None], key):
                 return False
         write(out, at, *got)
@@ -358,20 +307,6 @@ def stats_chunk_rows(width: int) -> int:
     """Rows per compiled forward chunk (and widened gradient chunk): ``[C, width]``
     float32 within ``STATS_CHUNK_BYTES``, a power of two."""
     return 1 << (max(1, STATS_CHUNK_BYTES // (4 * width)).bit_length() - 1)
-
-
-def _eager_stats(
-    x: Tensor, cap: float | None, r: Tensor, valid: int, out: TileStats, rows: Tensor | None,
-    chunk: int, first: int, start: int, n_tiles: int,
-) -> None:
-    """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
-    n = n_tiles - start // TILE
-    if n == 0:
-        return
-    cols = slice(first + start // TILE, first + n_tiles)
-    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), n * TILE, out.sum.dtype, x.device):
-        part = gather(x[:, start:valid], at, None)
-        write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
 
 
 def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_local: int,
@@ -387,7 +322,7 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
     y = torch.full((uniq.numel(), TILE), -math.inf, dtype=cdt, device=x.device)
     y[pair[member], col[member] % TILE] = x[member]
     first_row = torch.zeros(uniq.numel(), dtype=torch.int64, device=x.device).scatter_(0, pair, row)
-    m, s, a = eager_tiles(y[:, None], reciprocals(tau, rows, cdt, x.device)[first_row], with_entropy)
+    m, s, a = eager.eager_tiles(y[:, None], reciprocals(tau, rows, cdt, x.device)[first_row], with_entropy)
     # one slot per (row, tile), and one more that the non-members' key points at
     big = torch.full((flat + 1,), -math.inf, dtype=cdt, device=x.device)
     total = torch.zeros(flat + 1, dtype=cdt, device=x.device)
@@ -397,27 +332,6 @@ def set_stats(x: Tensor, row: Tensor, col: Tensor, member: Tensor, rows: int, n_
         ent[uniq] = a[:, 0]
     return TileStats(big[:flat].view(rows, n_local), total[:flat].view(rows, n_local), x.new_zeros((0,)),
                      None if ent is None else ent[:flat].view(rows, n_local))
-
-
-@no_type_check
-def _values(x, r, m, log_s, a, b, cap=None, hot=None):
-    """``p * (a * d + b)`` of ``x`` ``[R, w]`` widened to the compute dtype and capped
-    (``spec.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
-    clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``; ``hot``
-    ``[R, w]`` added (None: nothing), and with a cap the whole times its derivative
-    ``1 - t * t``."""
-    y, t = (x.to(r.dtype), None) if cap is None else softcap(x.to(r.dtype), cap)
-    d = ((y - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
-    value = exp(d) * (a[:, None] * d + b[:, None])
-    value = value if hot is None else value + hot
-    return value if t is None else value * softcap_slope(t)
-
-
-@no_type_check
-def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
-    """``out = _values(...)``, rounded once to ``out``'s dtype: eager, and (uncapped)
-    compiled into one fused loop."""
-    out.copy_(_values(x, r, m, log_s, a, b, cap).to(out.dtype))
 
 
 def grad(
@@ -442,13 +356,7 @@ def grad(
         picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
         return
     if not (softmax.cap is None and compiled_ok(x, rows) and _compiled_grad(x, rows, r, big_m, log_s, a, row.b, out)):
-        for at in pieces(rows, x.shape[0], chunks.eager):
-            if _probe.active is not None:
-                _probe.active.launch("eager", "grad", size(at), invariant=True)
-            dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
-            grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], row.b[at], dst, softmax.cap)
-            if not isinstance(at, slice):
-                out.index_copy_(0, at, dst)
+        eager.invariant_grad(x, rows, r, big_m, log_s, a, row.b, softmax.cap, chunks.eager, out)
     picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
 
 
@@ -456,7 +364,7 @@ def picks(x: Tensor, r: Tensor, big_m: Tensor, log_s: Tensor, cap: float | None,
           rows: Tensor | None, chunk: int) -> None:
     """Overwrite each picked id's entry of ``out`` with a one-hot term (``hot != 0``), of
     the ``rows`` (None: all), ``chunk`` rows at a time (``[rows, k]`` temporaries):
-    ``_values`` at that column with the one-hot terms of every copy of the id added
+    ``eager.values`` at that column with the one-hot terms of every copy of the id added
     (before the cap's derivative), rounded once. ``row.a`` must be a tensor (zeros
     without entropy)."""
     if row.hot is None:
@@ -468,8 +376,8 @@ def picks(x: Tensor, r: Tensor, big_m: Tensor, log_s: Tensor, cap: float | None,
             key = torch.arange(size(at), device=x.device)[:, None] * x.shape[1] + column
             _, copy = torch.unique(key, return_inverse=True)
             hot = hot.new_zeros(hot.numel()).index_add_(0, copy.view(-1), hot.reshape(-1))[copy]
-        value = _values(x[numbers(at, x.device)[:, None], column], r[at], big_m[at], log_s[at], row.a[at], row.b[at],
-                        cap, hot)
+        value = eager.values(x[numbers(at, x.device)[:, None], column], r[at], big_m[at], log_s[at], row.a[at],
+                             row.b[at], cap, hot)
         write = hot != 0
         at_rows = numbers(at, x.device)[:, None].expand_as(column)
         out.index_put_((at_rows[write], column[write]), value[write].to(out.dtype))
@@ -507,13 +415,13 @@ def _compiled_grad(
             key: tuple[object, ...] = ("pairs_kernel", (c, width), src.stride(), dst.stride())
         else:
             part = src if wide is None else wide[:c].copy_(src)
-            ok, _ = kernels._call(grad_kernel, part, *terms, dst, invariant=True)
+            ok, _ = kernels._call(eager.grad_kernel, part, *terms, dst, invariant=True)
             key = ("grad_kernel", part.dtype, dst.dtype, (c, width), part.stride(), dst.stride())
         if not ok:
             return False
         if key not in backend.selected.verified:
             want = torch.empty_like(dst)
-            grad_kernel(src, *terms, want)
+            eager.grad_kernel(src, *terms, want)
             if not _checked(str(key[0]), [dst], [want], key):
                 return False
         if not isinstance(at, slice):
@@ -525,8 +433,8 @@ def _compiled_grad(
 def pairs_kernel(v, r, m, log_s, a, b, out):
     """``grad_kernel`` of bfloat16 logits two columns at a time: ``v`` and ``out`` are
     ``bits.pairs`` views. Each column is widened exactly (its bits in the high half),
-    ``_values`` computed, rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds (ties to
+    ``eager.values`` computed, rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds (ties to
     even; a NaN the quiet NaN) and packed back: all lanes 32 bits wide."""
-    even = _values((v << 16).view(torch.float32), r, m, log_s, a, b)
-    odd = _values((v & -65536).view(torch.float32), r, m, log_s, a, b)
+    even = eager.values((v << 16).view(torch.float32), r, m, log_s, a, b)
+    odd = eager.values((v & -65536).view(torch.float32), r, m, log_s, a, b)
     out.copy_(bits.bfloat16_bits(odd) | ((bits.bfloat16_bits(even) >> 16) & 0xFFFF))

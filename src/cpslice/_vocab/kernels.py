@@ -8,8 +8,8 @@ logits at the picked ids, one gather);
 picked ids (``gradient.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both take
 the rows to compute as an index (``rows``, see ``_vocab.rows``; None: every row) and
 never read or write another row. Both always do their job: with the compiled kernels
-where the backend (``CPSLICE_BACKEND``) and the block allow, else with the eager loop, chunk by chunk
-(``backends.chunks.Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
+where the backend (``CPSLICE_BACKEND``) and the block allow, else with the eager loop (``backends.eager``), chunk by
+chunk (``backends.chunks.Chunks``), a piece of rows that are not consecutive gathered into its work buffers.
 
 The compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
 into one fused loop each (one read of the logits forward, one read and one write
@@ -50,23 +50,19 @@ import torch
 from torch import Tensor
 
 from .. import _probe
+from .backends import eager
 from .backends import selection as backend
 from .backends.chunks import Chunks, Workspace
 from .gradient import RowGrad, pick_grad
-from .rows import At, chunk_starts, count, gather, numbers, pieces, size
+from .rows import At, chunk_starts, count, numbers
 from .softmax import (
     Softmax,
-    capped_,
     complement_slope,
-    divide_,
     exp_capped,
     exp_complement,
     exp_constants,
     from_complement,
     reciprocal,
-    slope_,
-    tanh_,
-    times_cap,
 )
 from .spec import FLOOR
 from .stats import RowStats
@@ -291,40 +287,6 @@ def _compiled_stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int
     return True
 
 
-def _eager_stats(
-    x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
-) -> None:
-    vocab = x.shape[1]
-    m, s, a = out.max, out.sum, out.ent
-    if vocab == 0:  # a shard of padded ids only: no mass, nothing to merge wrong
-        every = slice(None) if rows is None else rows
-        m[every], s[every] = -math.inf, 0.0
-        if a is not None:
-            a[every] = 0.0
-        return
-    for at in pieces(rows, x.shape[0], chunk):
-        if _probe.active is not None:
-            _probe.active.launch("eager", "stats", size(at))
-        buf, expd = work.take((size(at), vocab), m.dtype, x.device)
-        y = gather(x, at, buf)  # a view of a slice's rows; an index's in buf
-        if softmax.cap is not None:
-            # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
-            # (bfloat16: 2e-2 off) and only then widens
-            y = capped_(y if y is buf else buf.copy_(y), softmax.cap)
-        top = y.amax(1).to(m.dtype)
-        m[at] = top
-        # A row all -inf contributes S = 0 (and A = 0), not NaN.
-        shift = torch.where(top == -math.inf, 0.0, top)
-        d = torch.sub(y, shift[:, None], out=buf)
-        divide_(d, softmax.tau, at)
-        if a is not None:
-            d.clamp_(min=FLOOR)
-        p = torch.exp(d, out=expd)
-        s[at] = p.sum(1)
-        if a is not None:
-            a[at] = p.mul_(d).sum(1)
-
-
 def stats(
     x: Tensor,
     softmax: Softmax,
@@ -349,7 +311,7 @@ def stats(
         tri.row_stats(x, softmax, out, rows)
         return
     if not (use_compiled(x, rows) and _compiled_stats(x, rows, softmax, chunks.compiled, out)):
-        _eager_stats(x, softmax, chunks.eager, rows, work or Workspace(), out)
+        eager.stats(x, softmax, chunks.eager, rows, work or Workspace(), out)
 
 
 def _compiled_grad(
@@ -386,47 +348,6 @@ def _compiled_grad(
     return True
 
 
-def _eager_grad(
-    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
-    work: Workspace, out: Tensor,
-) -> None:
-    vocab = x.shape[1]
-    cdt = row.b.dtype
-    capped = softmax.cap is not None
-    for at in pieces(rows, x.shape[0], chunk) if vocab else []:
-        if _probe.active is not None:
-            _probe.active.launch("eager", "grad", size(at))
-        bufs = work.take((size(at), vocab), cdt, x.device, 3 if capped else 2)
-        buf, expd = bufs[0], bufs[1]
-        m = big_m[at]
-        if softmax.cap is None:
-            d = torch.sub(gather(x, at, buf), m[:, None], out=buf)
-        else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
-            y = gather(x, at, bufs[2])
-            t = tanh_(y if y is bufs[2] else bufs[2].copy_(y), softmax.cap)  # in cdt, as in stats
-            d = times_cap(t, softmax.cap, out=buf).sub_(m[:, None])
-        divide_(d, softmax.tau, at)
-        d.sub_(log_s[at][:, None])
-        if row.a is not None:
-            d.clamp_(min=FLOOR)
-        p = torch.exp(d, out=expd)
-        b = row.b[at][:, None]
-        factor = b if row.a is None else d.mul_(row.a[at][:, None]).add_(b)
-        # Write the float result straight into the gradient when the dtypes agree (and no
-        # chain rule follows); otherwise round once, after the one-hot terms are in.
-        direct = isinstance(at, slice) and out.dtype == cdt and not capped
-        target = out[at] if direct else p
-        torch.mul(p, factor, out=target)
-        if row.hot is not None:
-            target.scatter_add_(1, row.column[at], row.hot[at].to(target.dtype))
-        if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
-            target.mul_(slope_(t))
-        if isinstance(at, slice) and not direct:
-            out[at].copy_(p)
-        elif not isinstance(at, slice):
-            out.index_copy_(0, at, p.to(out.dtype))
-
-
 def grad(
     x: Tensor,
     big_m: Tensor,
@@ -455,4 +376,4 @@ def grad(
         return
     if not (compiled and use_compiled(x, rows)
             and _compiled_grad(x, rows, big_m, log_s, softmax, row, chunks.compiled, out)):
-        _eager_grad(x, rows, big_m, log_s, softmax, row, chunks.eager, work or Workspace(), out)
+        eager.grad(x, rows, big_m, log_s, softmax, row, chunks.eager, work or Workspace(), out)
