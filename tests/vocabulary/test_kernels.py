@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from cpslice import _probe, log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
+from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 from cpslice._vocab.backends.chunks import Chunks, compiled_chunk_rows
 from cpslice._vocab.gradient import RowGrad
@@ -117,9 +118,9 @@ def test_auto_runs_eager_for_small_work(use: Use, seen: _probe.Seen) -> None:
     torch.autograd.backward(lp.sum())
     assert seen.count("launch", backend="compiled") == 0
     assert seen.count("launch", backend="eager") == 4  # two chunks of 4 rows, forward and backward
-    assert not _kernels.use_compiled(torch.zeros(2**11, 2**10))
-    assert _kernels.use_compiled(torch.zeros(2**12, 2**10))
-    assert not _kernels.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
+    assert not _compiled.use_compiled(torch.zeros(2**11, 2**10))
+    assert _compiled.use_compiled(torch.zeros(2**12, 2**10))
+    assert not _compiled.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
 
 
 def _masked_logits(t: int, v: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +206,7 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
     ones and the float64 statistics."""
     use("1")
     logits, _ = _masked_logits(8, 32, torch.float32, seed=4)
-    eager = _kernels.chunk_stats(logits, torch.tensor(1 / 0.8))
+    eager = _compiled.chunk_stats(logits, torch.tensor(1 / 0.8))
     out = placeholders(8, 1, torch.float32, logits.device, with_entropy=True)
     _kernels.stats(logits, Softmax(0.8), out, chunks=Chunks(8, 8))
     assert out.ent is not None

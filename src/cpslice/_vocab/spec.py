@@ -1,8 +1,9 @@
 """The executable spec of docs/invariance.md: invariant mode's arithmetic, written once.
 
 docs/invariance.md says in words (and a rollout engine's transcription) what this module
-says in code; every kernel of invariant mode, eager, compiled (``invariant``) or Triton
-(``backends.triton.invariant``), computes these operations in this order:
+says in code; every kernel of invariant mode, eager (``backends.eager``), compiled
+(``backends.compiled``) or Triton (``backends.triton.invariant``), computes these
+operations in this order:
 
 - ``TILE``: the columns of a tile, ``[j * TILE, (j + 1) * TILE)`` of global ids (step 1);
 - ``tiles``: the tiles of a number of columns, the last one partial;
