@@ -24,6 +24,7 @@ from torch import Tensor
 from cpslice import _probe
 from cpslice._vocab import invariant as inv
 from cpslice._vocab import spec, stats
+from cpslice._vocab.backends import eager
 from cpslice._vocab.backends.triton import invariant as tri
 from cpslice._vocab.softmax import Softmax
 
@@ -61,7 +62,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     x = _logits(dtype, gen)
     tau = torch.rand(T, generator=gen) + 0.5
     r = 1.0 / tau
-    n = inv.tiles(V)
+    n = spec.tiles(V)
     softmax = Softmax(tau, cap, True)
     want = inv.tile_placeholders(n, T, 0, torch.float32, cpu, True)
     inv.stats(x, softmax, VALID, want, [(0, T)], 16)
@@ -84,7 +85,7 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     log_s = torch.log(full.sum)
     a, b = torch.randn(T, generator=gen) * 0.3, torch.randn(T, generator=gen)
     grad_want = torch.empty_like(x[:, :VALID])
-    inv.grad_kernel(x[:, :VALID], r, full.max, log_s, a, b, grad_want, cap)
+    eager.grad_kernel(x[:, :VALID], r, full.max, log_s, a, b, grad_want, cap)
     grad_got = torch.zeros_like(xd[:, :VALID])
     tri.grad(xd[:, :VALID], None, rd, full.max.to(dev), log_s.to(dev), a.to(dev), b.to(dev), cap, grad_got)
     good = all(tiles + merged + part) and _same(grad_want, grad_got)

@@ -41,11 +41,11 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
-  (``stats.merge_tiles``, called as it is, wherever invariant mode merges with torch:
-  without TP, and the tiles gathered under TP);
-- ``row_kernel``: invariant mode's compiled forward kernel (``invariant.row_kernel``,
-  called as it is: the function compiled, whose first result per shape is checked bit
-  for bit against the eager one);
+  (``spec.merge_tiles``, called as it is by ``backends.eager.merge_step``, wherever
+  invariant mode merges with torch: without TP, and the tiles gathered under TP);
+- ``row_kernel``: invariant mode's compiled forward kernel
+  (``backends.compiled.row_kernel``, called as it is: the function compiled, whose first
+  result per shape is checked bit for bit against the eager one);
 - ``host_checks``: whether the ids of a tensor (targets, ids, a support's sets) are
   checked against the vocabulary on the host, ``(Tensor) -> bool``: on the CPU only
   (``support.on_host``), where it costs no device sync; ``lambda t: False`` takes a

@@ -37,6 +37,7 @@ from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import softmax as _softmax
 from cpslice._vocab import spec as _spec
 from cpslice._vocab import stats as _stats
+from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 
 from .._dist import run_distributed
@@ -230,7 +231,7 @@ def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept() -> N
     logits, targets, temps, _, _ = _data(torch.float32)
     logits = logits.repeat(300, 1)
     targets = targets.repeat(300)
-    real = _invariant.row_kernel
+    real = _compiled.row_kernel
 
     def planted(x: Tensor, r: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         big, total, ent = real(x, r, tau)
@@ -249,7 +250,7 @@ def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept() -> N
             again = log_probs_and_entropy(logits, targets, with_entropy=True, invariant=True)
         assert all(torch.equal(a, b) for a, b in zip(again, want))
         assert seen.count("launch", backend="compiled") == 0 and seen.count("launch", backend="eager") > 0
-        assert _invariant.compiled_ok(logits) is False  # for the rest of the process
+        assert _compiled.compiled_ok(logits) is False  # for the rest of the process
 
 
 def test_the_bfloat16_rounding_of_the_pairs_kernel_is_torchs() -> None:
@@ -274,7 +275,7 @@ def test_the_per_tile_statistics_compiled_give_the_eager_bits(dtype: torch.dtype
     softmax = _softmax.Softmax(torch.rand(40, generator=gen) + 0.5)
 
     def run() -> _stats.TileStats:
-        out = _invariant.tile_placeholders(_invariant.tiles(1000), 40, 0, torch.float32, x.device, True)
+        out = _invariant.tile_placeholders(_spec.tiles(1000), 40, 0, torch.float32, x.device, True)
         _invariant.stats(x, softmax, 1000, out, [(0, 17), (20, 40)], 8)
         return out
 

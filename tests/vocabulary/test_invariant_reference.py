@@ -32,8 +32,8 @@ from cpslice import (
     response_log_probs_from_hidden,
     topk_log_probs_from_hidden,
 )
-from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import spec as _spec
+from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 
 from .._dist import run_distributed
@@ -88,7 +88,7 @@ def _capped_worker(rank: int, world: int) -> dict[str, Any]:
                     x = logits[:, part].clone().requires_grad_(True)
                     valid = min(x.shape[1], max(0, CAP_VOCAB - (rank * v_local if tp == 2 else 0)))
                     # the compiled kernels would take these rows uncapped: the cap alone keeps them eager
-                    assert _invariant.compiled_ok(x[:, :valid]) is (mode == "1")
+                    assert _compiled.compiled_ok(x[:, :valid]) is (mode == "1")
                     lp, h = log_probs_and_entropy(x, targets, with_entropy=True, temperature=temps, softcap=CAP,
                                                   vocab_size=CAP_VOCAB, tp_group=group, invariant=True)
                     torch.autograd.backward((lp * g_lp).sum() + (h * g_h).sum())

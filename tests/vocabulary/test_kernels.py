@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from cpslice import _probe, log_probs_and_entropy
 from cpslice._vocab import invariant as _invariant
 from cpslice._vocab import kernels as _kernels
+from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
+from cpslice._vocab.backends.chunks import Chunks, compiled_chunk_rows
 from cpslice._vocab.gradient import RowGrad
 from cpslice._vocab.memory import buffer
 from cpslice._vocab.rows import chunk_starts
@@ -102,11 +104,11 @@ def test_chunk_starts_cover_every_row_with_one_shape(rows: int, chunk: int) -> N
 
 
 def test_compiled_chunk_rows() -> None:
-    assert _kernels.compiled_chunk_rows(32768) == 256  # 256 x 128 KiB = 32 MiB
-    assert _kernels.compiled_chunk_rows(32768, torch.bfloat16) == 256  # float32 arithmetic
-    assert _kernels.compiled_chunk_rows(151936, torch.float32, "cuda") == 1024  # 1766 -> 1024
-    assert _kernels.compiled_chunk_rows(1000, torch.float64) == 4096  # 4194 -> 4096
-    assert _kernels.compiled_chunk_rows(10**9) == 1
+    assert compiled_chunk_rows(32768) == 256  # 256 x 128 KiB = 32 MiB
+    assert compiled_chunk_rows(32768, torch.bfloat16) == 256  # float32 arithmetic
+    assert compiled_chunk_rows(151936, torch.float32, "cuda") == 1024  # 1766 -> 1024
+    assert compiled_chunk_rows(1000, torch.float64) == 4096  # 4194 -> 4096
+    assert compiled_chunk_rows(10**9) == 1
 
 
 def test_auto_runs_eager_for_small_work(use: Use, seen: _probe.Seen) -> None:
@@ -116,9 +118,9 @@ def test_auto_runs_eager_for_small_work(use: Use, seen: _probe.Seen) -> None:
     torch.autograd.backward(lp.sum())
     assert seen.count("launch", backend="compiled") == 0
     assert seen.count("launch", backend="eager") == 4  # two chunks of 4 rows, forward and backward
-    assert not _kernels.use_compiled(torch.zeros(2**11, 2**10))
-    assert _kernels.use_compiled(torch.zeros(2**12, 2**10))
-    assert not _kernels.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
+    assert not _compiled.use_compiled(torch.zeros(2**11, 2**10))
+    assert _compiled.use_compiled(torch.zeros(2**12, 2**10))
+    assert not _compiled.use_compiled(torch.zeros(2**10, 2**12).t())  # not contiguous
 
 
 def _masked_logits(t: int, v: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,9 +206,9 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
     ones and the float64 statistics."""
     use("1")
     logits, _ = _masked_logits(8, 32, torch.float32, seed=4)
-    eager = _kernels.chunk_stats(logits, torch.tensor(1 / 0.8))
+    eager = _compiled.chunk_stats(logits, torch.tensor(1 / 0.8))
     out = placeholders(8, 1, torch.float32, logits.device, with_entropy=True)
-    _kernels.stats(logits, Softmax(0.8), out, chunks=_kernels.Chunks(8, 8))
+    _kernels.stats(logits, Softmax(0.8), out, chunks=Chunks(8, 8))
     assert out.ent is not None
     compiled = (out.max, out.sum, out.ent)
     x = logits.double()
@@ -267,7 +269,7 @@ def test_the_rows_of_an_index_are_computed_in_full_chunks(mode: str, invariant: 
     a, b = torch.randn(t, generator=gen), torch.randn(t, generator=gen)
     column = torch.randint(0, v, (t, 2), generator=gen)
     grad_terms = RowGrad(a, b, torch.randn(t, 2, generator=gen), column)
-    chunks = _kernels.Chunks(4, 8)
+    chunks = Chunks(4, 8)
     stats_fn: Any = _invariant.stats if invariant else _kernels.stats
     grad_fn: Any = _invariant.grad if invariant else _kernels.grad
 

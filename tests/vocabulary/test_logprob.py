@@ -29,9 +29,9 @@ from cpslice import (
     response_log_probs_from_hidden,
     shard_responses,
 )
+from cpslice._vocab.backends.chunks import default_chunk_rows
 from cpslice._vocab.call import Options
 from cpslice._vocab.head import log_probs
-from cpslice._vocab.kernels import default_chunk_rows
 from cpslice._vocab.logits import LogitsHead
 from tests.checked import refused
 

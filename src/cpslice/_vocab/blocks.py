@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .._types import HeadWeight, Hidden
 from . import invariant, kernels, topk
+from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
 from .call import Options
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
@@ -22,7 +23,7 @@ from .rows import At, gather, pieces, size
 from .set_elements import Elements
 from .shard import Shard
 from .softmax import Softmax
-from .spec import TILE
+from .spec import TILE, tiles
 from .stats import Parts, RowStats, Stats, merge
 
 MIN_BLOCK_ROWS = 2048
@@ -85,10 +86,10 @@ class Blocks(NamedTuple):
         """The vocabulary blocks ``[v0, v1)``."""
         return spans(vocab, self.columns)
 
-    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> kernels.Chunks:
+    def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> Chunks:
         """The kernels' chunks on one block of ``rows`` rows: the whole block at once
         eagerly, the compiled kernels' rows for its width."""
-        return kernels.Chunks(rows, kernels.compiled_chunk_rows(self.columns, dtype, device))
+        return Chunks(rows, compiled_chunk_rows(self.columns, dtype, device))
 
 
 def element_rows(width: int) -> int:
@@ -128,7 +129,7 @@ class _Pass(NamedTuple):
     spans: list[tuple[int, int]]
     best: int | None
     cdt: torch.dtype
-    work: kernels.Workspace
+    work: Workspace
 
 
 def dense_pass(
@@ -151,7 +152,7 @@ def dense_pass(
     total, vocab = hidden.shape[0], weight.shape[0]
     blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
     run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
-                dense.max.dtype, kernels.Workspace())
+                dense.max.dtype, Workspace())
     width = 0 if best is None else min(best, vocab)
     found = topk.Candidates(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
@@ -207,7 +208,7 @@ def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
     n, h = size(at), gather(run.hidden, at, None)
     softmax = run.options.softmax.rows(at)
     if isinstance(dense, RowStats):
-        parts = invariant.tile_placeholders(invariant.tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
+        parts = invariant.tile_placeholders(tiles(run.shard.valid), n, dense.picked.shape[1], run.cdt,
                                             run.hidden.device, dense.ent is not None)
     else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
         parts = dense.map(operator.itemgetter(at))

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .gradient import RowGrad, row_grad
-from .invariant import merge_tiles, tiles
+from .invariant import merge_tiles
 from .set_elements import Elements, Restricted, Split, split
 from .shard import Shard
 from .softmax import Softmax, Tau
+from .spec import tiles
 from .stats import Stats, combine
 from .token_sets import Support
 

@@ -45,7 +45,8 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, topk
+from . import args, head, invariant, kernels, spec, topk
+from .backends.chunks import Workspace
 from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .gradient import RowGrad
@@ -97,7 +98,7 @@ def forward(
             need = ~el.host_has_set if need is None else ~el.host_has_set & need
             dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
-        tiles = invariant.tiles(shard.size) if options.invariant else None
+        tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
     dense_pass(hidden, weight, column, held, dense, None if need is None else index_of(need, hidden.device),
                shard, options)
@@ -230,7 +231,7 @@ class _Walk:
         self.hidden, self.saved, self.row, self.grid, self.pieces = hidden, saved, row, grid, pieces
         self.held = saved.shard.columns(ids[:, None] if ids.dim() == 1 else ids)[1]
         self.g_buf = torch.empty(grid.rows * grid.columns if pieces else 0, dtype=hidden.dtype, device=hidden.device)
-        self.work = kernels.Workspace()
+        self.work = Workspace()
 
     def block(self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None) -> None:
         """Every row block of the vocabulary block ``w_b`` (its first column ``v0``): ``d hidden

@@ -26,7 +26,8 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, topk
+from . import args, head, invariant, kernels, spec, topk
+from .backends.chunks import Chunks, chunks_for
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .memory import buffer
 from .rows import gather, index_of, pieces
@@ -42,7 +43,7 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     rows, vocab = logits.shape
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     softmax = options.softmax
-    chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
+    chunks = chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     picked_ids = ids[:, None] if ids.dim() == 1 else ids
     column, held = shard.columns(picked_ids)
     el = None if options.support is None else elements(options.support, ids, shard, options.rows)
@@ -58,13 +59,13 @@ def forward(logits: Logits, ids: Tensor, options: Options) -> tuple[Tensor, Tens
     if el is not None:
         x = softmax.logits(logits[el.row, el.col].to(dense.max.dtype))
         with_h = options.with_entropy and options.over_support
-        tiles = invariant.tiles(shard.size) if options.invariant else None
+        tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x, set_stats(x, el, dense.picked, softmax.tau, with_h, tiles))
     return finish(dense, sets, ids, shard, options, need)
 
 
 def _dense(
-    logits: Logits, shard: Shard, options: Options, chunks: kernels.Chunks, rows: Tensor | None, k: int
+    logits: Logits, shard: Shard, options: Options, chunks: Chunks, rows: Tensor | None, k: int
 ) -> Stats:
     """This shard's dense statistics of the ``rows`` (an ascending index, None: all;
     placeholders elsewhere) over the distribution's columns only (a padded vocabulary's
@@ -90,7 +91,7 @@ def backward(
     opts = saved.options
     rows, vocab = logits.shape
     valid = saved.shard.valid
-    chunks = kernels.chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
+    chunks = chunks_for(opts.chunk_size, vocab, logits.dtype, logits.device)
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
     need = saved.dense_rows if parts.dense is None else parts.dense
     # the rows to compute; a zeroed buffer when some are not (their gradient is 0)
@@ -114,7 +115,7 @@ def topk_forward(logits: Logits, k: int, options: Options) -> tuple[Tensor, Tens
     rows, vocab = logits.shape
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(logits.dtype)
-    chunks = kernels.chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
+    chunks = chunks_for(options.chunk_size, vocab, logits.dtype, logits.device)
     x = logits[:, : shard.valid]
     index = None if options.rows is None else index_of(options.rows, logits.device)
     dense = _dense(logits, shard, options._replace(with_entropy=False), chunks, index, 0)

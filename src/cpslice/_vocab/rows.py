@@ -6,7 +6,7 @@ its work is proportional to their number whatever their runs, and a row outside 
 their placeholders and its gradient row is left as it is (0 in a zeroed buffer).
 
 A backend takes the index as it is: the default compiled kernels read chunks of a
-fixed number of its rows where they are (``kernels.chunk_stats_at``, an indirect load
+fixed number of its rows where they are (``backends.compiled.chunk_stats_at``, an indirect load
 in the fused loop; a Triton kernel would take one program per row). The eager loop
 and invariant mode's compiled kernels walk the rows in pieces (``pieces``,
 ``chunked``): a piece whose rows are consecutive (every row, or a run of a CPU index)

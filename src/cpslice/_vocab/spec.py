@@ -1,10 +1,12 @@
 """The executable spec of docs/invariance.md: invariant mode's arithmetic, written once.
 
 docs/invariance.md says in words (and a rollout engine's transcription) what this module
-says in code; every kernel of invariant mode, eager, compiled (``invariant``) or Triton
-(``backends.triton.invariant``), computes these operations in this order:
+says in code; every kernel of invariant mode, eager (``backends.eager``), compiled
+(``backends.compiled``) or Triton (``backends.triton.invariant``), computes these
+operations in this order:
 
 - ``TILE``: the columns of a tile, ``[j * TILE, (j + 1) * TILE)`` of global ids (step 1);
+- ``tiles``: the tiles of a number of columns, the last one partial;
 - ``FLOOR``: the clamp of ``d`` (step 3; the default mode clamps there too);
 - ``exp``: the spec's ``exp`` of ``d <= 0``, from additions, multiplications, a floor and
   the float's exponent bits (every IEEE device gives the same bits);
@@ -32,6 +34,12 @@ from torch import Tensor
 TILE = 128
 """Columns per tile of invariant mode: megatron pads the LM head to a multiple of 128 per
 TP rank (``make_vocab_size_divisible_by``), so every padded shard holds whole tiles."""
+
+
+def tiles(columns: int) -> int:
+    """Tiles of ``columns`` columns (the last one partial)."""
+    return -(-columns // TILE)
+
 
 FLOOR = -1.0e4
 """``exp`` of anything below this is exactly 0 in float32 and float64. Clamping ``d`` there

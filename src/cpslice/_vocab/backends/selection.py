@@ -2,9 +2,10 @@
 
 Three backends, each with the default reduction and invariant mode's:
 
-- ``eager``: torch operations, chunk by chunk (any device, any float dtype);
+- ``eager``: torch operations, chunk by chunk (any device, any float dtype;
+  ``backends.eager``);
 - ``compiled``: the same arithmetic compiled by ``torch.compile`` (inductor) into one
-  fused loop per chunk: the CPU's fast path (``kernels``, ``invariant``);
+  fused loop per chunk: the CPU's fast path (``backends.compiled``);
 - ``triton``: hand-written Triton kernels (``_vocab/backends/triton``) for CUDA tensors, and for
   CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``, for tests). They
   take float32, bfloat16 and float16 logits; float64 logits fall back to ``compiled``

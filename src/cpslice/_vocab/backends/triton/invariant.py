@@ -194,7 +194,7 @@ def invariant_merge(m_ptr, m_s0, m_s1, s_ptr, s_s0, s_s1, a_ptr, a_s0, a_s1, tau
 def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_ptr, out_ptr, out_stride,
                    width, cap, X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """``invariant._values`` of ``BLOCK`` columns of row ``rows[i]``, rounded once to the
+    """``backends.eager.values`` of ``BLOCK`` columns of row ``rows[i]``, rounded once to the
     output's dtype (bfloat16: its bits, as ``bits.bfloat16_bits`` rounds)."""
     row = tl.load(rows_ptr + tl.program_id(0))
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -341,7 +341,7 @@ def grad(x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a:
     once into ``out`` (``[T, w]``, float32 or bfloat16, column stride 1) at those rows
     only. ``r``, ``m`` (``M``), ``log_s``, ``a`` (None: 0) and ``b`` are ``[T]`` float32.
     The picked ids' one-hot entries are ``invariant.picks``' (torch), afterwards.
-    ``invariant.grad_kernel``'s bits."""
+    ``backends.eager.grad_kernel``'s bits."""
     index = _rows(rows, x)
     if out.dtype not in (torch.float32, torch.bfloat16) or out.shape != x.shape or (
             x.shape[1] > 1 and out.stride(1) != 1):

@@ -1,0 +1,230 @@
+"""The eager backend: torch operations, chunk by chunk, of both reductions (any device,
+any float dtype). ``backends.compiled`` compiles the same arithmetic; the Triton kernels
+(``backends.triton``) give it by hand.
+
+The default reduction (``kernels``): ``stats`` and ``grad``, the loops over chunks of
+rows (``chunks.Chunks``'s ``eager`` rows each), a piece of rows that are not consecutive
+gathered into the work buffers (``chunks.Workspace``), each step an in-place torch
+operation on them.
+
+Invariant mode (``invariant``): the spec's steps (``spec``) on a chunk's tiles,
+``eager_tiles`` (a chunk's ``-inf`` padded, capped tiles by ``padded_tiles``), their
+merge (``merge_step``, ``eager_rows``), and the loops over chunks of rows
+(``tile_stats`` per tile under TP, ``merged_stats`` each row's tiles merged,
+``invariant_grad``). The gradient's body ``grad_kernel`` (``values``) is the one that
+``backends.compiled`` compiles as it is: a body that both backends run lives here,
+with the eager loops that define the bits, so that the compiled backend imports it
+(and checks its compiled results against the eager ones) and never the other way
+round. The bodies only the compiled backend runs (``tile_kernel``, ``row_kernel``,
+``pairs_kernel``, the default reduction's ``chunk_*``) are there.
+"""
+
+import math
+from collections.abc import Iterator
+from typing import no_type_check
+
+import torch
+from torch import Tensor
+
+from ... import _probe
+from .. import spec as _spec
+from ..gradient import RowGrad
+from ..rows import At, gather, pieces, size
+from ..softmax import Softmax, Tau, capped_, divide_, slope_, tanh_, times_cap
+from ..spec import FLOOR, TILE, exp, softcap, softcap_slope, tile_max, tiles, tree
+from ..stats import RowStats, TileStats, write
+from .chunks import Workspace
+
+
+def stats(
+    x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
+) -> None:
+    """``kernels.stats`` eagerly: ``m``, ``S`` and (``out.ent``) ``A`` of the ``rows`` of
+    ``x`` (None: all) into ``out``, ``chunk`` rows at a time in ``work``'s buffers."""
+    vocab = x.shape[1]
+    m, s, a = out.max, out.sum, out.ent
+    if vocab == 0:  # a shard of padded ids only: no mass, nothing to merge wrong
+        every = slice(None) if rows is None else rows
+        m[every], s[every] = -math.inf, 0.0
+        if a is not None:
+            a[every] = 0.0
+        return
+    for at in pieces(rows, x.shape[0], chunk):
+        if _probe.active is not None:
+            _probe.active.launch("eager", "stats", size(at))
+        buf, expd = work.take((size(at), vocab), m.dtype, x.device)
+        y = gather(x, at, buf)  # a view of a slice's rows; an index's in buf
+        if softmax.cap is not None:
+            # copy first, then divide: torch.div(x, cap, out=buf) divides in x's dtype
+            # (bfloat16: 2e-2 off) and only then widens
+            y = capped_(y if y is buf else buf.copy_(y), softmax.cap)
+        top = y.amax(1).to(m.dtype)
+        m[at] = top
+        # A row all -inf contributes S = 0 (and A = 0), not NaN.
+        shift = torch.where(top == -math.inf, 0.0, top)
+        d = torch.sub(y, shift[:, None], out=buf)
+        divide_(d, softmax.tau, at)
+        if a is not None:
+            d.clamp_(min=FLOOR)
+        p = torch.exp(d, out=expd)
+        s[at] = p.sum(1)
+        if a is not None:
+            a[at] = p.mul_(d).sum(1)
+
+
+def grad(
+    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
+    work: Workspace, out: Tensor,
+) -> None:
+    """``kernels.grad`` eagerly: the gradient of the ``rows`` of ``x`` (None: all) with
+    the one-hot terms of ``row`` into ``out``, ``chunk`` rows at a time in ``work``'s
+    buffers, rounded once to ``out``'s dtype."""
+    vocab = x.shape[1]
+    cdt = row.b.dtype
+    capped = softmax.cap is not None
+    for at in pieces(rows, x.shape[0], chunk) if vocab else []:
+        if _probe.active is not None:
+            _probe.active.launch("eager", "grad", size(at))
+        bufs = work.take((size(at), vocab), cdt, x.device, 3 if capped else 2)
+        buf, expd = bufs[0], bufs[1]
+        m = big_m[at]
+        if softmax.cap is None:
+            d = torch.sub(gather(x, at, buf), m[:, None], out=buf)
+        else:  # t = tanh(x / cap) kept for the chain rule, d = cap * t - M
+            y = gather(x, at, bufs[2])
+            t = tanh_(y if y is bufs[2] else bufs[2].copy_(y), softmax.cap)  # in cdt, as in stats
+            d = times_cap(t, softmax.cap, out=buf).sub_(m[:, None])
+        divide_(d, softmax.tau, at)
+        d.sub_(log_s[at][:, None])
+        if row.a is not None:
+            d.clamp_(min=FLOOR)
+        p = torch.exp(d, out=expd)
+        b = row.b[at][:, None]
+        factor = b if row.a is None else d.mul_(row.a[at][:, None]).add_(b)
+        # Write the float result straight into the gradient when the dtypes agree (and no
+        # chain rule follows); otherwise round once, after the one-hot terms are in.
+        direct = isinstance(at, slice) and out.dtype == cdt and not capped
+        target = out[at] if direct else p
+        torch.mul(p, factor, out=target)
+        if row.hot is not None:
+            target.scatter_add_(1, row.column[at], row.hot[at].to(target.dtype))
+        if capped:  # d(cap * tanh(x / cap)) / dx = 1 - t^2
+            target.mul_(slope_(t))
+        if isinstance(at, slice) and not direct:
+            out[at].copy_(p)
+        elif not isinstance(at, slice):
+            out.index_copy_(0, at, p.to(out.dtype))
+
+
+def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``spec.merge_tiles`` with torch, or the step substituted for it
+    (``_probe.substitute("merge_tiles", fn)``, a planted reduction order)."""
+    merge = _spec.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _spec.merge_tiles)
+    return merge(m, s, a, tau)
+
+
+def eager_tiles(y: Tensor, r: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(m, s, a)`` ``[n, tiles]`` of ``y``, ``[n, tiles, TILE]`` capped logits of the
+    compute dtype (-inf at excluded columns), ``r`` ``[n]``: the spec's step 3 (a zero max
+    is +0: the max of +0 and -0 has no order-free sign)."""
+    m = tile_max(y)
+    shift = torch.where(m == -math.inf, 0.0, m)
+    d = ((y - shift[..., None]) * r[:, None, None]).clamp(min=FLOOR)
+    e = exp(d)
+    a = tree(d.mul_(e)) if with_entropy else None
+    return m, tree(e), a
+
+
+def padded_tiles(
+    x: Tensor, cap: float | None, r: Tensor, buf: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``eager_tiles`` ``[n, tiles(w)]`` of the rows of ``x`` ``[n, w]`` (whose first column
+    starts a tile): capped and -inf padded into ``buf`` (``[n, tiles(w) * TILE]``, the
+    compute dtype) first."""
+    w = x.shape[1]
+    buf[:, :w].copy_(x)
+    if cap is not None:
+        buf[:, :w] = softcap(buf[:, :w], cap)[0]
+    buf[:, w:] = -math.inf
+    return eager_tiles(buf.view(x.shape[0], -1, TILE), r, with_entropy)
+
+
+def eager_rows(
+    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, buf: Tensor, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(M, S, A)`` ``[n]`` of the rows of ``x`` ``[n, w]``: ``padded_tiles`` into ``buf``,
+    then ``merge_tiles``."""
+    m, s, a = padded_tiles(x, cap, r, buf, with_entropy)
+    return merge_step(m.t(), s.t(), None if a is None else a.t(), tau)
+
+
+def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[At, Tensor]]:
+    """Each piece of rows with a ``[rows, width]`` work buffer, all of them views of one
+    buffer for the call."""
+    work = torch.empty(max((size(at) for at in pieces), default=0) * width, dtype=dtype, device=device)
+    for at in pieces:
+        if _probe.active is not None:  # one chunk of the eager forward
+            _probe.active.launch("eager", "stats", size(at), invariant=True)
+        yield at, work[: size(at) * width].view(size(at), width)
+
+
+def tile_stats(
+    x: Tensor, cap: float | None, r: Tensor, valid: int, out: TileStats, rows: Tensor | None,
+    chunk: int, first: int, start: int, n_tiles: int,
+) -> None:
+    """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
+    n = n_tiles - start // TILE
+    if n == 0:
+        return
+    cols = slice(first + start // TILE, first + n_tiles)
+    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), n * TILE, out.sum.dtype, x.device):
+        part = gather(x[:, start:valid], at, None)
+        write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
+
+
+def merged_stats(
+    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, out: RowStats, rows: Tensor | None, chunk: int
+) -> None:
+    """Each row's ``(M, S, A)`` of the ``rows`` of ``x`` (None: all) into ``out``'s ``[T]``
+    fields, ``chunk`` rows at a time: ``eager_rows``, a chunk's tiles merged as soon as
+    they are computed."""
+    cdt = out.sum.dtype
+    for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
+        write(out, at, *eager_rows(gather(x, at, None), cap, r[at], tau[at], buf, out.ent is not None))
+
+
+@no_type_check
+def values(x, r, m, log_s, a, b, cap=None, hot=None):
+    """``p * (a * d + b)`` of ``x`` ``[R, w]`` widened to the compute dtype and capped
+    (``spec.softcap``; ``cap`` None: uncapped) into ``y``, ``d = ((y - M) * r - log S)``
+    clamped at ``FLOOR``, ``p`` the spec's ``exp(d)``; the row terms ``[R]``; ``hot``
+    ``[R, w]`` added (None: nothing), and with a cap the whole times its derivative
+    ``1 - t * t``."""
+    y, t = (x.to(r.dtype), None) if cap is None else softcap(x.to(r.dtype), cap)
+    d = ((y - m[:, None]) * r[:, None] - log_s[:, None]).clamp(min=FLOOR)
+    value = exp(d) * (a[:, None] * d + b[:, None])
+    value = value if hot is None else value + hot
+    return value if t is None else value * softcap_slope(t)
+
+
+@no_type_check
+def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
+    """``out = values(...)``, rounded once to ``out``'s dtype: eager, and (uncapped)
+    compiled into one fused loop."""
+    out.copy_(values(x, r, m, log_s, a, b, cap).to(out.dtype))
+
+
+def invariant_grad(
+    x: Tensor, rows: Tensor | None, r: Tensor, big_m: Tensor, log_s: Tensor, a: Tensor, b: Tensor,
+    cap: float | None, chunk: int, out: Tensor,
+) -> None:
+    """``grad_kernel`` over every column of the ``rows`` of ``x`` (None: all) into ``out``,
+    ``chunk`` rows at a time (a piece of rows that are not consecutive gathered, its
+    gradient written back at its rows); the row terms ``[T]``."""
+    for at in pieces(rows, x.shape[0], chunk):
+        if _probe.active is not None:
+            _probe.active.launch("eager", "grad", size(at), invariant=True)
+        dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
+        grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], b[at], dst, cap)
+        if not isinstance(at, slice):
+            out.index_copy_(0, at, dst)
