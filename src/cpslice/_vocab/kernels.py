@@ -19,8 +19,7 @@ drivers call; the backends' code is theirs.
 from torch import Tensor
 
 from .. import _probe
-from .backends import compiled as compiled_backend  # ``grad``'s ``compiled`` is a flag
-from .backends import eager
+from .backends import compiled, eager
 from .backends import selection as backend
 from .backends.chunks import Chunks, Workspace
 from .gradient import RowGrad
@@ -30,12 +29,7 @@ from .stats import RowStats
 
 
 def stats(
-    x: Tensor,
-    softmax: Softmax,
-    out: RowStats,
-    *,
-    chunks: Chunks,
-    rows: Tensor | None = None,
+    x: Tensor, softmax: Softmax, out: RowStats, *, chunks: Chunks, rows: Tensor | None = None,
     work: Workspace | None = None,
 ) -> None:
     """Write ``m``, ``S`` and, where ``out.ent`` is not None, ``A`` of the ``rows`` of the
@@ -52,30 +46,20 @@ def stats(
 
         tri.row_stats(x, softmax, out, rows)
         return
-    if not (compiled_backend.use_compiled(x, rows)
-            and compiled_backend.stats(x, rows, softmax, chunks.compiled, out)):
+    if not (compiled.use_compiled(x, rows)
+            and compiled.stats(x, rows, softmax, chunks.compiled, out)):
         eager.stats(x, softmax, chunks.eager, rows, work or Workspace(), out)
 
 
 def grad(
-    x: Tensor,
-    big_m: Tensor,
-    log_s: Tensor,
-    softmax: Softmax,
-    row: RowGrad,
-    out: Tensor,
-    *,
-    chunks: Chunks,
-    rows: Tensor | None = None,
-    work: Workspace | None = None,
-    compiled: bool = True,
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, *, chunks: Chunks,
+    rows: Tensor | None = None, work: Workspace | None = None,
 ) -> None:
     """Write the gradient w.r.t. the raw logits of the ``rows`` of the block ``x`` (as
     ``stats`` takes them; None: every row) into ``out`` (``[n, V]`` with contiguous
     rows, its dtype; the other rows are neither read nor written): ``p * (a log p +
     b)`` with ``M``, ``log S`` the rows' totals, plus the one-hot terms of ``row``,
-    through the cap's ``tanh``. ``compiled=False`` (invariant mode) runs the eager loop
-    alone."""
+    through the cap's ``tanh``."""
     if _probe.active is not None:
         _probe.active.call("grad", count(rows, x.shape[0]), rows)
     if backend.triton_for(x):
@@ -83,6 +67,6 @@ def grad(
 
         tri.row_grad(x, big_m, log_s, softmax, row, out, rows)
         return
-    if not (compiled and compiled_backend.use_compiled(x, rows)
-            and compiled_backend.grad(x, rows, big_m, log_s, softmax, row, chunks.compiled, out)):
+    if not (compiled.use_compiled(x, rows)
+            and compiled.grad(x, rows, big_m, log_s, softmax, row, chunks.compiled, out)):
         eager.grad(x, rows, big_m, log_s, softmax, row, chunks.eager, work or Workspace(), out)

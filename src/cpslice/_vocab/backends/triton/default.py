@@ -166,6 +166,14 @@ def _cap(cap: float | None) -> tuple[float, float]:
     return (1.0, 2.0) if cap is None else exp_constants(cap)
 
 
+def _softmax_args(name: str, rows: int, tau: float | Tensor, cap: float | None, x: Tensor) -> tuple[object, ...]:
+    """A launch's softmax arguments ``(r_ptr, r_scalar, per_row, cap, two_over_cap)``, the
+    launch of ``rows`` programs of kernel ``name`` reported to ``_probe``."""
+    if _probe.active is not None:
+        _probe.active.launch("triton", name, rows)
+    return (*_temperature(tau, x), *_cap(cap))
+
+
 def stats(
     x: Tensor, tau: float | Tensor, cap: float | None, m: Tensor, s: Tensor, a: Tensor | None,
     rows: Tensor | None = None,
@@ -179,10 +187,7 @@ def stats(
     grid, index = _launch(rows, x.shape[0])
     if grid[0] == 0:
         return
-    r_t, r_s, per_row = _temperature(tau, x)
-    c, two = _cap(cap)
-    if _probe.active is not None:
-        _probe.active.launch("triton", "default.stats", grid[0])
+    r_t, r_s, per_row, c, two = _softmax_args("default.stats", grid[0], tau, cap, x)
     _stats_kernel[grid](
         x, x.stride(0), m if index is None else index, r_t, r_s, m, s, m if a is None else a, x.shape[1], c, two,
         HAS_ROWS=index is not None, PER_ROW=per_row, HAS_CAP=cap is not None, HAS_A=a is not None,
@@ -204,10 +209,7 @@ def grad(
     grid, index = _launch(rows, x.shape[0])
     if grid[0] == 0 or x.shape[1] == 0:
         return
-    r_t, r_s, per_row = _temperature(tau, x)
-    c, two = _cap(cap)
-    if _probe.active is not None:
-        _probe.active.launch("triton", "default.grad", grid[0])
+    r_t, r_s, per_row, c, two = _softmax_args("default.grad", grid[0], tau, cap, x)
     _grad_kernel[grid](
         x, x.stride(0), out, out.stride(0), b if index is None else index, r_t, r_s, big_m, log_s,
         b if a is None else a, b, x.shape[1], c, two,
