@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from cpslice import Layout
-from cpslice._layout.layout import closed_mode
 from cpslice._types import CpMode, QkvFormat
 
 
@@ -153,7 +152,7 @@ def config_of(layout: Layout) -> Config:
     """The oracle's Config of a Layout (its plain numbers only; no local length: the least)."""
     offsets = layout.row_offsets if layout.qkv_format == "bshd" else None
     return Config(tuple(layout.total_lengths), tuple(layout.response_lengths), layout.qkv_format,
-                  layout.max_seq_len, closed_mode(layout), layout.cp_size, layout.local_length, 0,
+                  layout.max_seq_len, layout._closed_mode(), layout.cp_size, layout.local_length, 0,
                   row_offsets=offsets)
 
 

@@ -25,8 +25,6 @@ PACKAGE = Path(cpslice.__file__).parent
 # the functions themselves, under debug mode's wrappers (which share one code object)
 RESOLVE = inspect.unwrap(_plan._resolve_length).__code__
 BUILD = inspect.unwrap(Layout.__init__).__code__
-
-
 class Trace:
     """What one call did with ``layout``: resolutions, Layouts built, and the files of
     the cpslice functions that received the layout, its resolved record, or one of the
@@ -169,7 +167,7 @@ def test_one_resolution_per_call_and_no_layout_built(cp_mode: str, name: str, ba
         assert trace.resolutions == resolutions, (name, trace.files)
         assert trace.built == 0, name
         if name in FOLLOWED:
-            assert max(trace.returns().values()) <= 1, (name, trace.files)
+            assert max(trace.returns().values()) <= 1, (name, " ".join(trace.files))
 
 
 def test_the_trace_sees_what_it_counts() -> None:

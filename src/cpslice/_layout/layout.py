@@ -332,7 +332,7 @@ class Layout:
         if placed is not None:
             return order_of(self.qkv_format, widths, self.max_seq_len, [placed.of_rank(r) for r in range(size)],
                             placed.length)
-        mode = closed_mode(self)
+        mode = self._closed_mode()
         length = self.local_length or least_length(mode, widths, size)
         pieces = [closed(mode, widths, r, size, length) for r in range(size)]
         return order_of(self.qkv_format, widths, self.max_seq_len, pieces, length)
@@ -361,7 +361,7 @@ class Layout:
                                 self.cp_size, check_local_length(local_length), self._order)
         return Layout(
             self.total_lengths, self.response_lengths, qkv_format=self.qkv_format,
-            max_seq_len=self.max_seq_len, cp_mode=closed_mode(self), cp_rank=cp_rank,
+            max_seq_len=self.max_seq_len, cp_mode=self._closed_mode(), cp_rank=cp_rank,
             cp_size=self.cp_size, local_length=local_length, padded_lengths=self._given_padding,
             align=self.align, row_offsets=self.row_offsets if self.qkv_format == "bshd" else None,
             shared_prefix=self.shared_prefix,
@@ -379,6 +379,11 @@ class Layout:
         for name, value in zip(self.__slots__, values, strict=True):
             object.__setattr__(new, name, value)
         return new
+
+    def _closed_mode(self) -> CpMode:
+        """The ``cp_mode`` of a closed-form layout (one not built from an order)."""
+        assert self._order is None, "an order layout has no closed form"
+        return cast(CpMode, self.cp_mode)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Layout is immutable; use for_rank() or build a new one ({name})")
@@ -402,7 +407,3 @@ class Layout:
         return f"Layout({', '.join(f'{k}={v!r}' for k, v in fields.items() if v is not None)})"
 
 
-def closed_mode(layout: Layout) -> CpMode:
-    """The ``cp_mode`` of a closed-form layout (one not built from an order)."""
-    assert layout._order is None, "an order layout has no closed form"
-    return cast(CpMode, layout.cp_mode)

@@ -41,13 +41,14 @@ def checked_samples(name: str, value: object, layout: Layout, *, tokens: bool = 
     ``tokens``, 1-D integer), checked in one pass: with a shared prefix, every sample's
     prompt equals its group's first's (``_checks.shared_prompts``; the message calls
     the argument ``name``)."""
+    pairs = None if layout.shared_prefix is None else prompt_pairs(layout)  # the layout's, first
     items = checks.per_sample(name, value, layout.total_lengths, "total_length", uniform=True)
     for i, x in enumerate(items if tokens else []):
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"sample {i}: tokens[{i}] must be a 1-D integer tensor, got "
                             f"{x.dtype} {tuple(x.shape)}")
-    if layout.shared_prefix is not None:
-        checks.shared_prompts(items, name, layout.total_lengths, layout.shared_prefix, prompt_pairs(layout))
+    if pairs is not None and layout.shared_prefix is not None:
+        checks.shared_prompts(items, name, layout.total_lengths, layout.shared_prefix, pairs)
     return items
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from .._cache import boundary, cached
 from .._errors import LayoutError
 from .._types import Strategy
-from .layout import Layout, closed_mode
+from .layout import Layout
 from .pieces import Pieces, closed, least_length
 
 _I64 = torch.int64
@@ -76,7 +76,7 @@ def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
     if layout._order is not None:  # N / c rows of the rearranged stream
         return layout._order.length
-    return least_length(closed_mode(layout), layout.padded_lengths, layout.cp_size)
+    return least_length(layout._closed_mode(), layout.padded_lengths, layout.cp_size)
 
 
 def check_local_length(layout: Layout, length: int, what: str = "local_length") -> None:
@@ -243,7 +243,7 @@ def runs(layout: Layout, length: int, rank: int | None = None) -> Runs:
     if placed is not None:
         pieces = placed.of_rank(r)
     else:
-        pieces = closed(closed_mode(layout), layout.padded_lengths, r, layout.cp_size, length)
+        pieces = closed(layout._closed_mode(), layout.padded_lengths, r, layout.cp_size, length)
     return _tokens(pieces, layout) if layout.shared_prefix is None else _star_runs(pieces, layout)
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from .._glue.distill import response_distillation
 from .._glue.response import response_log_probs
 from .._glue.support import Support
-from .._layout.layout import Layout, closed_mode
+from .._layout.layout import Layout
 from .._layout.pack import pack
 from .._layout.redistribute import redistribute
 from .._vocab.logits import log_probs_and_entropy
@@ -152,7 +152,7 @@ def _layout(case: Case, batch: Batch, seq: int | None) -> Layout:
                       row_offsets=batch.offsets)
     if state.cp_mode != case.mode:
         raise RuntimeError(f"parallel_state gave cp_mode {state.cp_mode!r}, not {case.mode!r}")
-    mode = closed_mode(state)
+    mode = state._closed_mode()
     if batch.offsets is not None:
         # the way a Hugging Face trainer builds it: from the batch's attention mask
         assert seq is not None
