@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpslice import _cli
-from cpslice._cli import bench, main
+from cpslice._cli import main
 from cpslice._types import CpMode
 from cpslice._verify.batches import make_batch
 from cpslice._verify.cases import ORDER_CASES, TOLERANCE, Case, Config, select_cases
@@ -435,8 +434,7 @@ def test_verify_and_plan_do_not_import_megatron() -> None:
 def test_bench_needs_a_source_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path / "site-packages")
-    code, out, err = run(["bench", "--quick"], capsys)
+    code, out, err = run(["bench", "--quick", "--checkout", str(tmp_path / "site-packages")], capsys)
     assert (code, out) == (1, "")  # not a usage error: nothing to run in this installation
     assert err.startswith("cpslice bench: error: bench needs a source checkout: no "
                           "bench_*.py in ") and err.count("\n") == 1
@@ -476,11 +474,10 @@ def test_bench_runs_every_benchmark_of_the_folder(
     (folder / "harness.py").write_text("raise RuntimeError('not a benchmark')\n")
     for name, source in FAKE.items():
         (folder / f"{name}.py").write_text(source)
-    monkeypatch.setattr(bench, "SOURCE_ROOT", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ["benchmarks", *(f"benchmarks.{n}" for n in FAKE)]:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    code, out, err = run(["bench", "--quick"], capsys)
+    code, out, err = run(["bench", "--quick", "--checkout", str(tmp_path)], capsys)
     assert code == 1
     assert out.splitlines()[0].startswith("cpslice bench --quick: 6 benchmarks from ")
     titles = [line for line in out.splitlines() if line.startswith("== ")]
@@ -542,20 +539,16 @@ def test_bench_extract_marks_a_ratio_that_misses_its_target(
     assert report([good]).splitlines()[-1] == "every ratio meets its target"
 
 
-def test_verify_compile_option_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_compile_option_reaches_the_config() -> None:
     """``cpslice verify --compile`` selects CPSLICE_BACKEND=compiled on the ranks (a real compiled
     run: ``cpslice verify --compile``, minutes here, not part of the suite)."""
-    from cpslice._verify import cases, report, runner
+    from cpslice._cli import _parser
+    from cpslice._cli.verify import config_of
+    from cpslice._verify import report
 
-    seen: list[cases.Config] = []
-
-    def fake(config: cases.Config) -> int:
-        seen.append(config)
-        return 0
-
-    monkeypatch.setattr(runner, "verify_main", fake)
-    assert _cli.main(["verify", "--compile", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
-    assert _cli.main(["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]) == 0
+    parser, _ = _parser()
+    argv = ["verify", "--cp-size", "1", "--tp-size", "1", "--mode", "none"]
+    seen = [config_of(parser.parse_args([*argv, "--compile"])), config_of(parser.parse_args(argv))]
     assert [c.compile for c in seen] == [True, False]
     assert "compiled by torch.compile (CPSLICE_BACKEND=compiled)" in report.header(seen[0])
     assert "torch.compile" not in report.header(seen[1])

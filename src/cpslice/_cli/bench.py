@@ -84,23 +84,29 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="small sizes: a few minutes on two cores"
     )
+    parser.add_argument(
+        "--checkout", type=Path, default=SOURCE_ROOT, metavar="DIR",
+        help="the source checkout whose benchmarks/ to run (default: the one cpslice runs "
+        "from, when it is installed from a checkout)",
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
     """Run the benchmarks of the source checkout's ``benchmarks/`` as one report."""
     quick = cast(bool, args.quick)
-    folder = SOURCE_ROOT / "benchmarks"
+    root = cast(Path, args.checkout).resolve()
+    folder = root / "benchmarks"
     benchmarks = discover(folder)
     if not benchmarks:  # not a usage error: nothing to run in this installation
         one_line(
             "cpslice bench",
             f"bench needs a source checkout: no bench_*.py in {folder} (cpslice is "
             "installed without its benchmarks/ folder); clone the repository and "
-            "pip install -e . there",
+            "pip install -e . there, or pass --checkout DIR",
         )
         return EXIT_FAILURE
-    if str(SOURCE_ROOT) not in sys.path:
-        sys.path.insert(0, str(SOURCE_ROOT))
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
     sys.stdout.write(f"cpslice bench{' --quick' if quick else ''}: {len(benchmarks)} benchmarks "
                      f"from {folder}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
     failed = 0

@@ -108,26 +108,35 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _verify(args: argparse.Namespace) -> int:
-    """Check every asked layout end to end on spawned gloo ranks (``_verify``)."""
-    from .._verify import runner
+def config_of(args: argparse.Namespace) -> Config:
+    """The run ``cpslice verify``'s parsed arguments ask for: its sizes checked and its
+    cases selected.
 
+    Raises:
+        VerifyArgumentError: sizes or a selection no run can check (a usage error).
+    """
     cp_size = cast(int, args.cp_size)
     tp_size = cast(int, args.tp_size)
-    try:
-        check_sizes(cp_size, tp_size)
-        cases = select_cases(
-            cp_size, cast(str, args.mode), cast("str | None", args.format),
-            cast("int | None", args.align),
-        )
-    except VerifyArgumentError as err:
-        one_line("cpslice verify", str(err))
-        return EXIT_USAGE
-    config = Config(
+    check_sizes(cp_size, tp_size)
+    cases = select_cases(
+        cp_size, cast(str, args.mode), cast("str | None", args.format), cast("int | None", args.align),
+    )
+    return Config(
         cp_size, tp_size, cases, samples=cast(int, args.samples), seed=cast(int, args.seed),
         timeout=cast(float, args.timeout), startup_timeout=cast(float, args.startup_timeout),
         compile=cast(bool, args.compile),
     )
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Check every asked layout end to end on spawned gloo ranks (``_verify``)."""
+    from .._verify import runner
+
+    try:
+        config = config_of(args)
+    except VerifyArgumentError as err:
+        one_line("cpslice verify", str(err))
+        return EXIT_USAGE
     try:
         return runner.verify_main(config)
     except ImportError as err:  # megatron-core missing: not a usage error
