@@ -1,4 +1,4 @@
-"""Replacement rank entries for testing ``cpslice verify`` itself (``run(rank_main=...)``).
+"""Replacement rank entries for testing ``cpslice verify`` itself (``_probe.substitute("rank_main", ...)``).
 
 Module-level, so that spawned ranks can import them. Each wraps or replaces
 ``cpslice._verify.rank.rank_main``; the library itself carries no fault injection.

@@ -132,7 +132,7 @@ def clear_caches() -> None:
 
 
 def cache_sizes() -> dict[str, int]:
-    """How many entries each registered cache holds now (for tests and debugging)."""
+    """How many entries each registered cache holds now (for debugging: what the caches hold)."""
     return {f"{c.__module__}.{c.__qualname__}": c.cache_info().currsize for c in _CACHES}
 
 

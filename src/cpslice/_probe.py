@@ -37,7 +37,7 @@ Kind = Literal["call", "launch", "collective", "host_read"]
 Backend = Literal["eager", "compiled", "triton"]
 """Who ran a launch."""
 BACKENDS: tuple[Backend, ...] = ("eager", "compiled", "triton")
-Step = Literal["merge_tiles", "row_kernel", "host_checks"]
+Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
@@ -49,8 +49,12 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks"]
 - ``host_checks``: whether the ids of a tensor (targets, ids, a support's sets) are
   checked against the vocabulary on the host, ``(Tensor) -> bool``: on the CPU only
   (``support.on_host``), where it costs no device sync; ``lambda t: False`` takes a
-  device's path on the CPU."""
-STEPS: tuple[Step, ...] = ("merge_tiles", "row_kernel", "host_checks")
+  device's path on the CPU;
+- ``rank_main``: the entry ``cpslice verify`` spawns each rank with
+  (``_verify.rank.rank_main``, ``(rank, store port, config, outbox)``, a module-level
+  function: spawned processes import it), chosen in the parent: a rank that raises,
+  never starts or stalls, for the verifier's own failure reports."""
+STEPS: tuple[Step, ...] = ("merge_tiles", "row_kernel", "host_checks", "rank_main")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

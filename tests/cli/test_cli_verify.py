@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpslice import _probe
 from cpslice._cli import main
 from cpslice._types import CpMode
 from cpslice._verify.batches import make_batch
@@ -308,7 +309,8 @@ def test_a_rank_that_raises_is_reported_and_the_others_stopped(
     # the error's last line, the third is not run
     cases = (Case("zigzag", "thd"), Case("zigzag", "bshd"), Case("allgather", "thd"))
     config = Config(2, 1, cases, samples=2, timeout=60.0)
-    assert verify_main(config, rank_main=_verify_ranks.rank_1_raises_on_bshd) == 1
+    with _probe.substitute("rank_main", _verify_ranks.rank_1_raises_on_bshd):
+        assert verify_main(config) == 1
     out, err = capsys.readouterr()
     assert "cpslice verify: rank 1 raised in layout zigzag bshd:" in err
     assert "Traceback" in err and "RuntimeError: fault injected: rank 1 raises" in err
@@ -323,7 +325,8 @@ def test_a_rank_that_raises_is_reported_and_the_others_stopped(
 
 def test_a_slow_start_is_not_called_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
     config = Config(2, 1, (Case("zigzag", "thd"),), startup_timeout=1.0, timeout=0.1)
-    assert verify_main(config, rank_main=_verify_ranks.never_start) == 1
+    with _probe.substitute("rank_main", _verify_ranks.never_start):
+        assert verify_main(config) == 1
     last = capsys.readouterr().err.splitlines()[-1]
     assert "2 of 2 ranks did not start within --startup-timeout 1 s" in last
     assert "hang" not in last
@@ -335,7 +338,8 @@ def test_started_ranks_without_progress_are_a_hang(capsys: pytest.CaptureFixture
     cases = (Case("zigzag", "thd"), Case("zigzag", "bshd"))
     config = Config(2, 1, cases, startup_timeout=120.0, timeout=2.0)
     start = time.monotonic()
-    assert verify_main(config, rank_main=_verify_ranks.ready_then_stall) == 1
+    with _probe.substitute("rank_main", _verify_ranks.ready_then_stall):
+        assert verify_main(config) == 1
     out, err = capsys.readouterr()
     last = err.splitlines()[-1]
     assert ("1 of 2 ranks made no progress on layout zigzag thd for --timeout 2 s (a hang"

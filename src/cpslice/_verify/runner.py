@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
+from .. import _probe
 from .batches import batch_samples
 from .cases import Config
 from .check import Errors
@@ -94,15 +95,12 @@ def run(
     config: Config,
     progress: Callable[[CaseResult], None] | None = None,
     ready: Callable[[float], None] | None = None,
-    *,
-    rank_main: RankMain | None = None,
 ) -> list[CaseResult]:
     """Spawn the ranks, check every case, and return one result per case, in order.
 
     ``ready`` is called with the seconds the start took once every rank has set up
     gloo and megatron-core; ``progress`` with each case's result as soon as every
-    rank has sent it. ``rank_main`` replaces each spawned rank's entry (a
-    module-level function, for testing the verifier itself; default ``rank.rank_main``).
+    rank has sent it. Each rank runs ``rank.rank_main`` (``_probe``'s step ``rank_main``).
 
     Raises:
         ImportError: megatron-core is not installed (``pip install 'cpslice[megatron]'``).
@@ -116,8 +114,11 @@ def run(
     ctx = multiprocessing.get_context("spawn")
     out: Outbox = ctx.Queue()
     store = host_store()
+    entry: RankMain = spawned_rank_main
+    if _probe.active is not None:
+        entry = _probe.active.step("rank_main", entry)
     procs = [
-        ctx.Process(target=rank_main or spawned_rank_main, args=(r, store.port, config, out),
+        ctx.Process(target=entry, args=(r, store.port, config, out),
                     daemon=True)
         for r in range(config.world)
     ]
@@ -284,14 +285,13 @@ def _unfinished(config: Config, index: int, failure: str | None) -> CaseResult:
                       None, None, config.tolerance, 0.0, failure)
 
 
-def verify_main(config: Config, *, rank_main: RankMain | None = None) -> int:
+def verify_main(config: Config) -> int:
     """Run ``config``: the header and the table on stdout, a line per layout on stderr.
 
     Returns 0 when every layout passes, 1 when one fails or the run breaks (a rank
     raised, died, did not start or hung: said on stderr, with the rank's traceback).
     A run that broke in a layout still prints the table: the layouts finished before,
     that layout FAIL with the reason (a rank's error: its last line), the rest not run.
-    ``rank_main``: as ``run``'s.
 
     Raises:
         ImportError: megatron-core is not installed, before anything is printed.
@@ -310,7 +310,7 @@ def verify_main(config: Config, *, rank_main: RankMain | None = None) -> int:
         note(f"  {plural(config.world, 'rank')} ready ({seconds:.1f} s)")
 
     try:
-        results = run(config, show, started, rank_main=rank_main)
+        results = run(config, show, started)
     except VerifyFailure as failure:
         note(f"cpslice verify: {failure}")
         if failure.case < 0:  # no layout ran: nothing to tabulate
