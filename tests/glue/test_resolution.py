@@ -2,9 +2,14 @@
 local length once, at its entry (``_plan.resolve``), builds no other ``Layout``, and
 hands the resolved record to private workers; followed through a call, the layout's
 trip (the cpslice functions it, its resolved record, or the per-sample lengths read off
-it are passed to) enters each file at most once more after leaving it: the call's
+it are passed to) enters each file at most once more after leaving it, on a new
+layout's first call (cold caches) as on the calls that read it again. The call's
 arguments are checked at its entry in one pass, a shared prefix's prompts and
-temperatures included, not by checks that call back into the file that called them."""
+temperatures included, not by checks that call back into the file that called them;
+a rank's pieces are read once from the placement the Layout keeps of itself
+(``Layout._placement``: an ``Order`` or a ``Closed`` form, which like the Layout's own
+methods is the record, not a trip); a resolved span (``Read``) keeps what its readings
+need of the layout, so no worker reads the layout again."""
 
 import inspect
 import sys
@@ -159,8 +164,8 @@ def test_one_resolution_per_call_and_no_layout_built(cp_mode: str, name: str, ba
     if name not in calls:
         pytest.skip(f"{name} refuses a {batch} layout")
     call = calls[name]
-    call()  # warm the caches: a step reads the same layout again
-    for _ in range(2):
+    cpslice.clear_caches()  # a new layout's first call, then a step reading it again (warm caches)
+    for _ in range(3):
         trace = Trace(layout)
         trace.run(call)
         resolutions = 2 if name == "sum_of_sample_means" else 1  # its extract_responses too

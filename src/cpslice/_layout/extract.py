@@ -10,13 +10,12 @@ from typing import overload
 import torch
 from torch import Tensor
 
-from .._cache import cached
 from .._checks import depth as check_depth
 from .._checks import per_position, per_sample
 from .._errors import LayoutError
 from .._types import AnyShare, IntArg, Share, Strategy, Values
 from .layout import Layout
-from .plan import Local, Read, resolve, response_base, selection_at, strategy
+from .plan import Local, Read, resolve, strategy
 
 
 def extraction_strategy(layout: Layout) -> Strategy:
@@ -99,19 +98,6 @@ def picked_values(read: Read, values: Tensor, k: int | None = None, local: bool 
 def split_elements(read: Read, values: Tensor) -> list[Tensor]:
     """Per-element ``values`` (``[E, *rest]``, extraction order) split per sample."""
     return list(torch.split(values, read.selection.counts))
-
-
-@cached(maxsize=8)
-def _shard_plan(layout: Layout, length: int, depth: int = 0) -> list[list[tuple[int, int]]]:
-    """Per sample, its non-empty runs: where each of this rank's pieces starts in the
-    whole response, and its length."""
-    sel = selection_at(layout, length, "response", depth)
-    plan: list[list[tuple[int, int]]] = [[] for _ in range(layout.num_samples)]
-    live = sel.run_count > 0
-    starts = sel.run_sources(response_base(layout, depth=depth))[live].tolist()
-    for i, start, size in zip(sel.run_sample[live].tolist(), starts, sel.run_count[live].tolist()):
-        plan[i].append((start, size))
-    return plan
 
 
 def split(local: Local, values: Tensor, entropy: Tensor | None = None) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -197,14 +183,14 @@ def shard_responses(full: Sequence[AnyShare], layout: Layout, *, depth: IntArg =
             the layout; an allgather layout without ``local_length``; a negative depth.
     """
     items = per_sample("full", full, layout.response_lengths, "response_length")
-    return shard(items, resolve(layout, depth=check_depth(depth)))
+    return shard(items, resolve(layout, spans=("response",), depth=check_depth(depth)))
 
 
 def shard(full: Sequence[Tensor], local: Local) -> list[Tensor]:
-    """``shard_responses`` of checked whole responses in a resolved layout."""
-    plan = _shard_plan(local.layout, local.length, local.depth)
+    """``shard_responses`` of checked whole responses in a layout resolved with the
+    ``"response"`` span."""
     out: list[Tensor] = []
-    for f, runs in zip(full, plan, strict=True):
+    for f, runs in zip(full, local.reads["response"].whole_runs, strict=True):
         pieces = [f.narrow(0, start, size) for start, size in runs]
         if not pieces:
             out.append(f[:0])

@@ -34,7 +34,7 @@ from .checks import (
     star_lengths,
 )
 from .masks import mask_rows
-from .pieces import Order, closed, least_length, order_of, read, twin
+from .pieces import Closed, Order, order_of, read, twin
 from .widths import resolve_padded_lengths, resolve_row_offsets
 
 
@@ -328,14 +328,11 @@ class Layout:
             LayoutError: the ranks' local tensors do not tile the stream (allgather
                 without ``local_length = N / cp_size``).
         """
-        size, widths, placed = self.cp_size, self.padded_lengths, self._order
-        if placed is not None:
-            return order_of(self.qkv_format, widths, self.max_seq_len, [placed.of_rank(r) for r in range(size)],
-                            placed.length)
-        mode = self._closed_mode()
-        length = self.local_length or least_length(mode, widths, size)
-        pieces = [closed(mode, widths, r, size, length) for r in range(size)]
-        return order_of(self.qkv_format, widths, self.max_seq_len, pieces, length)
+        placed = self._placement()
+        # an order's own length; a closed form's local_length, else its least
+        length = self.local_length if self._order is None and self.local_length else placed.least_length
+        pieces = [placed.of_rank(r, length) for r in range(self.cp_size)]
+        return order_of(self.qkv_format, self.padded_lengths, self.max_seq_len, pieces, length)
 
     @property
     def num_samples(self) -> int:
@@ -379,6 +376,13 @@ class Layout:
         for name, value in zip(self.__slots__, values, strict=True):
             object.__setattr__(new, name, value)
         return new
+
+    def _placement(self) -> Order | Closed:
+        """Where this layout's rows sit: its order's reading, or its closed form's
+        arithmetic (``least_length`` and ``of_rank`` of either)."""
+        if self._order is not None:
+            return self._order
+        return Closed(self._closed_mode(), self.padded_lengths, self.cp_size)
 
     def _closed_mode(self) -> CpMode:
         """The ``cp_mode`` of a closed-form layout (one not built from an order)."""

@@ -2,7 +2,7 @@
 
 A piece says that local rows ``[slot, slot + width)`` of a rank hold extent positions
 ``[first, first + width)`` of one sample (its padding included). The closed forms fill
-the table arithmetically (``closed``); a layout of any token order fills it from the
+the table arithmetically (``Closed``); a layout of any token order fills it from the
 order (``Order``).
 
 torch's context parallelism (and MagiAttention's dispatch, and any other) rearranges
@@ -52,33 +52,42 @@ def _ints(values: tuple[int, ...]) -> Tensor:
     return torch.frombuffer(array.array("q", values), dtype=_I64) if values else torch.zeros(0, dtype=_I64)
 
 
-def least_length(mode: CpMode, widths: tuple[int, ...], size: int) -> int:
-    """The least local length a closed form's samples fit in (for allgather, the least
-    piece length)."""
-    stream = sum(widths)
-    return stream // size if mode == "zigzag" else -(-stream // size)
+class Closed(NamedTuple):
+    """A closed-form layout's placement: ``mode``'s arithmetic over the samples' extents
+    ``widths`` on ``size`` ranks (docs/layouts.md). With ``Order``, the record a
+    ``Layout`` keeps of where its rows sit (``Layout._placement``): both answer
+    ``least_length`` and ``of_rank``."""
 
+    mode: CpMode
+    widths: tuple[int, ...]
+    size: int
 
-def closed(mode: CpMode, widths: tuple[int, ...], rank: int, size: int, length: int) -> Pieces:
-    """The pieces of a closed-form layout on CP rank ``rank`` of ``size``, its local
-    tensor ``length`` rows, its samples' extents ``widths`` (docs/layouts.md)."""
-    extent = _ints(widths)
-    samples = torch.arange(len(widths), dtype=_I64)
-    if mode == "none":  # thd and bshd alike: rows of W_i, back to back
-        return Pieces(samples, _cumsum0(extent), torch.zeros_like(extent), extent)
-    c, r = size, rank
-    if mode == "zigzag":  # chunks r and 2c - 1 - r of every extent
-        chunk = torch.div(extent, 2 * c, rounding_mode="floor")
-        block = _cumsum0(2 * chunk)
-        slot = torch.stack([block, block + chunk], 1).reshape(-1)
-        first = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1).reshape(-1)
-        return Pieces(torch.repeat_interleave(samples, 2), slot, first, torch.repeat_interleave(chunk, 2))
-    # allgather: the stream of padded samples, cut into pieces of `length`.
-    offset = _cumsum0(extent)
-    lo = offset.clamp_min(r * length)
-    end = (offset + extent).clamp_max((r + 1) * length)
-    slot = (lo - r * length).clamp(0, length)
-    return Pieces(samples, slot, lo - offset, (end - lo).clamp_min(0))
+    @property
+    def least_length(self) -> int:
+        """The least local length the samples fit in (for allgather, the least piece
+        length)."""
+        stream = sum(self.widths)
+        return stream // self.size if self.mode == "zigzag" else -(-stream // self.size)
+
+    def of_rank(self, rank: int, length: int) -> Pieces:
+        """The pieces of CP rank ``rank``, its local tensor ``length`` rows."""
+        extent = _ints(self.widths)
+        samples = torch.arange(len(self.widths), dtype=_I64)
+        if self.mode == "none":  # thd and bshd alike: rows of W_i, back to back
+            return Pieces(samples, _cumsum0(extent), torch.zeros_like(extent), extent)
+        c, r = self.size, rank
+        if self.mode == "zigzag":  # chunks r and 2c - 1 - r of every extent
+            chunk = torch.div(extent, 2 * c, rounding_mode="floor")
+            block = _cumsum0(2 * chunk)
+            slot = torch.stack([block, block + chunk], 1).reshape(-1)
+            first = torch.stack([r * chunk, (2 * c - 1 - r) * chunk], 1).reshape(-1)
+            return Pieces(torch.repeat_interleave(samples, 2), slot, first, torch.repeat_interleave(chunk, 2))
+        # allgather: the stream of padded samples, cut into pieces of `length`.
+        offset = _cumsum0(extent)
+        lo = offset.clamp_min(r * length)
+        end = (offset + extent).clamp_max((r + 1) * length)
+        slot = (lo - r * length).clamp(0, length)
+        return Pieces(samples, slot, lo - offset, (end - lo).clamp_min(0))
 
 
 class Order:
@@ -100,8 +109,14 @@ class Order:
         """The number of pieces over all ranks."""
         return int(self._table.shape[1])
 
-    def of_rank(self, rank: int) -> Pieces:
-        """Rank ``rank``'s pieces, sorted by sample, then position."""
+    @property
+    def least_length(self) -> int:
+        """``T``: an order's ranks hold ``length`` rows each."""
+        return self.length
+
+    def of_rank(self, rank: int, length: int | None = None) -> Pieces:
+        """Rank ``rank``'s pieces, sorted by sample, then position (``length`` is not
+        read: an order fixes its own, which a call's ``T`` is checked against)."""
         part = self._table[:, self._bounds[rank]:self._bounds[rank + 1]]
         return Pieces(part[0], part[1], part[2], part[3])
 
@@ -396,8 +411,9 @@ def twin(placed: Order, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> C
     if placed.pieces != len(widths) * (2 * size - 1):  # zigzag's: 2 chunks a sample, rank c-1's one
         return None
     rows = torch.linspace(0, max(length - 1, 0), min(_PROBES, length)).round().to(_I64)
-    if not torch.equal(_probe(closed("zigzag", widths, 0, size, length), starts, rows),
+    if not torch.equal(_probe(Closed("zigzag", widths, size).of_rank(0, length), starts, rows),
                        _probe(placed.of_rank(0), starts, rows)):
         return None
-    tables = [_merged(closed("zigzag", widths, r, size, length)) for r in range(size)]
+    zigzag = Closed("zigzag", widths, size)
+    tables = [_merged(zigzag.of_rank(r, length)) for r in range(size)]
     return "zigzag" if all(torch.equal(t, torch.stack(placed.of_rank(r))) for r, t in enumerate(tables)) else None

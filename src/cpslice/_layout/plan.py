@@ -34,7 +34,7 @@ from .._cache import boundary, cached
 from .._errors import LayoutError
 from .._types import Strategy
 from .layout import Layout
-from .pieces import Pieces, closed, least_length
+from .pieces import Pieces
 
 _I64 = torch.int64
 
@@ -74,9 +74,7 @@ def response_base(layout: Layout, *, concatenated: bool = False, depth: int = 0)
 @cached(maxsize=64)
 def needed_length(layout: Layout) -> int:
     """The least local length ``T`` the layout fits in."""
-    if layout._order is not None:  # N / c rows of the rearranged stream
-        return layout._order.length
-    return least_length(layout._closed_mode(), layout.padded_lengths, layout.cp_size)
+    return layout._placement().least_length  # an order's: N / c rows of the rearranged stream
 
 
 def check_local_length(layout: Layout, length: int, what: str = "local_length") -> None:
@@ -236,14 +234,17 @@ def _star_runs(p: Pieces, layout: Layout) -> Runs:
     return Runs(seg.sample[which], slot + lo - first, start, size, size, torch.zeros_like(size))
 
 
+@cached(maxsize=16)
+def _pieces_on(layout: Layout, length: int, rank: int) -> Pieces:
+    """The pieces of CP rank ``rank``: one reading of the placement for every span a
+    call reads."""
+    return layout._placement().of_rank(rank, length)
+
+
 def runs(layout: Layout, length: int, rank: int | None = None) -> Runs:
     """The runs of the layout on its rank (or on CP rank ``rank`` of its group), whose
     local tensor has ``length`` rows."""
-    r, placed = layout.cp_rank if rank is None else rank, layout._order
-    if placed is not None:
-        pieces = placed.of_rank(r)
-    else:
-        pieces = closed(layout._closed_mode(), layout.padded_lengths, r, layout.cp_size, length)
+    pieces = _pieces_on(layout, length, layout.cp_rank if rank is None else rank)
     return _tokens(pieces, layout) if layout.shared_prefix is None else _star_runs(pieces, layout)
 
 
@@ -402,22 +403,27 @@ class Picks(NamedTuple):
 
 class Read:
     """One span of a resolved layout, as a call reads it: the ``selection`` (CPU) and its
-    ``rows`` on the call's device; ``sources``, ``targets``, ``picks`` and ``mask`` are
-    computed at their first reading (an extraction reads none) and kept with the cached
-    read."""
+    ``rows`` on the call's device, with what the span's readings need of the layout,
+    taken at the resolution (nothing later reads the layout again); ``sources``,
+    ``targets``, ``picks``, ``mask`` and ``whole_runs`` are computed at their first
+    reading (an extraction reads none) and kept with the cached read."""
 
-    __slots__ = ("selection", "rows", "_layout", "_length", "_span", "_device", "_depth", "_sources",
-                 "_targets", "_picks", "_mask")
+    __slots__ = ("selection", "rows", "_length", "_device", "_base", "_target_base", "_whole_base", "_distinct",
+                 "_sources", "_targets", "_picks", "_mask", "_whole_runs")
 
     def __init__(self, selection: Selection, rows: Tensor, layout: Layout, length: int, span: Span,
                  device: torch.device, depth: int = 0) -> None:
         self.selection, self.rows = selection, rows
-        self._layout, self._length, self._span, self._device = layout, length, span, device
-        self._depth = depth
+        self._length, self._device = length, device
+        self._base = _base(layout, span, depth)
+        self._target_base = packed_offsets(layout) + 1 + depth
+        self._whole_base = response_base(layout, depth=depth) if span == "response" else None
+        self._distinct = layout.shared_prefix is None
         self._sources: Tensor | None = None
         self._targets: Tensor | None = None
         self._picks: Picks | None = None
         self._mask: Tensor | None = None
+        self._whole_runs: list[list[tuple[int, int]]] | None = None
 
     @property
     def sources(self) -> Tensor:
@@ -425,7 +431,7 @@ class Read:
         per-sample tensors it holds (``"sample"``: the token, ``"targets"``: its target
         token, ``"response"``: the element of the concatenated whole responses)."""
         if self._sources is None:
-            self._sources = self.selection.sources(_base(self._layout, self._span, self._depth)).to(self._device)
+            self._sources = self.selection.sources(self._base).to(self._device)
         return self._sources
 
     @property
@@ -433,15 +439,14 @@ class Read:
         """On the call's device: for every element the index of its target token
         (``p + 1 + d`` of its sample) in the concatenated per-sample tokens."""
         if self._targets is None:
-            base = packed_offsets(self._layout) + 1 + self._depth
-            self._targets = self.selection.sources(base).to(self._device)
+            self._targets = self.selection.sources(self._target_base).to(self._device)
         return self._targets
 
     @property
     def picks(self) -> Picks:
         """The elements' distinct rows and picks (``Picks``)."""
         if self._picks is None:
-            self._picks = _picks(self.selection.rows, self._layout.shared_prefix is None, self._device)
+            self._picks = _picks(self.selection.rows, self._distinct, self._device)
         return self._picks
 
     @property
@@ -450,6 +455,28 @@ class Read:
         if self._mask is None:
             self._mask = torch.zeros(self._length, dtype=torch.bool).index_fill_(0, self.selection.rows, True)
         return self._mask
+
+    @property
+    def whole_runs(self) -> list[list[tuple[int, int]]]:
+        """A ``"response"`` read's runs in the whole responses: per sample, where each of
+        its non-empty runs on this rank starts in the sample's whole response-aligned
+        tensor, and its length (what ``shard_responses`` cuts)."""
+        assert self._whole_base is not None, "whole_runs reads the response span"
+        if self._whole_runs is None:
+            self._whole_runs = _whole_runs(self.selection, self._whole_base)
+        return self._whole_runs
+
+
+@boundary
+def _whole_runs(sel: Selection, base: Tensor) -> list[list[tuple[int, int]]]:
+    """``Read.whole_runs`` of ``sel``, its samples' whole tensors indexed from ``base``
+    (host arithmetic: behind the compile boundary)."""
+    runs: list[list[tuple[int, int]]] = [[] for _ in sel.counts]
+    live = sel.run_count > 0
+    starts = sel.run_sources(base)[live].tolist()
+    for i, start, size in zip(sel.run_sample[live].tolist(), starts, sel.run_count[live].tolist()):
+        runs[i].append((start, size))
+    return runs
 
 
 def _picks(rows: Tensor, distinct: bool, device: torch.device) -> Picks:
