@@ -37,7 +37,8 @@ Kind = Literal["call", "launch", "collective", "host_read"]
 Backend = Literal["eager", "compiled", "triton"]
 """Who ran a launch."""
 BACKENDS: tuple[Backend, ...] = ("eager", "compiled", "triton")
-Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main"]
+Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree", "triton_pad",
+               "triton_scratch_rows"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
@@ -53,8 +54,16 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main"]
 - ``rank_main``: the entry ``cpslice verify`` spawns each rank with
   (``_verify.rank.rank_main``, ``(rank, store port, config, outbox)``, a module-level
   function: spawned processes import it), chosen in the parent: a rank that raises,
-  never starts or stalls, for the verifier's own failure reports."""
-STEPS: tuple[Step, ...] = ("merge_tiles", "row_kernel", "host_checks", "rank_main")
+  never starts or stalls, for the verifier's own failure reports;
+- ``triton_exp``, ``triton_tree``, ``triton_pad``: invariant mode's Triton kernels'
+  ``@triton.jit`` helpers (``backends.triton.invariant._exp``, ``_tree``, ``_pad``, called
+  as they are inside the kernels, which take them as ``constexpr`` arguments): the
+  substitute is a ``@triton.jit`` function, compiled into the kernels launched within the
+  block;
+- ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
+  ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``)."""
+STEPS: tuple[Step, ...] = ("merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree",
+                           "triton_pad", "triton_scratch_rows")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -2,7 +2,8 @@
 (layout, vocabulary, glue, distributed, cli, project), shared helpers in helper modules
 (files of tests/ not named ``test_*``, or conftest.py), so no test file imports another test file;
 every test file holds tests; and only the verifier's own tests import the verifier
-(``cpslice._verify*``, which may move), so the rest of the suite never depends on it."""
+(``cpslice._verify*``, which may move), so the rest of the suite never depends on it; and
+no test sets an attribute of cpslice's own modules (docs/instrumentation.md)."""
 
 import ast
 from pathlib import Path
@@ -85,3 +86,59 @@ def test_only_the_verifier_tests_import_the_verifier() -> None:
         if found and path.name not in VERIFIER_TESTS:
             offenders[path.name] = found
     assert offenders == {}
+
+
+def cpslice_patches(source: str) -> list[int]:
+    """The lines where a source sets an attribute of cpslice's own state: ``setattr`` (a
+    ``monkeypatch``'s too) or ``mock.patch``/``patch.object`` on a name bound to
+    something imported from cpslice, or on a ``"cpslice...."`` path."""
+    tree = ast.parse(source)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cpslice":
+            bound.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            bound.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                         if alias.name.split(".")[0] == "cpslice")
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name not in ("setattr", "patch", "object", "setitem"):
+            continue
+        target = node.args[0]
+        while isinstance(target, ast.Attribute):
+            target = target.value
+        if (isinstance(target, ast.Name) and target.id in bound) or (
+                isinstance(target, ast.Constant) and str(target.value).startswith("cpslice")):
+            found.append(node.lineno)
+    return found
+
+
+def test_the_patch_reader_sees_every_form() -> None:
+    source = """
+import cpslice
+import cpslice._vocab.spec as spec
+from cpslice._vocab.backends.triton import invariant as tri
+from cpslice import _probe
+import torch
+def t(monkeypatch):
+    monkeypatch.setattr(tri, "SCRATCH_BYTES", 1)
+    setattr(spec, "TILE", 64)
+    monkeypatch.setattr(cpslice._vocab.spec, "TILE", 64)
+    mock.patch("cpslice._vocab.spec.TILE", 64)
+    mock.patch.object(_probe, "active", None)
+    monkeypatch.setattr(torch, "compile", None)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+"""
+    assert cpslice_patches(source) == [8, 9, 10, 11, 12]
+
+
+def test_no_test_patches_cpslice_state() -> None:
+    """Tests choose backends by the public setting or the selection's seam and look inside
+    through ``cpslice._probe`` (docs/instrumentation.md), never by setting a module's
+    attribute."""
+    found = [f"{path.relative_to(TESTS)}:{line}" for path in sorted(TESTS.rglob("*.py"))
+             for line in cpslice_patches(path.read_text())]
+    assert found == [], "patches cpslice's state: " + ", ".join(found)

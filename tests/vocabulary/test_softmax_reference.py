@@ -71,7 +71,7 @@ def _softcap_kernel(x_ptr, y_ptr, t_ptr, n, cap, BLOCK: tl.constexpr):
     """``_tri._softcap`` of ``n`` float32 values: ``y`` and ``t`` stored."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n
-    y, t = _tri._softcap(tl.load(x_ptr + cols, mask=inside, other=0.0), cap)
+    y, t = _tri._softcap(tl.load(x_ptr + cols, mask=inside, other=0.0), cap, _tri._exp)
     tl.store(y_ptr + cols, y, mask=inside)
     tl.store(t_ptr + cols, t, mask=inside)
 

@@ -5,7 +5,8 @@ fields at a tile offset), their merge, merged statistics of a subset of rows by 
 and from them the log-probs, entropy and logits' gradient of ``log_probs_and_entropy(...,
 invariant=True)``, in float32 and bfloat16, with a float and a per-row temperature, a
 soft cap and a ``vocab_size`` (a partial last tile, -inf padded). Every launch is
-counted; a planted wrong tree pairing, ``exp`` coefficient or missing -inf pad fails."""
+counted; a planted wrong tree pairing, ``exp`` coefficient or missing -inf pad, each
+substituted into the kernels through ``_probe`` (their ``constexpr`` helpers), fails."""
 
 import math
 import os
@@ -187,7 +188,7 @@ def test_per_tile_statistics_under_tp_and_their_merge_are_the_eager_bits(dtype: 
     assert _tri.merge(m, s, None, tau)[2] is None
 
 
-def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows() -> None:
     gen = torch.Generator().manual_seed(5)
     tau = torch.rand(T, generator=gen) + 0.5
     for n in (1, 5, 9):  # 9 tiles pad to 16
@@ -203,8 +204,9 @@ def test_merge_pads_the_tiles_to_a_power_of_two_and_chunks_the_rows(monkeypatch:
     x = _logits(torch.float32)
     r = 1.0 / tau
     whole = _tri.merged_stats(x, ROWS, r, tau, None, V)
-    monkeypatch.setattr(_tri, "SCRATCH_BYTES", 2 * 12 * 6)
-    chunked = _tri.merged_stats(x, ROWS, r, tau, None, V, with_entropy=False)
+    with _probe.watch() as seen, _probe.substitute("triton_scratch_rows", lambda tiles: 2):
+        chunked = _tri.merged_stats(x, ROWS, r, tau, None, V, with_entropy=False)
+    assert [e.rows for e in seen.of("launch", name="invariant_merge")] == [2, 2]
     assert _same(chunked[0], whole[0]) and _same(chunked[1], whole[1]) and chunked[2] is None
 
 
@@ -254,12 +256,12 @@ def _no_pad(y, inside):
     return y
 
 
-@pytest.mark.parametrize(("helper", "plant"), [
-    pytest.param("_tree", _adjacent_tree, id="tree-pairing"),
-    pytest.param("_exp", _off_exp, id="exp-coefficient"),
-    pytest.param("_pad", _no_pad, id="no-inf-pad"),
+@pytest.mark.parametrize(("step", "plant"), [
+    pytest.param("triton_tree", _adjacent_tree, id="tree-pairing"),
+    pytest.param("triton_exp", _off_exp, id="exp-coefficient"),
+    pytest.param("triton_pad", _no_pad, id="no-inf-pad"),
 ])
-def test_a_planted_kernel_bug_is_caught(monkeypatch: pytest.MonkeyPatch, helper: str, plant: Any) -> None:
+def test_a_planted_kernel_bug_is_caught(step: _probe.Step, plant: Any) -> None:
     # rows with one dominant logit (S near 1: a sum's last bit shows) and a partial tile
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(T, V, generator=gen) * 2
@@ -270,6 +272,8 @@ def test_a_planted_kernel_bug_is_caught(monkeypatch: pytest.MonkeyPatch, helper:
     _invariant.merged_stats(x[:, :650], Softmax(tau), want, None, T)
     got = _tri.merged_stats(x, ROWS, r, tau, None, 650)
     assert all(g is not None and _same(g, w[ROWS]) for g, w in zip(got, _fields(want)))
-    monkeypatch.setattr(_tri, helper, plant)
-    got = _tri.merged_stats(x, ROWS, r, tau, None, 650)
+    with _probe.substitute(step, plant):
+        got = _tri.merged_stats(x, ROWS, r, tau, None, 650)
     assert not all(g is not None and _same(g, w[ROWS]) for g, w in zip(got, _fields(want)))
+    got = _tri.merged_stats(x, ROWS, r, tau, None, 650)  # the block closed: the real helper again
+    assert all(g is not None and _same(g, w[ROWS]) for g, w in zip(got, _fields(want)))

@@ -23,14 +23,20 @@ What makes a Triton kernel give the spec's bits:
 - what stays in torch: ``r = 1 / tau`` (one division per row, ``softmax.reciprocals``),
   the per-row ``log S`` and the picked ids' one-hot entries (``invariant.picks``).
 
+The kernels take their helpers as ``constexpr`` arguments (``EXP``, ``TREE``, ``PAD``:
+``_exp``, ``_tree``, ``_pad``, compiled into each kernel as if called by name), so that
+``_probe``'s steps ``triton_exp``, ``triton_tree`` and ``triton_pad`` can plant a wrong
+one for a test to catch; ``triton_scratch_rows`` sizes ``merged_stats``' chunks.
+
 Through Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported:
 numpy, IEEE float32) the kernels give the eager bits on the CPU, which the tests check
 with ``torch.equal``. Every function takes ``rows``, an int64 index of the rows to compute
-(None: all), so the work is the rows asked; every launch is counted (``count``). Only
+(None: all), so the work is the rows asked; every launch is recorded (``_probe``). Only
 float32 and bfloat16 logits (the float32 compute dtype).
 """
 
-from typing import no_type_check
+from collections.abc import Callable
+from typing import Any, TypeVar, no_type_check
 
 import torch
 import triton
@@ -55,6 +61,7 @@ _NEG_INF = tl.constexpr(float("-inf"))
 _TILE = tl.constexpr(TILE)
 _LOG_TILE = tl.constexpr(TILE.bit_length() - 1)
 _NAN_BITS = tl.constexpr(0x7FC00000)  # bits.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
+F = TypeVar("F", bound=Callable[..., Any])
 SCRATCH_BYTES = 16 * 2**20
 """``merged_stats``' per-tile scratch (``m``, ``s``, ``a`` of a chunk of rows) within these
 bytes."""
@@ -120,11 +127,11 @@ def _pad(y, inside):
 
 @triton.jit
 @no_type_check
-def _softcap(x, c):
+def _softcap(x, c, EXP: tl.constexpr):
     """``spec.softcap``: ``(t * c, t)``, ``t = copysign((1 - e) / (1 + e), z)``, ``e =
     exp(-2 |z|)``, ``z = x / c``, the divisions correctly rounded."""
     z = tl.math.div_rn(x, c)
-    e = _exp(tl.abs(z) * -2.0)
+    e = EXP(tl.abs(z) * -2.0)
     t = tl.math.div_rn(1.0 - e, e + 1.0)
     sign = (z.to(tl.int32, bitcast=True) >> 31) << 31
     t = (t.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
@@ -135,7 +142,8 @@ def _softcap(x, c):
 @no_type_check
 def invariant_tiles(x_ptr, x_stride, rows_ptr, dest_ptr, r_ptr, m_ptr, m_s0, m_s1, s_ptr, s_s0, s_s1,
                     a_ptr, a_s0, a_s1, valid, n_tiles, first, cap,
-                    X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr, BT: tl.constexpr):
+                    X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, HAS_A: tl.constexpr, BT: tl.constexpr,
+                    EXP: tl.constexpr, TREE: tl.constexpr, PAD: tl.constexpr):
     """The spec's step 3 for ``BT`` tiles of one row: program ``(i, b)`` reads row
     ``rows[i]``'s tiles ``b * BT`` on (columns ``>= valid`` -inf after the cap) and writes
     ``(m, s, a)`` at row ``dest[i]``, tiles ``first + j`` of the fields."""
@@ -147,27 +155,27 @@ def invariant_tiles(x_ptr, x_stride, rows_ptr, dest_ptr, r_ptr, m_ptr, m_s0, m_s
     inside = cols < valid
     y = _load(x_ptr + row * x_stride + cols, inside, X_BF16)
     if HAS_CAP:
-        y, _ = _softcap(y, cap)
-    y = _pad(y, inside)
+        y, _ = _softcap(y, cap, EXP)
+    y = PAD(y, inside)
     m = tl.reduce(y, 1, _max)
     m = tl.where(m == 0, 0.0, m)
     shift = tl.where(m == _NEG_INF, 0.0, m)
     r = tl.load(r_ptr + row)
     d = tl.maximum((y - shift[:, None]) * r, _FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    e = _exp(d)
+    e = EXP(d)
     keep = j < n_tiles
     tile = first + j
     tl.store(m_ptr + dest * m_s0 + tile * m_s1, m, mask=keep)
-    tl.store(s_ptr + dest * s_s0 + tile * s_s1, _tree(e, BT, _TILE, _LOG_TILE), mask=keep)
+    tl.store(s_ptr + dest * s_s0 + tile * s_s1, TREE(e, BT, _TILE, _LOG_TILE), mask=keep)
     if HAS_A:
-        tl.store(a_ptr + dest * a_s0 + tile * a_s1, _tree(d * e, BT, _TILE, _LOG_TILE), mask=keep)
+        tl.store(a_ptr + dest * a_s0 + tile * a_s1, TREE(d * e, BT, _TILE, _LOG_TILE), mask=keep)
 
 
 @triton.jit
 @no_type_check
 def invariant_merge(m_ptr, m_s0, m_s1, s_ptr, s_s0, s_s1, a_ptr, a_s0, a_s1, tau_ptr, big_ptr, total_ptr,
                     ent_ptr, rows, n, HAS_A: tl.constexpr, BR: tl.constexpr, NP: tl.constexpr,
-                    LOG_NP: tl.constexpr):
+                    LOG_NP: tl.constexpr, EXP: tl.constexpr, TREE: tl.constexpr):
     """The spec's step 4 for ``BR`` rows: their ``n`` tiles (``-inf``, 0, 0 padded to ``NP =
     2^LOG_NP``) merged into ``M``, ``S``, ``A``."""
     i = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -180,20 +188,20 @@ def invariant_merge(m_ptr, m_s0, m_s1, s_ptr, s_s0, s_s1, a_ptr, a_s0, a_s1, tau
     shift = tl.where(big == _NEG_INF, 0.0, big)
     tau = tl.load(tau_ptr + i, mask=live, other=1.0)
     delta = tl.math.div_rn(m - shift[:, None], tau[:, None])
-    scale = _exp(delta)
+    scale = EXP(delta)
     tl.store(big_ptr + i, big, mask=live)
-    tl.store(total_ptr + i, _tree(tl.where(keep, scale * s, 0.0), BR, NP, LOG_NP), mask=live)
+    tl.store(total_ptr + i, TREE(tl.where(keep, scale * s, 0.0), BR, NP, LOG_NP), mask=live)
     if HAS_A:
         a = tl.load(a_ptr + i[:, None] * a_s0 + j[None, :] * a_s1, mask=keep, other=0.0)
         terms = tl.where(keep & (s > 0), scale * (a + delta * s), 0.0)
-        tl.store(ent_ptr + i, _tree(terms, BR, NP, LOG_NP), mask=live)
+        tl.store(ent_ptr + i, TREE(terms, BR, NP, LOG_NP), mask=live)
 
 
 @triton.jit
 @no_type_check
 def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_ptr, out_ptr, out_stride,
                    width, cap, X_BF16: tl.constexpr, HAS_CAP: tl.constexpr, OUT_BF16: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, EXP: tl.constexpr):
     """``backends.eager.values`` of ``BLOCK`` columns of row ``rows[i]``, rounded once to the
     output's dtype (bfloat16: its bits, as ``bits.bfloat16_bits`` rounds)."""
     row = tl.load(rows_ptr + tl.program_id(0))
@@ -201,10 +209,10 @@ def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_
     inside = cols < width
     y = _load(x_ptr + row * x_stride + cols, inside, X_BF16)
     if HAS_CAP:
-        y, t = _softcap(y, cap)
+        y, t = _softcap(y, cap, EXP)
     d = (y - tl.load(m_ptr + row)) * tl.load(r_ptr + row) - tl.load(log_s_ptr + row)
     d = tl.maximum(d, _FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    value = _exp(d) * (tl.load(a_ptr + row) * d + tl.load(b_ptr + row))
+    value = EXP(d) * (tl.load(a_ptr + row) * d + tl.load(b_ptr + row))
     if HAS_CAP:
         value = value * (1.0 - t * t)
     at = out_ptr + row * out_stride + cols
@@ -214,6 +222,20 @@ def invariant_grad(x_ptr, x_stride, rows_ptr, r_ptr, m_ptr, log_s_ptr, a_ptr, b_
         tl.store(at, bits.to(tl.int16), mask=inside)
     else:
         tl.store(at, value, mask=inside)
+
+
+def scratch_rows(tiles: int) -> int:
+    """Rows of ``merged_stats``' chunks: as many as keep the ``[rows, tiles]`` scratch of
+    ``m``, ``s``, ``a`` within ``SCRATCH_BYTES`` (at least one)."""
+    return max(1, SCRATCH_BYTES // (12 * max(tiles, 1)))
+
+
+def _step(name: _probe.Step, real: F) -> F:
+    """The step ``name`` as the launches use it: ``real``, or its substitute while a
+    ``_probe.substitute`` block is open. The kernels take their helpers (``_exp``,
+    ``_tree``, ``_pad``) as ``constexpr`` arguments, so a planted helper is compiled into
+    them as the real one is (each helper a kernel specialization of its own)."""
+    return real if _probe.active is None else _probe.active.step(name, real)
 
 
 def _pow2(n: int) -> int:
@@ -275,6 +297,7 @@ def _tiles(x: Tensor, index: Tensor, dest: Tensor, r: Tensor, cap: float | None,
         _bits(x), x.stride(0), index, dest, r, m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1),
         ent, ent.stride(0), ent.stride(1), valid, n, first, 1.0 if cap is None else float(cap),
         X_BF16=x.dtype == torch.bfloat16, HAS_CAP=cap is not None, HAS_A=a is not None, BT=bt,
+        EXP=_step("triton_exp", _exp), TREE=_step("triton_tree", _tree), PAD=_step("triton_pad", _pad),
         enable_fp_fusion=False,
     )
 
@@ -300,7 +323,8 @@ def merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tensor) -> tuple[Tensor, 
     invariant_merge[(-(-rows // br),)](
         m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1), aa, aa.stride(0), aa.stride(1),
         tau.contiguous(), big, total, total if ent is None else ent, rows, n,
-        HAS_A=a is not None, BR=br, NP=np_, LOG_NP=np_.bit_length() - 1, enable_fp_fusion=False,
+        HAS_A=a is not None, BR=br, NP=np_, LOG_NP=np_.bit_length() - 1,
+        EXP=_step("triton_exp", _exp), TREE=_step("triton_tree", _tree), enable_fp_fusion=False,
     )
     return big, total, ent
 
@@ -319,7 +343,7 @@ def merged_stats(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, cap: fl
     count_rows = index.numel()
     big, total = r.new_empty(count_rows), r.new_empty(count_rows)
     ent = r.new_empty(count_rows) if with_entropy else None
-    chunk = max(1, SCRATCH_BYTES // (12 * max(n, 1)))
+    chunk = _step("triton_scratch_rows", scratch_rows)(n)
     scratch = r.new_empty((3, min(chunk, count_rows), n))
     dest = torch.arange(scratch.shape[1], device=x.device)
     for lo in range(0, count_rows, chunk):
@@ -360,5 +384,5 @@ def grad(x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a:
         _bits(x), x.stride(0), index, r, m, log_s, torch.zeros_like(b) if a is None else a, b, dst, dst.stride(0),
         x.shape[1], 1.0 if cap is None else float(cap),
         X_BF16=x.dtype == torch.bfloat16, HAS_CAP=cap is not None, OUT_BF16=bf16, BLOCK=GRAD_BLOCK,
-        enable_fp_fusion=False,
+        EXP=_step("triton_exp", _exp), enable_fp_fusion=False,
     )
