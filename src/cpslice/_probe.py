@@ -20,15 +20,16 @@ run the named step (``STEPS``): a planted bug, or a state that a test needs (a c
 kernel that differs from the eager one). The substitute is called as the step is; it
 may call the real one, which stays reachable where it lives.
 
-Inactive (no block open), each site costs one module-level ``None`` check:
-``if _probe.active is not None: ...``. Blocks nest; each watch sees the events of its
+Inactive (no block open), a watched site costs one module-level ``None`` check,
+``if _probe.active is not None: ...``, and a step's site one call of ``step(name, real)``,
+which makes the same check and returns ``real``. Blocks nest; each watch sees the events of its
 own block. One process, one thread: the library's calls are not concurrent.
 """
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from torch import Tensor
 
@@ -62,8 +63,7 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   block;
 - ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
   ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``)."""
-STEPS: tuple[Step, ...] = ("merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree",
-                           "triton_pad", "triton_scratch_rows")
+STEPS: tuple[Step, ...] = get_args(Step)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -148,6 +148,12 @@ class Active:
 
 active: Active | None = None
 """The hook's state; None while no block is open (each site's one check)."""
+
+
+def step(name: Step, real: F) -> F:
+    """The function to run for the step ``name`` (one of ``STEPS``): its substitute while a
+    ``substitute`` block is open, else ``real``. Every step's site calls this."""
+    return real if active is None else active.step(name, real)
 
 
 def _open() -> Active:

@@ -114,9 +114,7 @@ def run(
     ctx = multiprocessing.get_context("spawn")
     out: Outbox = ctx.Queue()
     store = host_store()
-    entry: RankMain = spawned_rank_main
-    if _probe.active is not None:
-        entry = _probe.active.step("rank_main", entry)
+    entry: RankMain = _probe.step("rank_main", spawned_rank_main)
     procs = [
         ctx.Process(target=entry, args=(r, store.port, config, out),
                     daemon=True)

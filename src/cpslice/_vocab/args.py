@@ -251,7 +251,7 @@ def tp_world(tp_group: dist.ProcessGroup | None) -> int:
 def in_vocabulary(targets: Tensor, vocab_total: int, name: str = "targets") -> None:
     """On the CPU, where it costs no device sync, refuse an id outside the vocabulary
     (``[T]`` targets or ``[T, k]`` ids)."""
-    checked = on_host if _probe.active is None else _probe.active.step("host_checks", on_host)
+    checked = _probe.step("host_checks", on_host)
     if not checked(targets) or targets.numel() == 0:
         return
     bad = ((targets < 0) | (targets >= vocab_total)).nonzero()

@@ -181,7 +181,7 @@ def check_support(support: object, rows: int, vocab_total: int, what: str = "log
             "Layout with local_length=T)"
         )
     ids = support.ids
-    checked = on_host if _probe.active is None else _probe.active.step("host_checks", on_host)
+    checked = _probe.step("host_checks", on_host)
     if checked(ids) and ids.numel():
         bad = (ids >= vocab_total).nonzero()
         if bad.numel():

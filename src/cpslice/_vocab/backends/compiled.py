@@ -447,7 +447,7 @@ def merged_stats(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: Ro
     chunks, buf = chunked(x, rows, stats_chunk_rows(width))
     for at in chunks:
         part = gather(x, at, buf)
-        kernel = row_kernel if _probe.active is None else _probe.active.step("row_kernel", row_kernel)
+        kernel = _probe.step("row_kernel", row_kernel)
         ok, result = _call(kernel, part, r[at], tau[at], invariant=True)
         if not ok:
             return False

@@ -119,7 +119,7 @@ def grad(
 def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
     """``spec.merge_tiles`` with torch, or the step substituted for it
     (``_probe.substitute("merge_tiles", fn)``, a planted reduction order)."""
-    merge = _spec.merge_tiles if _probe.active is None else _probe.active.step("merge_tiles", _spec.merge_tiles)
+    merge = _probe.step("merge_tiles", _spec.merge_tiles)
     return merge(m, s, a, tau)
 
 

@@ -24,9 +24,9 @@ What makes a Triton kernel give the spec's bits:
   the per-row ``log S`` and the picked ids' one-hot entries (``invariant.picks``).
 
 The kernels take their helpers as ``constexpr`` arguments (``EXP``, ``TREE``, ``PAD``:
-``_exp``, ``_tree``, ``_pad``, compiled into each kernel as if called by name), so that
-``_probe``'s steps ``triton_exp``, ``triton_tree`` and ``triton_pad`` can plant a wrong
-one for a test to catch; ``triton_scratch_rows`` sizes ``merged_stats``' chunks.
+``_exp``, ``_tree``, ``_pad``, compiled into each kernel as if called by name: a kernel
+specialization per helper), so that ``_probe``'s steps ``triton_exp``, ``triton_tree``
+and ``triton_pad`` can plant a wrong one for a test to catch; ``triton_scratch_rows`` sizes ``merged_stats``' chunks.
 
 Through Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported:
 numpy, IEEE float32) the kernels give the eager bits on the CPU, which the tests check
@@ -35,8 +35,7 @@ with ``torch.equal``. Every function takes ``rows``, an int64 index of the rows 
 float32 and bfloat16 logits (the float32 compute dtype).
 """
 
-from collections.abc import Callable
-from typing import Any, TypeVar, no_type_check
+from typing import no_type_check
 
 import torch
 import triton
@@ -61,7 +60,6 @@ _NEG_INF = tl.constexpr(float("-inf"))
 _TILE = tl.constexpr(TILE)
 _LOG_TILE = tl.constexpr(TILE.bit_length() - 1)
 _NAN_BITS = tl.constexpr(0x7FC00000)  # bits.NAN_BITS: its bfloat16 rounding is bfloat16's NaN
-F = TypeVar("F", bound=Callable[..., Any])
 SCRATCH_BYTES = 16 * 2**20
 """``merged_stats``' per-tile scratch (``m``, ``s``, ``a`` of a chunk of rows) within these
 bytes."""
@@ -230,14 +228,6 @@ def scratch_rows(tiles: int) -> int:
     return max(1, SCRATCH_BYTES // (12 * max(tiles, 1)))
 
 
-def _step(name: _probe.Step, real: F) -> F:
-    """The step ``name`` as the launches use it: ``real``, or its substitute while a
-    ``_probe.substitute`` block is open. The kernels take their helpers (``_exp``,
-    ``_tree``, ``_pad``) as ``constexpr`` arguments, so a planted helper is compiled into
-    them as the real one is (each helper a kernel specialization of its own)."""
-    return real if _probe.active is None else _probe.active.step(name, real)
-
-
 def _pow2(n: int) -> int:
     """The least power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 << max(0, n - 1).bit_length()
@@ -297,8 +287,8 @@ def _tiles(x: Tensor, index: Tensor, dest: Tensor, r: Tensor, cap: float | None,
         _bits(x), x.stride(0), index, dest, r, m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1),
         ent, ent.stride(0), ent.stride(1), valid, n, first, 1.0 if cap is None else float(cap),
         X_BF16=x.dtype == torch.bfloat16, HAS_CAP=cap is not None, HAS_A=a is not None, BT=bt,
-        EXP=_step("triton_exp", _exp), TREE=_step("triton_tree", _tree), PAD=_step("triton_pad", _pad),
-        enable_fp_fusion=False,
+        EXP=_probe.step("triton_exp", _exp), TREE=_probe.step("triton_tree", _tree),
+        PAD=_probe.step("triton_pad", _pad), enable_fp_fusion=False,
     )
 
 
@@ -324,7 +314,7 @@ def merge(m: Tensor, s: Tensor, a: Tensor | None, tau: Tensor) -> tuple[Tensor, 
         m, m.stride(0), m.stride(1), s, s.stride(0), s.stride(1), aa, aa.stride(0), aa.stride(1),
         tau.contiguous(), big, total, total if ent is None else ent, rows, n,
         HAS_A=a is not None, BR=br, NP=np_, LOG_NP=np_.bit_length() - 1,
-        EXP=_step("triton_exp", _exp), TREE=_step("triton_tree", _tree), enable_fp_fusion=False,
+        EXP=_probe.step("triton_exp", _exp), TREE=_probe.step("triton_tree", _tree), enable_fp_fusion=False,
     )
     return big, total, ent
 
@@ -343,7 +333,7 @@ def merged_stats(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, cap: fl
     count_rows = index.numel()
     big, total = r.new_empty(count_rows), r.new_empty(count_rows)
     ent = r.new_empty(count_rows) if with_entropy else None
-    chunk = _step("triton_scratch_rows", scratch_rows)(n)
+    chunk = _probe.step("triton_scratch_rows", scratch_rows)(n)
     scratch = r.new_empty((3, min(chunk, count_rows), n))
     dest = torch.arange(scratch.shape[1], device=x.device)
     for lo in range(0, count_rows, chunk):
@@ -384,5 +374,5 @@ def grad(x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a:
         _bits(x), x.stride(0), index, r, m, log_s, torch.zeros_like(b) if a is None else a, b, dst, dst.stride(0),
         x.shape[1], 1.0 if cap is None else float(cap),
         X_BF16=x.dtype == torch.bfloat16, HAS_CAP=cap is not None, OUT_BF16=bf16, BLOCK=GRAD_BLOCK,
-        EXP=_step("triton_exp", _exp), enable_fp_fusion=False,
+        EXP=_probe.step("triton_exp", _exp), enable_fp_fusion=False,
     )
