@@ -411,9 +411,8 @@ def twin(placed: Order, fmt: QkvFormat, widths: tuple[int, ...], size: int) -> C
     if placed.pieces != len(widths) * (2 * size - 1):  # zigzag's: 2 chunks a sample, rank c-1's one
         return None
     rows = torch.linspace(0, max(length - 1, 0), min(_PROBES, length)).round().to(_I64)
-    if not torch.equal(_probe(Closed("zigzag", widths, size).of_rank(0, length), starts, rows),
-                       _probe(placed.of_rank(0), starts, rows)):
-        return None
     zigzag = Closed("zigzag", widths, size)
+    if not torch.equal(_probe(zigzag.of_rank(0, length), starts, rows), _probe(placed.of_rank(0), starts, rows)):
+        return None
     tables = [_merged(zigzag.of_rank(r, length)) for r in range(size)]
     return "zigzag" if all(torch.equal(t, torch.stack(placed.of_rank(r))) for r, t in enumerate(tables)) else None
