@@ -43,7 +43,7 @@ UNCHECKED = (
     "tests/vocabulary/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
     "tests/layout/test_row_offsets.py::test_refusals",
     "tests/glue/test_debug.py::test_unset_means_no_wrapper_and_plain_errors",
-    "tests/layout/test_depth.py::test_refusals",
+    "tests/layout/test_depth.py::test_refusals", "tests/layout/test_unshard.py::test_refusals",
     "tests/glue/test_shared_prefix.py::test_refusals",
     "tests/glue/test_shared_prefix.py::test_layout_refusals_name_the_group_and_the_rule",
 )

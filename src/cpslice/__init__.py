@@ -49,6 +49,7 @@ from ._layout.reduce import sample_means as sample_means
 from ._layout.reduce import sample_min as sample_min
 from ._layout.reduce import sum_of_sample_means as sum_of_sample_means
 from ._layout.reduce import sum_of_tokens as sum_of_tokens
+from ._layout.unshard import unshard as unshard
 from ._types import Strategy as Strategy
 from ._vocab.hidden import log_probs_and_entropy_from_hidden as log_probs_and_entropy_from_hidden
 from ._vocab.hidden import log_probs_at_from_hidden as log_probs_at_from_hidden
@@ -95,6 +96,7 @@ __all__ = [
     "sum_of_tokens",
     "topk_divergence",
     "topk_log_probs",
+    "unshard",
 ]
 
 def _installed_version() -> str:

@@ -16,6 +16,10 @@ from torch import Tensor
 # Per-position tensors of one rank: dimension 0 is the local length ``t``.
 Values = Float[Tensor, "t *rest"]
 AnyValues = Shaped[Tensor, "t *rest"]
+# Every CP rank's local tensor concatenated in rank order (``cp_size * t`` rows), and
+# the packed stream without CP that ``unshard`` puts them back into (``n`` rows).
+Gathered = Shaped[Tensor, "ct *rest"]
+Stream = Shaped[Tensor, "n *rest"]
 # One sample's share, or one sample's whole response.
 Share = Float[Tensor, "_r *rest"]
 AnyShare = Shaped[Tensor, "_r *rest"]

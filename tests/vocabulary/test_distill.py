@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -171,6 +172,78 @@ def test_divergence_matches_the_formulas_with_gradients(kind: str, tail: str) ->
         for a, b in zip(grads, expected):
             assert bool(torch.isfinite(a).all())
             torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-3)
+
+
+ENDS = ((0.0, "forward"), (1.0, "reverse"))
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize(("beta", "end"), ENDS)
+def test_jsd_at_its_ends_is_forward_and_reverse(beta: float, end: str, tail: str) -> None:
+    """``beta`` runs over [0, 1]: at 0 jsd is the forward KL, at 1 the reverse, as TRL's
+    generalized JSD (the formula itself gives 0 there, one side being the mixture); the
+    values and both gradients are the float64 reference's of that kind, and the same bits
+    as the kind itself, whichever way ``beta`` is written. Rows with a category of
+    probability 0 on the weighting side stay finite, with finite gradients."""
+    gen = torch.Generator().manual_seed(5)
+    for k, peak in ((1, 0.0), (4, 0.0), (4, 25.0), (10, 0.0)):
+        full_s, full_t = _log_probs(6, 10, gen, peak), _log_probs(6, 10, gen, peak)
+        student = full_s[:, :k].clone().requires_grad_(True)
+        teacher = full_t[:, :k].clone().requires_grad_(True)
+        got = topk_divergence(student, teacher, kind="jsd", beta=beta, tail=tail)  # type: ignore[arg-type]
+        exact = ref.divergence(student, teacher, end, 0.5, tail, full_s[:, k:], full_t[:, k:])
+        ref.check_divergence(got, exact, atol=1e-12)
+        same = topk_divergence(student, teacher, kind=end, tail=tail)  # type: ignore[arg-type]
+        assert torch.equal(got, same)
+        for written in (int(beta), np.float32(beta)):
+            assert torch.equal(topk_divergence(student, teacher, kind="jsd", beta=written, tail=tail), same)  # type: ignore[arg-type]
+        g = torch.randn(6, generator=gen, dtype=torch.float64)
+        grads = torch.autograd.grad((got * g).sum(), (student, teacher))
+        want = ref.divergence(student, teacher, end, 0.5, tail)
+        expected = torch.autograd.grad(((exact if k == 10 else want) * g).sum(), (student, teacher))
+        rtol = 1e-4 if peak else 1e-9  # the reference's 1 - sum(p) of a tail of e^-25 keeps ~5 digits
+        for a, b in zip(grads, expected):
+            assert bool(torch.isfinite(a).all())
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-3)
+    zero = torch.tensor([[0.0, -math.inf, -math.inf]])
+    some = torch.log_softmax(torch.tensor([[1.0, 0.5, -1.0]]), -1)
+    s_lp, t_lp = (some, zero) if end == "forward" else (zero, some)  # the zeros on the weighting side
+    student, teacher = s_lp.clone().requires_grad_(True), t_lp.clone().requires_grad_(True)
+    d = topk_divergence(student, teacher, kind="jsd", beta=beta, tail=tail)  # type: ignore[arg-type]
+    torch.autograd.backward(d.sum())
+    assert bool(torch.isfinite(d).all()) and all(bool(torch.isfinite(x.grad).all()) for x in (student, teacher)
+                                                 if x.grad is not None)
+
+
+@pytest.mark.parametrize(("beta", "end"), ENDS)
+def test_response_distillation_takes_the_ends_of_beta(beta: float, end: str) -> None:
+    """The per-sample forms at ``beta`` 0 and 1: the float64 reference of the forward and
+    reverse KL composed per sample, values and the logits' gradient, on both heads."""
+    gen = torch.Generator().manual_seed(9)
+    layout = cpslice.Layout([8, 6, 1], [5, 3, 0])
+    vocab = 7
+    full = [ref.peaked_logits(n, vocab, gen, peak=3.0) for n in layout.total_lengths]
+    top = [ref.teacher_top_k(ref.peaked_logits(r, vocab, gen, peak=3.0), 3, 1.0) for r in layout.response_lengths]
+    lp, ids = [v for v, _ in top], [i for _, i in top]
+    logits = torch.cat(full).requires_grad_(True)
+    eye = torch.eye(vocab, dtype=torch.float64)
+    for head in ("logits", "hidden"):
+        x = logits if head == "logits" else logits.detach().clone().requires_grad_(True)
+        call = (response_distillation(x, lp, ids, layout, kind="jsd", beta=beta, temperature=0.8) if head == "logits"
+                else response_distillation_from_hidden(x, eye, lp, ids, layout, kind="jsd", beta=beta,
+                                                       temperature=0.8))
+        want_x = torch.cat(full).requires_grad_(True)
+        want, start = [], 0
+        for n, r, v, i in zip(layout.total_lengths, layout.response_lengths, lp, ids):
+            want.append(ref.divergence(ref.log_probs_at(want_x[start + n - r - 1:start + n - 1], i, 0.8), v, end,
+                                       0.5, "bin"))
+            start += n
+        for a, b in zip(call, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        w = torch.randn(sum(layout.response_lengths), generator=gen, dtype=torch.float64)
+        (got,) = torch.autograd.grad((torch.cat(call) * w).sum(), x)
+        (expected,) = torch.autograd.grad((torch.cat(want) * w).sum(), want_x)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 def test_the_defaults_are_forward_bin_and_an_even_jsd() -> None:
@@ -398,7 +471,11 @@ IDS = torch.tensor([[0, 1], [2, 3], [1, 1]])
          r"student has shape \(3, 4\) but teacher has \(3, 3\)"),
         (lambda: topk_divergence(GOOD, GOOD, kind="kl"), LayoutError, r"kind='kl' is not one of 'forward'"),  # type: ignore[arg-type]
         (lambda: topk_divergence(GOOD, GOOD, tail="drop"), LayoutError, r"tail='drop' is not one of 'bin'"),  # type: ignore[arg-type]
-        (lambda: topk_divergence(GOOD, GOOD, kind="jsd", beta=1.0), LayoutError, r"beta=1.0 is not allowed"),
+        (lambda: topk_divergence(GOOD, GOOD, kind="jsd", beta=1.5), LayoutError,
+         r"beta=1.5 is not allowed: the mixture weight of jsd must be in \[0, 1\] \(0 is kind='forward', "
+         r"1 is kind='reverse', as TRL's generalized JSD\)"),
+        (lambda: topk_divergence(GOOD, GOOD, kind="jsd", beta=-0.25), LayoutError, r"beta=-0.25 is not allowed"),
+        (lambda: topk_divergence(GOOD, GOOD, kind="jsd", beta=math.nan), LayoutError, r"beta=nan is not allowed"),
         (lambda: topk_divergence(GOOD, GOOD, beta="half"), TypeError, "beta must be a real number"),  # type: ignore[arg-type]
         (lambda: topk_divergence(GOOD, IDS), TypeError, "teacher has dtype torch.int64"),
         (lambda: topk_divergence(torch.tensor(1.0), torch.tensor(1.0)), LayoutError, r"it must be \[\.\.\., k\]"),

@@ -19,8 +19,12 @@ side's ``k`` probabilities become categories (``tail``):
 
 Over the categories, with ``p`` the teacher's and ``q`` the student's distribution:
 ``"forward"`` is ``KL(p || q)``, ``"reverse"`` ``KL(q || p)``, ``"jsd"`` ``beta KL(p || m) +
-(1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``. A category of probability 0
-contributes 0 (never ``0 * log 0`` = NaN): a tail of 0 when the ids hold all the mass.
+(1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``, for ``0 < beta < 1``; at its
+ends, as TRL's generalized JSD, ``beta = 0`` is ``"forward"`` and ``beta = 1`` is
+``"reverse"``, computed as those kinds (the formula itself is 0 there, ``m`` being one of the
+two sides; forward KL is the limit of ``jsd / beta`` as ``beta`` goes to 0). A category of
+probability 0 contributes 0 (never ``0 * log 0`` = NaN): a tail of 0 when the ids hold all
+the mass.
 """
 
 import math
@@ -102,12 +106,20 @@ def _check_divergence(kind: object, beta: object, tail: object) -> float:
         choices = "; ".join(f"{k!r} ({v})" for k, v in TAILS.items())
         raise LayoutError(f"tail={tail!r} is not one of {choices}")
     b = checks.real("beta", beta)
-    if not 0.0 < b < 1.0:
+    if not 0.0 <= b <= 1.0:
         raise LayoutError(
-            f"beta={beta!r} is not allowed: the mixture weight of jsd must be in (0, 1) "
-            "(its ends are kind='forward' and kind='reverse')"
+            f"beta={beta!r} is not allowed: the mixture weight of jsd must be in [0, 1] "
+            "(0 is kind='forward', 1 is kind='reverse', as TRL's generalized JSD)"
         )
     return b
+
+
+def kind_at(kind: object, beta: float) -> object:
+    """The kind a divergence computes: ``"jsd"`` at ``beta`` 0 is ``"forward"`` and at 1
+    ``"reverse"`` (TRL's ends, computed as those kinds: no ``0 * inf``), else ``kind``."""
+    if kind == "jsd" and beta in (0.0, 1.0):
+        return "forward" if beta == 0.0 else "reverse"
+    return kind
 
 
 def _log_probs_arg(name: str, value: object) -> Tensor:
@@ -137,7 +149,9 @@ def topk_divergence(
         teacher: ``[..., k]`` the teacher's, normalized over its full vocabulary
             (``topk_log_probs``, or the inference engine's).
         kind: ``"forward"`` (``KL(teacher || student)``), ``"reverse"`` or ``"jsd"``.
-        beta: the teacher's weight in ``"jsd"``'s mixture, ``0 < beta < 1``.
+        beta: the teacher's weight in ``"jsd"``'s mixture, ``0 <= beta <= 1``: 0 is
+            ``"forward"`` and 1 ``"reverse"`` (TRL's generalized JSD), the same values and
+            gradients.
         tail: ``"bin"`` (``k + 1`` categories) or ``"renormalize"`` (``k``).
 
     Returns:
@@ -149,7 +163,7 @@ def topk_divergence(
     Raises:
         TypeError: an argument not a floating-point tensor; ``beta`` not a real number.
         LayoutError: the shapes differ (``k`` or the leading dimensions), a 0-d tensor or
-            ``k = 0``; ``kind`` or ``tail`` not one of the above; ``beta`` outside (0, 1).
+            ``k = 0``; ``kind`` or ``tail`` not one of the above; ``beta`` outside [0, 1].
     """
     s, t = _log_probs_arg("student", student), _log_probs_arg("teacher", teacher)
     if s.shape != t.shape:
@@ -160,9 +174,10 @@ def topk_divergence(
     b = _check_divergence(kind, beta, tail)
     cdt = compute_dtype(torch.promote_types(s.dtype, t.dtype))
     log_q, log_p = _categories(s.to(cdt), str(tail)), _categories(t.to(cdt), str(tail))
-    if kind == "forward":
+    computed = kind_at(kind, b)
+    if computed == "forward":
         return _kl(log_p, log_q)
-    if kind == "reverse":
+    if computed == "reverse":
         return _kl(log_q, log_p)
     return b * _kl(log_p, _log_mix(log_p, log_q, b)) + (1.0 - b) * _kl(log_q, _log_mix(log_p, log_q, b))
 

@@ -326,6 +326,23 @@ def read(order: object, fmt: QkvFormat, widths: tuple[int, ...], seq: int | None
     return full, Order(length, bounds, table)
 
 
+def placed(widths: tuple[int, ...], pieces: list[Pieces], length: int) -> tuple[Tensor, Tensor]:
+    """Every position the ranks' pieces ``pieces`` place: its row among the ranks' local
+    tensors of ``length`` rows concatenated in rank order (row ``j`` of rank ``r`` is
+    ``r * length + j``), and its position in the stream of the extents ``widths`` back to
+    back; rank after rank, piece after piece."""
+    starts = _cumsum0(_ints(widths))
+    rows, positions = [], []
+    for r, p in enumerate(pieces):
+        total = int(p.width.sum())
+        shift = _cumsum0(p.width)
+        step = torch.arange(total, dtype=_I64)
+        rows.append(torch.repeat_interleave(r * length + p.slot - shift, p.width, output_size=total) + step)
+        positions.append(torch.repeat_interleave(starts[p.sample] + p.first - shift, p.width, output_size=total)
+                         + step)
+    return torch.cat(rows), torch.cat(positions)
+
+
 def order_of(fmt: QkvFormat, widths: tuple[int, ...], seq: int | None, pieces: list[Pieces],
              length: int) -> Tensor:
     """The rearrange index of a layout whose ranks' pieces are ``pieces``, each local
@@ -339,13 +356,8 @@ def order_of(fmt: QkvFormat, widths: tuple[int, ...], seq: int | None, pieces: l
             f"{n_stream} positions of the stream, so no order places it (allgather: pass "
             f"local_length = sum(padded_lengths) / cp_size = {n_stream / size:g}, which must be an integer)")
     out = torch.full((n_stream,), -1, dtype=_I64)
-    for r, p in enumerate(pieces):
-        total = int(p.width.sum())
-        shift = _cumsum0(p.width)
-        step = torch.arange(total, dtype=_I64)
-        rows = torch.repeat_interleave(p.slot - shift, p.width, output_size=total) + step
-        pos = torch.repeat_interleave(starts[p.sample] + p.first - shift, p.width, output_size=total) + step
-        out[r * length + rows] = pos
+    rows, positions = placed(widths, pieces, length)
+    out[rows] = positions
     if fmt == "thd":
         return out
     rows_, width = len(widths), widths[0] if widths else seq or 0  # zigzag: S padded to W

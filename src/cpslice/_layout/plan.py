@@ -34,7 +34,7 @@ from .._cache import boundary, cached
 from .._errors import LayoutError
 from .._types import Strategy
 from .layout import Layout
-from .pieces import Pieces
+from .pieces import Pieces, placed
 
 _I64 = torch.int64
 
@@ -547,3 +547,23 @@ def resolve(
     dev = torch.device(device)
     reads = {span: _read(layout, t, span, dev, 0 if span == "sample" else depth) for span in spans}
     return Local(layout, t, dev, reads, depth)
+
+
+@cached(maxsize=8)
+def _stream_rows(layout: Layout, length: int, device: torch.device) -> Tensor:
+    # every rank's pieces, read from the placement (not through ``_pieces_on``, whose few
+    # entries are this rank's): the index they give is what is cached
+    placement = layout._placement()
+    rows, positions = placed(layout.padded_lengths, [placement.of_rank(r, length) for r in range(layout.cp_size)],
+                             length)
+    return torch.empty(sum(layout.padded_lengths), dtype=_I64).index_copy_(0, positions, rows).to(device)
+
+
+def stream_rows(local: Local) -> Tensor:
+    """For each position of the layout's stream without CP (its extents ``W_i``, one per
+    star with a shared prefix, back to back: the positions ``Layout.order`` indexes), the
+    row that holds it among the CP ranks' local tensors of ``T`` rows concatenated in rank
+    order, on the call's device: ``Layout.order``'s inverse. The ranks' pieces tile the
+    stream, so each position has one row; rows past it (an allgather's tail, a local
+    tensor longer than the layout needs) hold none."""
+    return _stream_rows(local.layout, local.length, local.device)
