@@ -46,7 +46,7 @@ class Case:
     """One micro-batch's layout family, every rank of it; ``order`` a token order
     (``Layout.from_order``: thd, of the stream; bshd, of every row's columns), ``cu`` the
     extents given as ``Layout.from_cu_seqlens`` boundaries, ``extra`` padding rows past
-    the layout's need (allgather: in its piece length ``T``, given as ``local_length``)."""
+    the layout's need, declared as ``local_length`` (allgather: in its piece length ``T``)."""
 
     name: str
     total: tuple[int, ...]
@@ -66,7 +66,7 @@ class Case:
     scalar_temperature: bool = False
 
     def layout(self, rank: int) -> Layout:
-        local = length(self) if self.mode == "allgather" else None
+        local = length(self) if self.mode == "allgather" or self.extra else None
         if self.order is not None:
             return Layout.from_order(list(self.order), list(self.total), list(self.response), cp_rank=rank,
                                      cp_size=self.cp, qkv_format=self.fmt,  # type: ignore[arg-type]
@@ -379,8 +379,6 @@ def check(case: Case, rank: int, depth: int, out: Out, ref: Reference) -> list[s
     if out.targets is not None:
         want = [d.tokens[e[0][0]][e[0][1] + 1 + depth] if e and e[0][1] + 1 + depth < case.total[e[0][0]]
                 else FILL for e in places]
-        if case.mode != "allgather":  # without local_length: the least length, no extra rows
-            want = want[:len(want) - case.extra]
         if out.targets.tolist() != [int(w) for w in want]:
             bad.append(f"{at}: targets {out.targets.tolist()}, want {[int(w) for w in want]}")
     want_rows = [r for s in share for r, _ in s]

@@ -22,7 +22,7 @@ class Config:
     mode: CpMode
     cp: int
     local_length: int | None  # given to the Layout (allgather: the piece length)
-    extra: int  # extra padding rows at the end of the local tensor (when no local_length)
+    extra: int  # padding rows at the end of the local tensor (when no local_length), declared to the Layout
     padded: tuple[int, ...] | None = None  # thd: each sample's W_i, given to the Layout
     align: int | None = None  # thd: W_i = L_i rounded up to a multiple of align
     row_offsets: tuple[int, ...] | None = None  # bshd: sample i at columns [o_i, o_i + L_i)
@@ -36,7 +36,7 @@ class Config:
             cp_mode=self.mode,
             cp_rank=rank,
             cp_size=self.cp,
-            local_length=self.local_length if with_local else None,
+            local_length=local_length(self) if with_local and (self.local_length is not None or self.extra) else None,
             padded_lengths=None if self.padded is None else list(self.padded),
             align=self.align,
             row_offsets=None if self.row_offsets is None else list(self.row_offsets),

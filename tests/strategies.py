@@ -81,7 +81,7 @@ def configs(
     extra = draw(st.integers(0, 4))
     cfg = Config(total, response, fmt, seq, mode, cp, None, extra, padded, align, offsets)
     # allgather: T is the piece length, given to the Layout or inferred from the tensor;
-    # other modes: a local tensor may carry padding rows beyond what the layout needs.
+    # every mode: padding rows beyond what the layout needs, declared (Config.layout).
     if mode == "allgather" and draw(st.booleans()):
         cfg = dataclasses.replace(cfg, local_length=least_length(cfg) + extra, extra=0)
     return cfg

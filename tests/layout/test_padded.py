@@ -101,10 +101,13 @@ def test_the_docs_verl_example() -> None:
 
 
 def test_a_padded_layout_reads_its_offsets_from_the_widths() -> None:
-    # with the default packing a longer local tensor passes as tail padding; with
-    # padded samples the same tensor means other offsets: sample 1 starts at W_0 = 12
+    # with the default packing a longer local tensor is refused unless the layout
+    # declares its tail padding; with padded samples the same tensor means other
+    # offsets: sample 1 starts at W_0 = 12
     values = torch.arange(19.0)
-    default, _ = extract_responses(values, Layout([10, 7], [4, 3]))
+    with pytest.raises(LayoutError, match=r"values has length 19 but the layout needs exactly 17 rows"):
+        extract_responses(values, Layout([10, 7], [4, 3]))
+    default, _ = extract_responses(values, Layout([10, 7], [4, 3], local_length=19))
     padded, _ = extract_responses(values, Layout([10, 7], [4, 3], padded_lengths=[12, 7]))
     assert default[1].tolist() == [13.0, 14.0, 15.0]
     assert padded[1].tolist() == [15.0, 16.0, 17.0]

@@ -351,8 +351,8 @@ def response_distillation(
     Raises:
         TypeError, LayoutError: as ``log_probs_at`` and ``topk_divergence``; the teacher's
             tensors not one ``[R_i, k]`` per sample with one ``k`` (named by sample), a
-            CPU teacher id outside the vocabulary; logits of a length the layout cannot
-            hold. Raised before any collective.
+            CPU teacher id outside the vocabulary; logits of another length than the
+            layout's (``extract_responses``). Raised before any collective.
     """
     x, tp = args.logits(logits, tp_group)
     call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
@@ -423,8 +423,8 @@ def response_topk_log_probs(
     by every rank, one that holds no response included); no CP communication.
 
     Raises:
-        TypeError, LayoutError: as ``topk_log_probs``; logits of a length the layout
-            cannot hold. Raised before any collective.
+        TypeError, LayoutError: as ``topk_log_probs``; logits of another length than
+            the layout's (``extract_responses``). Raised before any collective.
     """
     x, tp = args.logits(logits, tp_group)
     call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)

@@ -86,7 +86,7 @@ def response_log_probs(
     Raises:
         TypeError: ``logits`` is not a tensor; as ``shifted_targets``,
             ``log_probs_and_entropy`` and ``extract_responses``.
-        LayoutError: ``logits`` not 2-D or of a length the layout cannot hold; as the
+        LayoutError: ``logits`` not 2-D or of another length than the layout's; as the
             three functions above; a shared-prefix group whose samples' temperatures
             differ, or whose prompts' tokens differ.
     """
@@ -246,8 +246,8 @@ def response_log_probs_from_hidden(
 
     Raises:
         TypeError, LayoutError: as ``shifted_targets`` and
-            ``log_probs_and_entropy_from_hidden``; ``hidden`` of a length the layout cannot
-            hold; a support over another number of rows than ``hidden``'s.
+            ``log_probs_and_entropy_from_hidden``; ``hidden`` of another length than the
+            layout's (``extract_responses``); a support over another number of rows than ``hidden``'s.
     """
     h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
     return _response_log_probs(HiddenHead(h, w), tokens, layout, temperature, depth,

@@ -148,9 +148,10 @@ def extract_responses(
     Raises:
         TypeError: values or entropy is not a floating-point tensor of at least 1 dim;
             ``depth`` not an int.
-        LayoutError: the local length is shorter than the layout needs, differs from
-            ``layout.local_length``, or entropy's shape differs from values'; a negative
-            ``depth``.
+        LayoutError: the local length differs from the layout's: its ``local_length``
+            (which may declare trailing padding), else exactly the least length it
+            needs (a longer tensor is no padding); entropy's shape differs from
+            values'; a negative ``depth``.
     """
     x = per_position("values", values)
     if entropy is not None:

@@ -25,7 +25,7 @@ each branch. At *depth* ``d`` (multi-token prediction) position ``p`` predicts t
 """
 
 from collections.abc import Mapping
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -78,16 +78,51 @@ def needed_length(layout: Layout) -> int:
 
 
 def check_local_length(layout: Layout, length: int, what: str = "local_length") -> None:
-    """Raise LayoutError unless ``length`` can be this rank's local length."""
-    if layout.local_length is not None and length != layout.local_length:
+    """Raise LayoutError unless ``length`` can be this rank's local length: the
+    layout's ``local_length`` when it declares one (at least what it needs), else
+    exactly the least length it needs (``needed_length``). A tensor longer than that
+    is not read as padding: its extra rows are only padding where the layout says so."""
+    declared = layout.local_length
+    if declared is not None and length != declared:
         raise LayoutError(
-            f"{what} has length {length} but the layout's local_length is "
-            f"{layout.local_length} (pass a tensor of that length, or build the "
-            "Layout with local_length=None)"
+            f"{what} has length {length} but the layout's local_length is {declared} (pass "
+            "a tensor of that length, or build the Layout with local_length=None)"
+            + _unsharded(layout, length, declared)
         )
     need = needed_length(layout)
-    if length >= need:
-        return
+    if length < need:
+        _too_short(layout, length, what, need)
+    if declared is None and length != need:
+        raise LayoutError(
+            f"{what} has length {length} but the layout needs exactly {need} rows "
+            f"({strategy(layout)} layout)" + _unsharded(layout, length, need)
+            + "; rows past what the layout needs are padding only where it declares them: "
+            f"Layout(..., local_length={length}) or layout.with_local_length({length}) reads "
+            f"rows [{need}, {length}) as padding"
+        )
+
+
+def _unsharded(layout: Layout, length: int, need: int) -> str:
+    """A hint for a CP layout's local tensor as long as the whole stream (its samples
+    back to back, their padded lengths, or ``cp_size`` local tensors of ``need`` rows):
+    it looks unsharded."""
+    c = layout.cp_size
+    whole = {"sum(padded_lengths)": sum(layout.padded_lengths), f"cp_size * {need}": c * need}
+    if layout.shared_prefix is None:  # a shared prefix's stream holds a prompt once per group
+        whole["sum(total_lengths)"] = sum(layout.total_lengths)
+    matched = [f"{name} = {value}" for name, value in whole.items() if value == length]
+    if c == 1 or not matched:
+        return ""
+    return (
+        f"; {length} rows are the whole stream of the {c} CP ranks ({', '.join(matched)}), "
+        "so the tensor looks unsharded: shard it before the call, with "
+        "cpslice.pack(per_sample, layout) for a tensor you build, or the framework's CP "
+        "split (megatron's get_batch_on_this_cp_rank, slime's or verl's zigzag slicing)"
+    )
+
+
+def _too_short(layout: Layout, length: int, what: str, need: int) -> NoReturn:
+    """Refuse a local length shorter than the ``need`` of the layout (the rule named)."""
     total = sum(layout.padded_lengths)
     if layout.cp_mode == "allgather":
         what_sum = "total_lengths" if layout.padded_lengths == layout.total_lengths else (
@@ -96,7 +131,7 @@ def check_local_length(layout: Layout, length: int, what: str = "local_length") 
         rule = (
             f"cp_size * T = {layout.cp_size} * {length} = {layout.cp_size * length} < "
             f"sum({what_sum}) = {total} (the {layout.cp_size} pieces must cover the "
-            "packed stream)"
+            f"packed stream: T >= {need})"
         )
     else:
         rule = f"the layout needs at least {need} positions ({strategy(layout)} layout)"
