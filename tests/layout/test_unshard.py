@@ -331,8 +331,9 @@ def test_gradient_reaches_every_gathered_row_that_holds_a_position() -> None:
     w = torch.randn(14, 2, 3, dtype=torch.float64)
     (grad,) = torch.autograd.grad((out * w).sum(), gathered)
     assert torch.equal(grad[:14], w) and not bool(grad[14:].any())
-    zigzag = Layout([5, 2], [2, 1], cp_mode="zigzag", cp_size=2, cp_rank=1)  # W = 8, 4: T = 6
-    rows = torch.arange(14.0, requires_grad=True)  # T = 7: one padding row past the layout's on each rank
+    # W = 8, 4: the layout needs T = 6; T = 7 declared: one padding row past it on each rank
+    zigzag = Layout([5, 2], [2, 1], cp_mode="zigzag", cp_size=2, cp_rank=1, local_length=7)
+    rows = torch.arange(14.0, requires_grad=True)
     out = unshard(rows, zigzag)
     # rank 0's rows 0-5: sample 0's positions 0, 1 | 6, 7, sample 1's 0 | 3 (chunks 0 and 3);
     # rank 1's rows 7-12: sample 0's 2, 3 | 4, 5, sample 1's 1 | 2 (chunks 1 and 2)
@@ -344,15 +345,15 @@ def test_gradient_reaches_every_gathered_row_that_holds_a_position() -> None:
 
 
 def test_edges() -> None:
-    """No samples; a rank that holds nothing; cp 1 (the local tensor, its tail cut)."""
+    """No samples; a rank that holds nothing; cp 1 (the local tensor, its declared tail cut)."""
     empty = Layout([], [], cp_mode="zigzag", cp_size=2)
     assert unshard(torch.zeros(0, 3), empty).shape == (0, 3)
-    assert unshard(torch.zeros(4, 3), empty).shape == (0, 3)  # T = 2 rows of padding per rank
+    assert unshard(torch.zeros(4, 3), empty.with_local_length(2)).shape == (0, 3)  # 2 rows of padding per rank
     sparse = Layout([2, 1], [1, 0], cp_mode="allgather", cp_size=4, cp_rank=2)  # the last ranks hold nothing
     assert unshard(torch.arange(4), sparse).tolist() == [0, 1, 2]  # T = 1: rank 3 holds nothing
-    assert unshard(torch.arange(8), sparse).tolist() == [0, 1, 2]  # T = 2: ranks 2 and 3
+    assert unshard(torch.arange(8), sparse.with_local_length(2)).tolist() == [0, 1, 2]  # T = 2: ranks 2 and 3
     alone = Layout([3, 2], [1, 1])
-    assert unshard(torch.arange(7), alone).tolist() == [0, 1, 2, 3, 4]
+    assert unshard(torch.arange(7), alone.with_local_length(7)).tolist() == [0, 1, 2, 3, 4]
 
 
 REFUSALS = [
