@@ -10,8 +10,8 @@ A stable private seam (docs/instrumentation.md), not part of the public API. Whi
   ``compiled``: one call of a compiled chunk kernel; ``triton``: one Triton launch),
   with its kernel's ``name``, invariant mode or the default, and its rows;
 - ``collective``: one collective the library enters, by name (``all_gather``,
-  ``all_reduce``, ``all_to_all_single``), with the elements this rank sends
-  (``elements``);
+  ``all_reduce``, ``reduce_scatter``, ``all_to_all_single``), with the elements this
+  rank sends (``elements``);
 - ``host_read``: one read of a result the library computed back to the host (``tolist``,
   ``item``, ``cpu``): a device-to-host synchronization on an accelerator.
 

@@ -118,6 +118,20 @@ class SampleKeywords(LogProbKeywords[TemperatureT, SupportT], total=False):
     depth: IntArg
 
 
+class HiddenKeywords(LogProbKeywords[TemperatureT, SupportT], total=False):
+    """``LogProbKeywords`` and the hidden-state path's own: ``sequence_parallel``
+    (``log_probs_and_entropy_from_hidden``)."""
+
+    sequence_parallel: bool
+
+
+class HiddenSampleKeywords(SampleKeywords[TemperatureT, SupportT], total=False):
+    """``SampleKeywords`` and the hidden-state path's own: ``sequence_parallel``
+    (``response_log_probs_from_hidden``)."""
+
+    sequence_parallel: bool
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype cpslice computes and accumulates in for inputs of ``dtype``: float64 for
     float64, float32 for every other dtype (bfloat16 and float16 sums would stall)."""

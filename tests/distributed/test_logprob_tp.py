@@ -2,9 +2,10 @@
 world group, then TP 2 on two subgroups): each rank's values equal the float64
 full-vocabulary reference, its gradient the reference's part of its shard, and each
 path enters only the collectives it should. The cases and the workers that run them
-on every rank are in tests/tp_cases.py."""
+on every rank are in tests/tp_cases.py, sequence parallelism's in tests/sequence_cases.py."""
 
 from .._dist import run_distributed
+from ..sequence_cases import sequence_worker
 from ..tp_cases import (
     LINEAR_CASES,
     LINEAR_SUPPORT_CASES,
@@ -34,3 +35,10 @@ def test_vocab_parallel_hidden_state_path_matches_the_reference() -> None:
     results = run_distributed(linear_worker, WORLD, timeout=200)
     linear = len(LINEAR_CASES) + len(LINEAR_SUPPORT_CASES)
     assert results == [[(WORLD, linear), (2, linear)]] * WORLD
+
+
+def test_sequence_parallel_hidden_shards_match_the_reference() -> None:
+    # each TP rank's [T / tp, H] shard: one all-gather of it and one of the statistics
+    # forward, one reduce-scatter backward; row functions, response forms, distillation
+    results = run_distributed(sequence_worker, WORLD, timeout=200)
+    assert results == [[(WORLD, 10), (2, 10)]] * WORLD

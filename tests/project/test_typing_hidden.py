@@ -35,10 +35,14 @@ def test_every_shared_keyword_at_once() -> None:
     targets = torch.tensor([0, 1, 4])
     every = log_probs_and_entropy_from_hidden(
         hidden, weight, targets, with_entropy=True, entropy_grad=False, temperature=0.7, tp_group=None,
-        chunk_size=2, support=None, entropy_over="support", softcap=30.0, vocab_size=5,
+        chunk_size=2, support=None, entropy_over="support", softcap=30.0, vocab_size=5, sequence_parallel=False,
     )
     assert_type(every, tuple[Tensor, Tensor])
     assert every[1].shape == (3,)
+    shares = response_log_probs_from_hidden(hidden, weight, [targets], Layout([3], [1]), with_entropy=True,
+                                            sequence_parallel=False)
+    assert_type(shares, tuple[list[Tensor], list[Tensor]])
     if not hidden.is_cuda:  # static checks only: the call raises at run time
         return
     log_probs_and_entropy_from_hidden(hidden, weight, targets, with_entopy=True)  # type: ignore[call-overload]
+    log_probs_and_entropy_from_hidden(hidden, weight, targets, sequence_parallel=1)  # type: ignore[call-overload]

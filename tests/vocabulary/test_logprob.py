@@ -25,9 +25,13 @@ from cpslice import (
     LayoutError,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
+    log_probs_at_from_hidden,
     pack,
+    response_distillation_from_hidden,
     response_log_probs_from_hidden,
+    response_topk_log_probs_from_hidden,
     shard_responses,
+    topk_log_probs_from_hidden,
 )
 from cpslice._vocab.backends.chunks import default_chunk_rows
 from cpslice._vocab.call import Options
@@ -550,3 +554,30 @@ def test_a_row_sure_of_its_target_gets_exactly_zero_gradient(chunk: int | None) 
     assert not logp.any() and not entropy.any()
     assert hidden.grad is not None and weight.grad is not None
     assert not hidden.grad.any() and not weight.grad.any()
+
+
+# --- sequence parallelism: its checks without a process group (on gloo: tests/sequence_cases.py)
+
+_ONE = Layout([3], [1])
+_TOKENS = [TARGETS]
+SEQUENCE_CALLS: dict[str, Callable[..., object]] = {
+    "log_probs_and_entropy_from_hidden": lambda **kw: log_probs_and_entropy_from_hidden(GOOD_H, GOOD_W, TARGETS, **kw),
+    "log_probs_at_from_hidden": lambda **kw: log_probs_at_from_hidden(GOOD_H, GOOD_W, TARGETS[:, None], **kw),
+    "topk_log_probs_from_hidden": lambda **kw: topk_log_probs_from_hidden(GOOD_H, GOOD_W, 2, **kw),
+    "response_log_probs_from_hidden": lambda **kw: response_log_probs_from_hidden(GOOD_H, GOOD_W, _TOKENS, _ONE, **kw),
+    "response_distillation_from_hidden": lambda **kw: response_distillation_from_hidden(
+        GOOD_H, GOOD_W, [torch.zeros(1, 2)], [torch.zeros(1, 2, dtype=torch.int64)], _ONE, **kw),
+    "response_topk_log_probs_from_hidden": lambda **kw: response_topk_log_probs_from_hidden(
+        GOOD_H, GOOD_W, 2, _ONE, **kw),
+}
+
+
+@pytest.mark.parametrize("name", SEQUENCE_CALLS)
+def test_sequence_parallel_is_a_bool_and_needs_a_tp_group(name: str) -> None:
+    call = SEQUENCE_CALLS[name]
+    call(sequence_parallel=False)
+    with refused(TypeError, r"sequence_parallel=1 is an int; pass True or False"):
+        call(sequence_parallel=1)
+    with refused(LayoutError, r"sequence_parallel=True needs tp_group: hidden is then this TP rank's \[T / tp, H\] "
+                 r"shard of the sequence, gathered over the TP group; pass tp_group \(or the weight as a DTensor"):
+        call(sequence_parallel=True)

@@ -40,7 +40,7 @@ from .._errors import LayoutError
 from .._layout.extract import gather_split, picked_ids, picked_values, shard
 from .._layout.layout import Layout
 from .._layout.pack import temperatures_of
-from .._layout.plan import Local, Span, resolve
+from .._layout.plan import Local, Span
 from .._types import (
     ChunkArg,
     DivergenceArg,
@@ -55,10 +55,10 @@ from .._types import (
 )
 from .._vocab import args, dtensor
 from .._vocab.call import Options
-from .._vocab.head import Head, log_probs, options, topk
-from .._vocab.hidden import HiddenHead
+from .._vocab.head import Head, check_topk, log_probs, options, topk
+from .._vocab.hidden import hidden_head
 from .._vocab.logits import LogitsHead
-from .response import on_responses
+from .response import on_responses, resolved
 
 KINDS = {
     "forward": "KL(teacher || student)",
@@ -281,7 +281,7 @@ def _checked(head: Head, call: _Student) -> tuple[Local, Options]:
     per_sample = checks.sample_temperatures(dtensor.replicated("temperature", call.temperature),
                                            call.layout.num_samples, call.layout.shared_prefix)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(per_sample, Tensor) else ("response",)
-    local = resolve(call.layout, int(head.x.shape[0]), head.what, spans, head.x.device)
+    local = resolved(head, call.layout, spans, call.tp_group)
     return local, options(
         head, None, temperature=temperatures_of(per_sample, local), tp_group=call.tp_group,
         chunk_size=call.chunk_size, softcap=call.softcap, vocab_size=call.vocab_size, invariant=call.invariant,
@@ -364,28 +364,34 @@ def response_distillation_from_hidden(
     layout: Layout, *, kind: DivergenceArg = "forward", beta: RealArg = 0.5, tail: TailArg = "bin",
     temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
     softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
+    sequence_parallel: bool = False,
 ) -> list[Share1D]:
     """``response_distillation`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``log_probs_at_from_hidden``, the
     logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP mesh
-    dimension, as there.
+    dimension, as there, and ``hidden`` with ``sequence_parallel`` this TP rank's ``[T / tp,
+    H]`` shard of the rows (Megatron's ``--sequence-parallel``), as there.
 
     Returns, collectives and raises as ``response_distillation`` (with
     ``log_probs_at_from_hidden``'s: one all-gather forward, one all-reduce of the hidden
-    gradient backward under TP); differentiable w.r.t. ``hidden`` and ``weight``.
+    gradient backward under TP; with ``sequence_parallel`` one all-gather of ``[T / tp,
+    H]`` more forward, one reduce-scatter of ``[T, H]`` backward instead of the
+    all-reduce); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w, tp = args.head(hidden, weight, tp_group)
+    x = hidden_head(h, w, args.sequence(sequence_parallel, tp))
     call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
-    return _distillation(HiddenHead(h, w), call, _Teacher(teacher_log_probs, teacher_ids, kind, beta, tail))
+    return _distillation(x, call, _Teacher(teacher_log_probs, teacher_ids, kind, beta, tail))
 
 
 def _response_topk(head: Head, k: object, call: _Student) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` over any head: ``k`` checked, then every other argument
-    (the tensors before, by the caller), then the top-k of the response rows
-    (``on_responses``; ``k`` against the vocabulary before any collective: ``head.topk``),
-    each element's share per sample."""
+    (the tensors before, by the caller), ``k`` against the vocabulary (``check_topk``: before
+    any collective, a sequence-parallel gather's in ``on_responses`` included), then the
+    top-k of the response rows (``on_responses``), each element's share per sample."""
     k_ = args.k_best(k)
     local, checked = _checked(head, call)
+    check_topk(head, k_, checked)
     read = local.reads["response"]
     part, on_rows = on_responses(head, read, checked)
     values, ids = topk(part, k_, on_rows)
@@ -434,16 +440,20 @@ def response_topk_log_probs(
 def response_topk_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, k: IntArg, layout: Layout, *, temperature: SampleTemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None, vocab_size:
-    IntArg | None = None, invariant: bool = False,
+    IntArg | None = None, invariant: bool = False, sequence_parallel: bool = False,
 ) -> tuple[list[TopK], list[TopK]]:
     """``response_topk_log_probs`` from the hidden states and the LM-head weight: the
     response rows of ``hidden`` (an ``[R, H]`` copy) through ``topk_log_probs_from_hidden``,
     the logits never built; ``weight`` may be a DTensor sharded ``Shard(0)`` on the TP
-    mesh dimension, as there.
+    mesh dimension, and ``hidden`` with ``sequence_parallel`` this TP rank's ``[T / tp,
+    H]`` shard of the rows, as there.
 
     Returns, collectives and raises as ``response_topk_log_probs`` (with
-    ``topk_log_probs_from_hidden``'s); differentiable w.r.t. ``hidden`` and ``weight``.
+    ``topk_log_probs_from_hidden``'s: with ``sequence_parallel`` one all-gather of ``[T /
+    tp, H]`` more forward, one reduce-scatter of ``[T, H]`` backward instead of the
+    all-reduce); differentiable w.r.t. ``hidden`` and ``weight``.
     """
     h, w, tp = args.head(hidden, weight, tp_group)
+    x = hidden_head(h, w, args.sequence(sequence_parallel, tp))
     call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
-    return _response_topk(HiddenHead(h, w), k, call)
+    return _response_topk(x, k, call)

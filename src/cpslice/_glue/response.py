@@ -15,23 +15,26 @@ from .._layout.extract import gather_split as split_rows
 from .._layout.extract import picked_ids, picked_values, split_elements
 from .._layout.layout import Layout
 from .._layout.pack import checked_tokens, temperatures_of
-from .._layout.plan import Local, Read, Span, resolve
+from .._layout.plan import Local, Read, Span, needed_length, resolve
 from .._types import AnyShare, ChunkArg, EntropyOverArg, IntArg, RealArg, SampleTemperatureArg, Share, TensorArg
 from .._vocab import args, dtensor
 from .._vocab.call import Options
 from .._vocab.head import Head, log_probs, options
-from .._vocab.hidden import HiddenHead
+from .._vocab.hidden import HiddenHead, hidden_head
 from .._vocab.logits import LogitsHead
 from .support import SupportArg, take_rows
 
 if TYPE_CHECKING:
-    from .._types import SampleKeywords
+    from .._types import HiddenSampleKeywords, SampleKeywords
     from .support import Support
 
     Keywords = SampleKeywords[SampleTemperatureArg, Support]
     """The per-sample functions' keywords beside ``with_entropy``: one temperature per
     sample (or one for all), a ``cpslice.Support``, the target depth."""
+    HiddenKeywords = HiddenSampleKeywords[SampleTemperatureArg, Support]
+    """``Keywords`` and ``sequence_parallel``: ``response_log_probs_from_hidden``'s."""
 else:  # beartype reads no subscripted TypedDict (see _types.LogProbKeywords)
+    from .._types import HiddenSampleKeywords as HiddenKeywords
     from .._types import SampleKeywords as Keywords
 
 
@@ -103,7 +106,7 @@ def _response_log_probs(
     """``response_log_probs`` over any head: every argument checked (the tensors before,
     by the caller; ``per_sample`` the temperature as given, one or one per sample), then
     the response rows computed (``on_responses``) and split per sample."""
-    local, targets, tau = _inputs(head.x, head.what, tokens, layout, per_sample, depth)
+    local, targets, tau = _inputs(head, tokens, layout, per_sample, depth, keywords.get("tp_group"))
     read = local.reads["response"]
     # every argument against the whole head (a support's errors name the caller's rows)
     ids = picked_ids(read, targets, local.length)
@@ -185,18 +188,39 @@ def _two_d(name: str, value: object, shape: str, flatten: str) -> Tensor:
     return x
 
 
+def resolved(
+    head: Head, layout: Layout, spans: tuple[Span, ...], tp_group: dist.ProcessGroup | None, depth: int = 0
+) -> Local:
+    """The call's one resolution of ``layout`` for ``head``'s rows (``resolve``, at
+    ``depth``); where a hidden head's rows, times the TP size, are the length the layout
+    needs, its length error names sequence parallelism (``args.sequence_hint``)."""
+    rows = int(head.x.shape[0])
+
+    def hint() -> str:
+        if type(head) is not HiddenHead:  # logits, or hidden with sequence_parallel already
+            return ""
+        need = needed_length(layout) if layout.local_length is None else layout.local_length
+        return args.sequence_hint(rows, need, tp_group, "the layout")
+
+    with args.hinted(hint):
+        return resolve(layout, rows, head.what, spans, head.x.device, depth=depth)
+
+
 def _inputs(
-    x: Tensor, what: str, tokens: object, layout: Layout, temperature: object, depth: object
+    head: Head, tokens: object, layout: Layout, temperature: object, depth: object,
+    tp_group: dist.ProcessGroup | None,
 ) -> tuple[Local, Tensor, float | Tensor]:
-    """The call's one resolution of ``layout`` (``T`` from ``x``, at ``depth``), each
-    response element's target token (``[E]``) and the per-row temperature, on ``x``'s
-    device (replicated DTensors read as their local tensors: ``dtensor.replicated``)."""
+    """The call's one resolution of ``layout`` (``T`` from ``head``, at ``depth``:
+    ``resolved``), each response element's target token (``[E]``) and the per-row
+    temperature, on ``head``'s device (replicated DTensors read as their local tensors:
+    ``dtensor.replicated``)."""
+    x = head.x
     d = checks.depth(depth)
     items = checked_tokens(dtensor.replicated_each("tokens", tokens), layout)
     tau = checks.sample_temperatures(dtensor.replicated("temperature", temperature), layout.num_samples,
                                     layout.shared_prefix)
     spans: tuple[Span, ...] = ("response", "sample") if isinstance(tau, Tensor) else ("response",)
-    local = resolve(layout, int(x.shape[0]), what, spans, x.device, depth=d)
+    local = resolved(head, layout, spans, tp_group, d)
     read = local.reads["response"]
     flat = torch.cat(items).to(x.device) if items else torch.zeros(0, dtype=torch.int64, device=x.device)
     return local, flat.index_select(0, read.targets).to(torch.int64), temperatures_of(tau, local)
@@ -205,23 +229,24 @@ def _inputs(
 @overload
 def response_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
-    *, with_entropy: Literal[False] = False, **kwargs: Unpack[Keywords],
+    *, with_entropy: Literal[False] = False, **kwargs: Unpack[HiddenKeywords],
 ) -> tuple[list[Share], None]: ...
 @overload
 def response_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
-    *, with_entropy: Literal[True], **kwargs: Unpack[Keywords],
+    *, with_entropy: Literal[True], **kwargs: Unpack[HiddenKeywords],
 ) -> tuple[list[Share], list[Share]]: ...
 @overload
 def response_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout,
-    *, with_entropy: bool = False, **kwargs: Unpack[Keywords],
+    *, with_entropy: bool = False, **kwargs: Unpack[HiddenKeywords],
 ) -> tuple[list[Share], list[Share] | None]: ...
 def response_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, tokens: Sequence[AnyShare], layout: Layout, *, with_entropy: bool = False,
     entropy_grad: bool = True, temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full", softcap: RealArg
     | None = None, vocab_size: IntArg | None = None, depth: IntArg = 0, invariant: bool = False,
+    sequence_parallel: bool = False,
 ) -> tuple[list[Share], list[Share] | None]:
     """``response_log_probs`` from the hidden states and the LM-head weight, computing
     only the response rows: ``R x V_local`` work instead of ``T x V_local``.
@@ -230,7 +255,11 @@ def response_log_probs_from_hidden(
     every TP rank), ``weight`` its ``[V_local, H]`` LM-head shard (or a DTensor sharded
     ``Shard(0)`` on the TP mesh dimension, as ``log_probs_and_entropy_from_hidden``
     takes it, with ``hidden`` plain or replicated), ``tokens`` the whole
-    per-sample token tensors ``[L_i]``. The rows ``response_rows`` names are taken from
+    per-sample token tensors ``[L_i]``. With ``sequence_parallel`` (Megatron's
+    ``--sequence-parallel``), ``hidden`` is this TP rank's contiguous ``[T / tp, H]``
+    shard of those rows, gathered once, in the graph, its gradient the shard's (as
+    ``log_probs_and_entropy_from_hidden`` takes it): ``T`` is what the layout holds, the
+    results the same on every TP rank. The rows ``response_rows`` names are taken from
     ``hidden`` (an ``[R, H]`` copy), their targets from ``shifted_targets``, and
     ``log_probs_and_entropy_from_hidden`` runs on them; the result is split per sample.
     Returns what ``response_log_probs(hidden @ weight.T, tokens, layout, ...)`` returns:
@@ -242,14 +271,20 @@ def response_log_probs_from_hidden(
     ``response_log_probs`` (a shared row's hidden state goes through the head once).
 
     Collectives: those of ``log_probs_and_entropy_from_hidden`` (one all-gather over
-    ``tp_group`` forward, one all-reduce backward); no CP communication.
+    ``tp_group`` forward, one all-reduce backward; with ``sequence_parallel`` one
+    all-gather of ``[T / tp, H]`` more forward, one reduce-scatter of ``[T, H]`` backward
+    instead of the all-reduce); no CP communication.
 
     Raises:
         TypeError, LayoutError: as ``shifted_targets`` and
             ``log_probs_and_entropy_from_hidden``; ``hidden`` of another length than the
-            layout's (``extract_responses``); a support over another number of rows than ``hidden``'s.
+            layout's (``extract_responses``; with ``sequence_parallel``, its rows times the TP
+            size; without it, the message names sequence parallelism where those would fit);
+            a support over another number of rows than ``hidden``'s. Raised before any
+            collective.
     """
     h, w, tp = args.head(_two_d("hidden", hidden, "[T, H]", "hidden.reshape(-1, hidden.shape[-1])"), weight, tp_group)
-    return _response_log_probs(HiddenHead(h, w), tokens, layout, temperature, depth,
+    x = hidden_head(h, w, args.sequence(sequence_parallel, tp))
+    return _response_log_probs(x, tokens, layout, temperature, depth,
         with_entropy=with_entropy, entropy_grad=entropy_grad, tp_group=tp, chunk_size=chunk_size, support=support,
         entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant)

@@ -8,6 +8,8 @@ each checked once, in one order, into the call's ``Options``. The tensor checks 
 DTensor first (``dtensor``): the vocabulary-sharded input's local shard and its mesh's
 TP group (the group they return, for ``options``), every other tensor's local value."""
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Unpack
 
 import torch
@@ -18,6 +20,7 @@ from .. import _checks as checks
 from .. import _probe
 from .._cache import boundary
 from .._errors import LayoutError
+from .._types import HiddenKeywords as HiddenKeywordsOf
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
 from . import dtensor
 from .call import Options
@@ -28,8 +31,11 @@ if TYPE_CHECKING:
     Keywords = LogProbKeywords[TemperatureArg, Support]
     """The keywords of ``log_probs_and_entropy`` and ``log_probs_and_entropy_from_hidden``
     beside ``with_entropy``: one temperature per row, the engine's ``Support``."""
+    HiddenKeywords = HiddenKeywordsOf[TemperatureArg, Support]
+    """``Keywords`` and ``sequence_parallel``: ``log_probs_and_entropy_from_hidden``'s."""
 else:  # beartype reads no subscripted TypedDict; at run time each value is ``object``
     Keywords = LogProbKeywords
+    HiddenKeywords = HiddenKeywordsOf
 
 
 def options(
@@ -174,19 +180,70 @@ def logits_and_targets(
 
 
 def head_and_targets(
-    hidden: object, weight: object, targets: object, name: str = "targets", *, tp_group: Group = None
-) -> tuple[Tensor, Tensor, Tensor, Group]:
+    hidden: object, weight: object, targets: object, name: str = "targets", *, tp_group: Group = None,
+    sequence_parallel: object = False,
+) -> tuple[Tensor, Tensor, Tensor, Group, Group]:
     """``[T, H]`` hidden states and a ``[V_local, H]`` LM-head shard of one float dtype on
     one device, and int64 token ids on it (``[T]`` targets, or ``[T, k]`` with ``name="ids"``);
-    and the TP group, as ``head``."""
+    the TP group, as ``head``; and the sequence-parallel group (``sequence``), with which
+    ``hidden`` holds this TP rank's ``[T / tp, H]``."""
     hidden_, weight_, group = head(hidden, weight, tp_group)
-    rows = hidden_.shape[0]
+    shards = sequence(sequence_parallel, group)
+    tp = tp_world(shards)
+    rows = hidden_.shape[0] * tp
     targets = dtensor.replicated(name, targets)
     if isinstance(targets, Tensor):
         # the shape of int64 ids before the kind of other ones, the device of any
         shape = tuple(targets.shape) if targets.dtype == torch.int64 else (rows,) if name == "targets" else (rows, 1)
-        _ids_fit(name, shape, targets.device, rows, hidden_.device, "hidden")
-    return hidden_, weight_, _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]"), group
+        what = "hidden" if shards is None else gathered(hidden_.shape[0], tp)
+        with hinted(lambda: "" if shards is not None or not shape else sequence_hint(rows, shape[0], group, name)):
+            _ids_fit(name, shape, targets.device, rows, hidden_.device, what)
+    return hidden_, weight_, _ids_kind(name, targets, "[T]" if name == "targets" else "[T, k]"), group, shards
+
+
+def sequence(value: object, group: Group) -> Group:
+    """The group over which ``hidden`` is sharded on the sequence: the TP ``group``
+    (``tp_group``, or a DTensor weight's) with ``sequence_parallel`` (a bool) True, None
+    with it False."""
+    if not flag("sequence_parallel", value):
+        return None
+    if group is None:
+        raise LayoutError(
+            "sequence_parallel=True needs tp_group: hidden is then this TP rank's [T / tp, H] shard of the "
+            "sequence, gathered over the TP group; pass tp_group (or the weight as a DTensor sharded on the TP "
+            "mesh dimension), or sequence_parallel=False with every row in hidden"
+        )
+    tp_world(group)  # refuses a group this process is not in
+    return group
+
+
+def gathered(rows: int, tp: int) -> str:
+    """The name of sequence-parallel ``hidden`` in errors: its ``rows`` on each of ``tp`` ranks."""
+    return f"hidden gathered over tp_group ({rows} rows x tp {tp})"
+
+
+def sequence_hint(rows: int, need: int, group: Group, of: str) -> str:
+    """The hint of a length error where ``rows`` of ``hidden`` times the TP size are what
+    ``of`` needs (``need``): Megatron's sequence parallelism; empty otherwise."""
+    tp = tp_world(group)
+    if tp == 1 or rows * tp != need:
+        return ""
+    return (
+        f"{rows} * tp {tp} = {need} is what {of} needs: if hidden is this TP rank's shard of the sequence, "
+        "pass sequence_parallel=True with tp_group (Megatron's --sequence-parallel)"
+    )
+
+
+@contextmanager
+def hinted(hint: Callable[[], str]) -> Iterator[None]:
+    """A ``LayoutError`` raised within, its message followed by ``hint()`` (if any)."""
+    try:
+        yield
+    except LayoutError as err:
+        more = hint()
+        if more:
+            err.args = (f"{err}; {more}",)
+        raise
 
 
 def head(hidden: object, weight: object, tp_group: Group = None) -> tuple[Tensor, Tensor, Group]:
@@ -195,7 +252,8 @@ def head(hidden: object, weight: object, tp_group: Group = None) -> tuple[Tensor
     ``dtensor.vocab_shard``; a DTensor ``hidden`` must be replicated)."""
     hidden = dtensor.replicated(
         "hidden", hidden, "hidden.full_tensor() gathers sequence-parallel hidden states; the hidden "
-        "states are the same on every TP rank"
+        "states are the same on every TP rank; or pass its local shard, hidden.to_local(), with "
+        "sequence_parallel=True"
     )
     weight, group = dtensor.vocab_shard("weight", weight, 0, tp_group)
     checked = []

@@ -163,10 +163,16 @@ def log_probs(head: Head, ids: Tensor, options: Options) -> tuple[Tensor, Tensor
     return _apply(type(head), ids, options, *head.tensors)
 
 
-def topk(head: Head, k: int, options: Options) -> tuple[Tensor, Tensor]:
-    """Each row's ``k`` largest log-probs, descending, and their global ids, after the
-    check of ``k`` against the vocabulary (``topk.check_k``); differentiable like
-    ``torch.topk``."""
+def check_topk(head: Head, k: int, options: Options) -> None:
+    """Refuse a ``k`` the vocabulary cannot give (``topk.check_k``): for a caller that
+    enters a collective before ``topk`` (a sequence-parallel gather), first."""
     assert options.vocab_size is not None
     _topk.check_k(k, options.vocab_size, compute_dtype(head.x.dtype))
+
+
+def topk(head: Head, k: int, options: Options) -> tuple[Tensor, Tensor]:
+    """Each row's ``k`` largest log-probs, descending, and their global ids, after the
+    check of ``k`` against the vocabulary (``check_topk``); differentiable like
+    ``torch.topk``."""
+    check_topk(head, k, options)
     return _apply_topk(type(head), k, options, *head.tensors)

@@ -45,7 +45,7 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, spec, topk
+from . import args, head, invariant, kernels, sequence, spec, topk
 from .backends.chunks import Workspace
 from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
@@ -273,7 +273,7 @@ class _Walk:
 
 def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
     """The full hidden gradient: ``hidden`` is the same on every TP rank, its gradient
-    the sum of the shards' (one all-reduce)."""
+    the sum of the shards' (one all-reduce; None: no sum here)."""
     if tp_group is not None:
         _all_reduce(grad_h, group=tp_group)
     return grad_h
@@ -281,10 +281,11 @@ def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
 
 def backward(
     hidden: Hidden, weight: HeadWeight, ids: Tensor, entropy: Tensor | None, saved: Saved,
-    g_lp: Tensor | None, g_entropy: Tensor | None, want_hidden: bool, want_weight: bool,
+    g_lp: Tensor | None, g_entropy: Tensor | None, want_hidden: bool, want_weight: bool, all_reduce: bool = True,
 ) -> tuple[Hidden | None, HeadWeight | None]:
-    """The gradients w.r.t. ``hidden`` (the full one: one all-reduce under TP) and
-    ``weight`` (this shard's), where wanted."""
+    """The gradients w.r.t. ``hidden`` and ``weight`` (this shard's), where wanted:
+    ``hidden``'s the full one (one all-reduce under TP), or with ``all_reduce`` False
+    this shard's part, which the caller sums (sequence parallelism's reduce-scatter)."""
     opts = saved.options
     assert opts.chunk_size is not None
     rows, cdt, valid = hidden.shape[0], compute_dtype(hidden.dtype), saved.shard.valid
@@ -304,7 +305,7 @@ def backward(
             if by_block is not None:
                 by_block.add(acc_w, i, v0, hidden)
             acc_w.done()
-    return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
+    return None if acc_h is None else _full(acc_h.done(), opts.tp_group if all_reduce else None), grad_w
 
 
 class HiddenHead:
@@ -314,6 +315,9 @@ class HiddenHead:
 
     what = "hidden"
     in_place = False
+    all_reduce = True
+    """Whether backward sums the hidden gradient over the TP group (one all-reduce):
+    ``hidden`` is the same on every TP rank. Not a ``GatheredHead``'s."""
 
     def __init__(self, hidden: Tensor, weight: Tensor) -> None:
         self.hidden = self.x = hidden
@@ -322,8 +326,12 @@ class HiddenHead:
         self.vocab_local = int(weight.shape[0])
         self.default_chunk = default_hidden_chunk_rows(self.vocab_local)
 
+    def whole(self) -> "HiddenHead":
+        """The head that computes every row: this one (a ``SequenceShards``' gathers them)."""
+        return self
+
     def take(self, index: Tensor) -> "HiddenHead":
-        return HiddenHead(self.hidden.index_select(0, index), self.weight)
+        return type(self)(self.hidden.index_select(0, index), self.weight)
 
     def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
         return forward(self.hidden, self.weight, ids, options)
@@ -335,36 +343,78 @@ class HiddenHead:
         self, ids: Tensor, entropy: Tensor | None, saved: Saved, g_lp: Tensor | None, g_entropy: Tensor | None,
         want: Sequence[bool],
     ) -> tuple[Tensor | None, ...]:
-        return backward(self.hidden, self.weight, ids, entropy, saved, g_lp, g_entropy, want[0], want[1])
+        return backward(self.hidden, self.weight, ids, entropy, saved, g_lp, g_entropy, want[0], want[1],
+                        all_reduce=self.all_reduce)
+
+
+class GatheredHead(HiddenHead):
+    """The hidden-state head over rows gathered from the TP ranks' sequence shards
+    (``SequenceShards.whole``), or some of them (``take``): its hidden gradient is this TP
+    rank's part, which the gather's backward sums over the group (one reduce-scatter),
+    so its own backward enters no collective for it."""
+
+    all_reduce = False
+
+
+class SequenceShards(HiddenHead):
+    """A hidden-state head under sequence parallelism, before its gather: ``hidden`` is
+    this TP rank's contiguous ``[T / tp, H]`` shard of the rows (Megatron's
+    ``--sequence-parallel``), ``group`` the TP group. ``x`` is a ``[T, 0]`` stand-in with
+    no storage, so that every check of ``T`` (targets, temperatures, a support, the
+    layout) runs before any collective; ``whole`` and ``take`` gather the rows
+    (``sequence.gather``) into the ``GatheredHead`` that computes. Never computed on
+    itself: the autograd shell, which rebuilds a head from its tensors, cannot rebuild
+    this one (it needs its group)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, group: dist.ProcessGroup) -> None:
+        super().__init__(hidden, weight)
+        tp = dist.get_world_size(group)
+        self.group = group
+        self.x = hidden.new_empty((hidden.shape[0] * tp, 0))
+        self.what = args.gathered(hidden.shape[0], tp)
+
+    def whole(self) -> HiddenHead:
+        return GatheredHead(sequence.gather(self.hidden, self.group), self.weight)
+
+    def take(self, index: Tensor) -> HiddenHead:
+        return self.whole().take(index)
+
+
+def hidden_head(hidden: Tensor, weight: Tensor, sequence_group: dist.ProcessGroup | None) -> HiddenHead:
+    """The head of checked ``hidden`` and ``weight``: with a ``sequence_group``
+    (``args.sequence``), ``hidden`` is this rank's sequence shard (``SequenceShards``)."""
+    return HiddenHead(hidden, weight) if sequence_group is None else SequenceShards(hidden, weight, sequence_group)
 
 
 @overload
 def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False,
-    **kwargs: Unpack[args.Keywords],
+    **kwargs: Unpack[args.HiddenKeywords],
 ) -> tuple[PerRow, None]: ...
 @overload
 def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: Literal[True],
-    **kwargs: Unpack[args.Keywords],
+    **kwargs: Unpack[args.HiddenKeywords],
 ) -> tuple[PerRow, PerRow]: ...
 @overload
 def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
-    **kwargs: Unpack[args.Keywords],
+    **kwargs: Unpack[args.HiddenKeywords],
 ) -> tuple[PerRow, PerRow | None]: ...
 def log_probs_and_entropy_from_hidden(
     hidden: TensorArg, weight: TensorArg, targets: TensorArg, *, with_entropy: bool = False,
     entropy_grad: bool = True, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
     chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
     softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
+    sequence_parallel: bool = False,
 ) -> tuple[PerRow, PerRow | None]:
     """``log_probs_and_entropy(hidden @ weight.T, targets, ...)`` without ever building
     the ``[T, V_local]`` logits: chunk by chunk, forward and backward.
 
     Args:
         hidden: ``[T, H]`` final hidden states (after the final norm), the same on every
-            TP rank (megatron's output layer input without sequence parallelism).
+            TP rank (megatron's output layer input without sequence parallelism), or
+            with ``sequence_parallel`` this TP rank's shard of them.
             float32 or bfloat16 (float16, float64 accepted); saved for backward by
             reference. A DTensor must be ``Replicate`` on every mesh dimension (its local
             tensor is used; its gradient is the full one).
@@ -391,6 +441,13 @@ def log_probs_and_entropy_from_hidden(
             ``blocks.MIN_BLOCK_ROWS`` rows (all rows if fewer). None picks
             ``default_hidden_chunk_rows(V_local)``: ``chunk_size`` rows of float32
             within 32 MiB.
+        sequence_parallel: Megatron's ``--sequence-parallel``: ``hidden`` is this TP
+            rank's contiguous shard of the rows, ``[T / tp, H]`` (rank ``r`` of
+            ``tp_group`` holds rows ``[r T / tp, (r + 1) T / tp)``, every rank as many), as
+            the output layer receives it; needs ``tp_group`` (or a DTensor weight's).
+            The shards are gathered once, in the graph; the results cover every row
+            ``[T]`` on every TP rank, as without it (``targets`` is ``[T]``), and
+            ``hidden``'s gradient is its shard's, summed over the TP group.
 
     Returns:
         ``(log_probs, entropy)`` as ``log_probs_and_entropy`` on the materialized logits
@@ -410,20 +467,27 @@ def log_probs_and_entropy_from_hidden(
     forward (as ``log_probs_and_entropy``) and, when ``hidden`` needs a gradient, one
     ``all_reduce`` of the ``[T, H]`` hidden gradient in backward (as megatron's
     ``copy_to_tensor_model_parallel_region``); every rank of the group must run backward
-    through the results, T = 0 too. Without ``tp_group``, no communication.
+    through the results, T = 0 too. With ``sequence_parallel``: one ``all_gather`` of
+    ``[T / tp, H]`` more in forward (first), and in backward one ``reduce_scatter`` of
+    ``[T, H]`` instead of the all-reduce (as megatron's
+    ``gather_from_sequence_parallel_region``). Without ``tp_group``, no communication.
 
     Raises:
         TypeError: hidden or weight not a floating-point tensor, or of different dtypes;
-            as ``log_probs_and_entropy`` for targets, temperature and chunk_size.
+            sequence_parallel not a bool; as ``log_probs_and_entropy`` for targets,
+            temperature and chunk_size.
         LayoutError: hidden or weight not 2-D, weight with 0 rows, hidden sizes that
-            disagree, tensors on different devices, targets not ``[T]``; a DTensor weight
-            placed otherwise than ``Shard(0)`` on the TP mesh dimension, a DTensor hidden
-            not replicated; as ``log_probs_and_entropy`` otherwise. Raised before any
-            collective.
+            disagree, tensors on different devices, targets not ``[T]`` (``T`` the rows of
+            hidden, times the TP size with ``sequence_parallel``: the message names
+            sequence parallelism where that is what the targets' length says);
+            ``sequence_parallel`` without a TP group; a DTensor weight placed otherwise
+            than ``Shard(0)`` on the TP mesh dimension, a DTensor hidden not replicated;
+            as ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
-    hidden_, weight_, targets_, tp = args.head_and_targets(hidden, weight, targets, tp_group=tp_group)
-    x = HiddenHead(hidden_, weight_)
-    return head.log_probs(x, targets_, head.options(
+    hidden_, weight_, targets_, tp, shards = args.head_and_targets(
+        hidden, weight, targets, tp_group=tp_group, sequence_parallel=sequence_parallel)
+    x = hidden_head(hidden_, weight_, shards)
+    return head.log_probs(x.whole(), targets_, head.options(
         x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
         invariant=invariant))
@@ -432,47 +496,54 @@ def log_probs_and_entropy_from_hidden(
 def log_probs_at_from_hidden(
     hidden: TensorArg, weight: TensorArg, ids: TensorArg, *, temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None, invariant: bool = False,
+    vocab_size: IntArg | None = None, invariant: bool = False, sequence_parallel: bool = False,
 ) -> Tensor:
     """``log_probs_at(hidden @ weight.T, ids, ...)`` without ever building the ``[T,
     V_local]`` logits: the hidden-state path's blocks, forward and backward.
 
     Args:
-        hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size: as
-            ``log_probs_and_entropy_from_hidden`` (a DTensor weight sharded ``Shard(0)``
-            on the TP mesh dimension included).
+        hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size,
+            sequence_parallel: as ``log_probs_and_entropy_from_hidden`` (a DTensor weight
+            sharded ``Shard(0)`` on the TP mesh dimension included; with
+            ``sequence_parallel``, ``hidden`` this TP rank's ``[T / tp, H]``).
         ids: ``[T, k]`` int64 global token ids, as ``log_probs_at``'s.
 
     Returns:
         ``[T, k]`` float32 (float64 for float64 inputs), as ``log_probs_at`` on the
         materialized logits; differentiable w.r.t. ``hidden`` (the full gradient, summed
-        over the TP group) and ``weight`` (this shard's).
+        over the TP group; with ``sequence_parallel`` its shard's) and ``weight`` (this
+        shard's).
 
     Collectives: with ``tp_group``, one ``all_gather`` of ``[2 + k, T]`` in forward and,
-    when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]`` in backward.
+    when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]`` in backward. With
+    ``sequence_parallel``: one ``all_gather`` of ``[T / tp, H]`` more in forward, one
+    ``reduce_scatter`` of ``[T, H]`` in backward instead of the all-reduce.
 
     Raises:
-        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
-            as ``log_probs_at`` for ids. Raised before any collective.
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden, weight
+            and sequence_parallel, as ``log_probs_at`` for ids. Raised before any
+            collective.
     """
-    hidden_, weight_, ids_, tp = args.head_and_targets(hidden, weight, ids, "ids", tp_group=tp_group)
-    x = HiddenHead(hidden_, weight_)
+    hidden_, weight_, ids_, tp, shards = args.head_and_targets(
+        hidden, weight, ids, "ids", tp_group=tp_group, sequence_parallel=sequence_parallel)
+    x = hidden_head(hidden_, weight_, shards)
     options = head.options(x, ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
                            vocab_size=vocab_size, invariant=invariant)
-    return head.log_probs(x, ids_, options)[0]
+    return head.log_probs(x.whole(), ids_, options)[0]
 
 
 def topk_log_probs_from_hidden(
     hidden: TensorArg, weight: TensorArg, k: IntArg, *, temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
-    vocab_size: IntArg | None = None, invariant: bool = False,
+    vocab_size: IntArg | None = None, invariant: bool = False, sequence_parallel: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``topk_log_probs(hidden @ weight.T, k, ...)`` without ever building the ``[T,
     V_local]`` logits: each block's top-k kept as a running best over the vocabulary
     blocks; the teacher's top-k straight from its hidden states. ``hidden``, ``weight``
     (or a DTensor weight sharded ``Shard(0)`` on the TP mesh dimension), ``tp_group`` and
-    the other keywords as ``log_probs_and_entropy_from_hidden``'s, ``k`` as
-    ``topk_log_probs``'.
+    the other keywords as ``log_probs_and_entropy_from_hidden``'s (with
+    ``sequence_parallel``, ``hidden`` this TP rank's ``[T / tp, H]``, every rank's of one
+    length, and the results cover all ``T`` rows), ``k`` as ``topk_log_probs``'.
 
     Returns:
         ``(log_probs, ids)``, each ``[T, k]``, as ``topk_log_probs`` on the materialized
@@ -480,15 +551,19 @@ def topk_log_probs_from_hidden(
 
     Collectives: with ``tp_group``, one ``all_gather`` in forward (candidates and
     statistics) and, when ``hidden`` needs a gradient, one ``all_reduce`` of ``[T, H]``
-    in backward.
+    in backward. With ``sequence_parallel``: one ``all_gather`` of ``[T / tp, H]`` more
+    in forward, one ``reduce_scatter`` of ``[T, H]`` in backward instead of the all-reduce.
 
     Raises:
-        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden and weight,
-            as ``topk_log_probs`` for ``k``. Raised before any collective.
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for hidden, weight
+            and sequence_parallel, as ``topk_log_probs`` for ``k``. Raised before any
+            collective.
     """
     hidden_, weight_, tp = args.head(hidden, weight, tp_group)
+    shards = args.sequence(sequence_parallel, tp)
     k_ = args.k_best(k)
-    x = HiddenHead(hidden_, weight_)
+    x = hidden_head(hidden_, weight_, shards)
     options = head.options(x, None, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
                            vocab_size=vocab_size, invariant=invariant)
-    return head.topk(x, k_, options)
+    head.check_topk(x, k_, options)  # before the gather
+    return head.topk(x.whole(), k_, options)
