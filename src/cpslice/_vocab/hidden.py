@@ -96,7 +96,8 @@ def forward(
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
             need = ~el.host_has_set if need is None else ~el.host_has_set & need
-            dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
+            if ids.dim() == 1:  # an entropy alone ([T, 0] ids) has no candidate
+                dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
