@@ -388,8 +388,10 @@ EITHER: list[tuple[object, dict[str, object], type, str]] = [
 LOGITS_INPUTS: list[tuple[object, object, type, str]] = [
     ([[0.0]], None, TypeError, "logits must be a torch.Tensor"),
     (torch.zeros(3, 5, dtype=torch.int64), None, TypeError, "floating-point"),
-    (torch.zeros(15), None, LayoutError, r"shape \(15,\); it must be 2-D"),
-    (torch.zeros(3, 5, 1), None, LayoutError, "must be 2-D"),
+    (torch.zeros(15), None, LayoutError, r"shape \(15,\); it must be 2-D \[T, V_local\] or more, \[\.\.\., V_local\]"),
+    # [..., V] logits: their leading shape is the targets'
+    (torch.zeros(3, 5, 1), None, LayoutError,
+     r"targets has shape \(3,\) but logits has shape \(3, 5, 1\); targets must be \[\.\.\.\] = \[3, 5\]"),
     (torch.zeros(3, 0), None, LayoutError, "0 vocabulary columns"),
 ]
 HIDDEN_INPUTS: list[tuple[object, object, type, str]] = [

@@ -430,6 +430,46 @@ def log_probs_and_entropy_from_hidden(
         invariant=invariant))
 
 
+def entropy_from_hidden(
+    hidden: TensorArg, weight: TensorArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full", softcap: RealArg | None = None, vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> PerRow:
+    """``entropy(hidden @ weight.T, ...)`` without ever building the ``[T, V_local]``
+    logits: the hidden-state path's blocks, forward and backward, with no target.
+
+    Args:
+        hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size, invariant:
+            as ``log_probs_and_entropy_from_hidden`` (``[T, H]`` hidden states, a
+            ``[V_local, H]`` LM-head shard or a DTensor weight sharded ``Shard(0)`` on the
+            TP mesh dimension).
+        support, entropy_over: as ``entropy``'s: with ``"support"``, a row with a set
+            takes the entropy over its set alone (each element's logit ``hidden[t] .
+            weight[id]``, ``O(K H)``), no block over it; with ``"full"`` a support
+            changes nothing.
+
+    Returns:
+        ``[T]`` float32 (float64 for float64 inputs), as ``entropy`` on the materialized
+        logits; differentiable w.r.t. ``hidden`` (the full gradient, summed over the TP
+        group) and ``weight`` (this shard's). Memory: as
+        ``log_probs_and_entropy_from_hidden``'s.
+
+    Collectives: with ``tp_group``, one ``all_gather`` of ``[3, T]`` in forward (as
+    ``entropy``) and, when ``hidden`` needs a gradient, one ``all_reduce`` of the ``[T,
+    H]`` hidden gradient in backward; every rank of the group must run backward through
+    the result, T = 0 too.
+
+    Raises:
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for every
+            argument. Raised before any collective.
+    """
+    hidden_, weight_, tp = args.head(hidden, weight, tp_group)
+    return head.entropy(
+        HiddenHead(hidden_, weight_), temperature=temperature, tp_group=tp, chunk_size=chunk_size, support=support,
+        entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant)
+
+
 def log_probs_at_from_hidden(
     hidden: TensorArg, weight: TensorArg, ids: TensorArg, *, temperature: TemperatureArg = 1.0,
     tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, softcap: RealArg | None = None,
