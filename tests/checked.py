@@ -39,6 +39,7 @@ UNCHECKED = (
     "tests/layout/test_padded.py::test_refusals",
     "tests/vocabulary/test_support.py::test_support_refusals",
     "tests/vocabulary/test_support.py::test_log_prob_refusals",
+    "tests/vocabulary/test_leading.py::test_refusals",
     "tests/vocabulary/test_support.py::test_from_responses_refusals",
     "tests/vocabulary/test_transforms.py::test_refusals_of_the_per_sample_and_top_k_forms",
     "tests/layout/test_row_offsets.py::test_refusals",

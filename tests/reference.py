@@ -57,6 +57,40 @@ def grad_atol(ref_grad: Tensor, g_lp: Tensor, g_h: Tensor, temperature: float, r
     return rel * max(largest, upstream / temperature)
 
 
+def softmax64(
+    z: Tensor, temperature: float | Tensor = 1.0, softcap: float | None = None, vocab_size: int | None = None,
+    sets: Sets | None = None,
+) -> Tensor:
+    """``log p`` in float64 over the last dimension of ``[..., V]`` logits ``z``
+    (differentiable, as ``z`` is): ``log_softmax(c tanh(z / c) / tau)`` over the ids
+    ``[0, vocab_size)`` (``temperature`` a number, or a tensor of ``z``'s leading shape
+    or flattened), each flattened row ``t`` with a non-empty ``sets[t]`` restricted to
+    it (-inf elsewhere)."""
+    y = z.double()[..., : vocab_size or z.shape[-1]]
+    if softcap is not None:
+        y = softcap * torch.tanh(y / softcap)
+    y = y / (temperature.double().reshape(y.shape[:-1])[..., None] if isinstance(temperature, Tensor)
+             else temperature)
+    keep = torch.ones(y.shape, dtype=torch.bool)
+    for t, s in enumerate(sets or []):
+        if s:
+            row = keep.view(-1, y.shape[-1])[t]
+            row[:] = False
+            row[s] = True
+    return torch.log_softmax(y.masked_fill(~keep, -math.inf), -1)
+
+
+def entropy64(
+    z: Tensor, temperature: float | Tensor = 1.0, softcap: float | None = None, vocab_size: int | None = None,
+    sets: Sets | None = None,
+) -> Tensor:
+    """The float64 entropy of ``softmax64``'s distribution, ``[...]`` (differentiable: 0
+    log 0, outside a set or at a -inf logit, is 0, with no NaN in the gradient)."""
+    log_p = softmax64(z, temperature, softcap, vocab_size, sets)
+    finite = log_p > -math.inf
+    return -torch.where(finite, log_p.exp() * torch.where(finite, log_p, 0.0), 0.0).sum(-1)
+
+
 # --- the LM head: hidden @ weight.T
 
 

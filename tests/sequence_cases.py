@@ -23,6 +23,7 @@ from cpslice import (
     Layout,
     LayoutError,
     _probe,
+    entropy_from_hidden,
     log_probs_and_entropy_from_hidden,
     log_probs_at_from_hidden,
     pack,
@@ -134,7 +135,7 @@ def _head(seed: int, t: int, tp: int, dtype: torch.dtype = torch.float32) -> tup
 
 def _row_cases(at: _Rank) -> int:
     """The row-level functions: log-probs and entropy (float32 and bfloat16, and no rows at
-    all), log-probs at ids, the top-k."""
+    all), log-probs at ids, the top-k, the entropy alone."""
     vocab = at.tp * V_LOCAL
     gen = torch.Generator().manual_seed(500)
     for t, dtype, chunk in ((8, torch.float32, 3), (8, torch.bfloat16, None), (0, torch.float32, None)):
@@ -174,7 +175,16 @@ def _row_cases(at: _Rank) -> int:
 
     _check(at, hidden, weight, topk, topk64)
     assert torch.equal(top[0], top[1])
-    return 5
+
+    def entropy64(h: Tensor, w: Tensor) -> list[Tensor]:
+        lp = torch.log_softmax(_logits(h, w, torch.float64), -1)
+        return [-(lp.exp() * lp).sum(-1)]
+
+    _check(at, hidden, weight,
+           lambda x, w: [entropy_from_hidden(x, w, temperature=TEMPERATURE, tp_group=at.group, chunk_size=3,
+                                             sequence_parallel=True)],
+           entropy64)
+    return 6
 
 
 # zigzag over 2 CP ranks: padded to [8, 8, 4, 4], 12 rows each; one response empty

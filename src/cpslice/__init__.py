@@ -51,9 +51,11 @@ from ._layout.reduce import sum_of_sample_means as sum_of_sample_means
 from ._layout.reduce import sum_of_tokens as sum_of_tokens
 from ._layout.unshard import unshard as unshard
 from ._types import Strategy as Strategy
+from ._vocab.hidden import entropy_from_hidden as entropy_from_hidden
 from ._vocab.hidden import log_probs_and_entropy_from_hidden as log_probs_and_entropy_from_hidden
 from ._vocab.hidden import log_probs_at_from_hidden as log_probs_at_from_hidden
 from ._vocab.hidden import topk_log_probs_from_hidden as topk_log_probs_from_hidden
+from ._vocab.logits import entropy as entropy
 from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
 from ._vocab.logits import log_probs_at as log_probs_at
 from ._vocab.logits import topk_log_probs as topk_log_probs
@@ -69,6 +71,8 @@ __all__ = [
     "Support",
     "attention_mask",
     "clear_caches",
+    "entropy",
+    "entropy_from_hidden",
     "extract_responses",
     "extraction_strategy",
     "gather_responses",

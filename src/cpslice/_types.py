@@ -32,6 +32,8 @@ TopK = Shaped[Tensor, "_r _k"]
 Rows = Int64[Tensor, " m"]
 Logits = Float[Tensor, "t v"]
 PerRow = Float[Tensor, " t"]
+# One value per row of [..., V] logits: their leading shape ([T] for [T, V] logits).
+PerPosition = Float[Tensor, "*t"]
 Targets = Int64[Tensor, " t"]
 # The LM head's input (final hidden states) and this TP rank's shard of its weight.
 Hidden = Float[Tensor, "t h"]

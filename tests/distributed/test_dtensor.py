@@ -361,11 +361,16 @@ def _refusals_1d(mesh: DeviceMesh, rank: int, world: int) -> int:
     ]
     for match, call in checks:
         _refused(match, call)
-    # a [B, S, V] DTensor: the 2-D rule, with the flattening that keeps the sharding
-    three = DTensor.from_local(local.reshape(1, t, v_local), mesh, [Shard(2)])
-    _refused(r"logits has shape \(1, 3, 4\); it must be 2-D", lambda: cpslice.log_probs_and_entropy(three, targets))
-    lp, _ = cpslice.log_probs_and_entropy(three.reshape(-1, three.shape[-1]), targets)
-    assert torch.equal(lp, cpslice.log_probs_and_entropy(local, targets, tp_group=mesh.get_group(0))[0])
+    # a [B, S, V] DTensor: its rows, the results [B, S], its local shard's gradient the plain call's
+    def three(x: Tensor) -> DTensor:
+        return DTensor.from_local(x.reshape(1, t, v_local), mesh, [Shard(2)])
+
+    def plain(x: Tensor) -> list[Tensor]:
+        lp, h = cpslice.log_probs_and_entropy(x, targets, with_entropy=True, tp_group=mesh.get_group(0))
+        return [lp[None], h[None], cpslice.entropy(x, tp_group=mesh.get_group(0))[None]]
+
+    _same(lambda x: [*cpslice.log_probs_and_entropy(three(x), targets[None], with_entropy=True),
+                     cpslice.entropy(three(x))], plain, [local])
     return len(checks) + 1
 
 

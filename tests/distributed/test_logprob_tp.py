@@ -41,4 +41,4 @@ def test_sequence_parallel_hidden_shards_match_the_reference() -> None:
     # each TP rank's [T / tp, H] shard: one all-gather of it and one of the statistics
     # forward, one reduce-scatter backward; row functions, response forms, distillation
     results = run_distributed(sequence_worker, WORLD, timeout=200)
-    assert results == [[(WORLD, 10), (2, 10)]] * WORLD
+    assert results == [[(WORLD, 11), (2, 11)]] * WORLD

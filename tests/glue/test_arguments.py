@@ -126,6 +126,17 @@ def hidden_kinds(i: Any, r: Any) -> None:
     assert [s.shape[0] for s in shares] == RESPONSE
 
 
+def entropy_kinds(i: Any, r: Any) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits, hidden, weight = _logits(9), torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    keys: dict[str, Any] = {"temperature": r, "softcap": r, "vocab_size": i + 4}
+    h = cpslice.entropy(logits.view(3, 3, 7), chunk_size=i, **keys)  # [B, S, V] logits: [B, S]
+    _, want = cpslice.log_probs_and_entropy(logits, torch.zeros(9, dtype=torch.int64), with_entropy=True, **keys)
+    torch.testing.assert_close(h.reshape(9), want, atol=1e-5, rtol=0)
+    from_hidden = cpslice.entropy_from_hidden(hidden, weight, chunk_size=i, **keys)
+    torch.testing.assert_close(from_hidden, cpslice.entropy(hidden @ weight.T, **keys), atol=1e-5, rtol=0)
+
+
 def distill_kinds(i: Any, r: Any) -> None:
     gen = torch.Generator().manual_seed(2)
     logits, hidden, weight = _logits(9), torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
@@ -204,6 +215,8 @@ CALLS: dict[str, Callable[..., None]] = {
     "log_probs_and_entropy_from_hidden": hidden_kinds,
     "response_log_probs_from_hidden": hidden_kinds,
     "Support": support_kinds,
+    "entropy": entropy_kinds,
+    "entropy_from_hidden": entropy_kinds,
     **dict.fromkeys(
         ["log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
          "topk_divergence", "response_distillation", "response_distillation_from_hidden",

@@ -8,7 +8,7 @@ PUBLIC = {
     "Layout", "LayoutError", "ResponseRows", "Strategy", "Support",
     "extract_responses", "extraction_strategy", "shard_responses",
     "pack", "shifted_targets", "response_rows", "position_ids", "attention_mask",
-    "log_probs_and_entropy", "response_log_probs",
+    "log_probs_and_entropy", "response_log_probs", "entropy", "entropy_from_hidden",
     "log_probs_and_entropy_from_hidden", "response_log_probs_from_hidden",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
     "clear_caches", "sample_means", "sample_max", "sample_min",

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cpslice import (
     Layout,
     LayoutError,
+    entropy_from_hidden,
     log_probs_and_entropy,
     log_probs_and_entropy_from_hidden,
     log_probs_at_from_hidden,
@@ -392,8 +393,10 @@ EITHER: list[tuple[object, dict[str, object], type, str]] = [
 LOGITS_INPUTS: list[tuple[object, object, type, str]] = [
     ([[0.0]], None, TypeError, "logits must be a torch.Tensor"),
     (torch.zeros(3, 5, dtype=torch.int64), None, TypeError, "floating-point"),
-    (torch.zeros(15), None, LayoutError, r"shape \(15,\); it must be 2-D"),
-    (torch.zeros(3, 5, 1), None, LayoutError, "must be 2-D"),
+    (torch.zeros(15), None, LayoutError, r"shape \(15,\); it must be 2-D \[T, V_local\] or more, \[\.\.\., V_local\]"),
+    # [..., V] logits: their leading shape is the targets'
+    (torch.zeros(3, 5, 1), None, LayoutError,
+     r"targets has shape \(3,\) but logits has shape \(3, 5, 1\); targets must be \[\.\.\.\] = \[3, 5\]"),
     (torch.zeros(3, 0), None, LayoutError, "0 vocabulary columns"),
 ]
 HIDDEN_INPUTS: list[tuple[object, object, type, str]] = [
@@ -564,6 +567,7 @@ SEQUENCE_CALLS: dict[str, Callable[..., object]] = {
     "log_probs_and_entropy_from_hidden": lambda **kw: log_probs_and_entropy_from_hidden(GOOD_H, GOOD_W, TARGETS, **kw),
     "log_probs_at_from_hidden": lambda **kw: log_probs_at_from_hidden(GOOD_H, GOOD_W, TARGETS[:, None], **kw),
     "topk_log_probs_from_hidden": lambda **kw: topk_log_probs_from_hidden(GOOD_H, GOOD_W, 2, **kw),
+    "entropy_from_hidden": lambda **kw: entropy_from_hidden(GOOD_H, GOOD_W, **kw),
     "response_log_probs_from_hidden": lambda **kw: response_log_probs_from_hidden(GOOD_H, GOOD_W, _TOKENS, _ONE, **kw),
     "response_distillation_from_hidden": lambda **kw: response_distillation_from_hidden(
         GOOD_H, GOOD_W, [torch.zeros(1, 2)], [torch.zeros(1, 2, dtype=torch.int64)], _ONE, **kw),

@@ -2,11 +2,13 @@
 ``TypeError``, a wrong shape, value or range a ``LayoutError``; every message names the
 argument, the values and the rule. All run before any collective.
 
-Every public function checks its tensors (``logits_and_targets``, ``head_and_targets``,
-``logits``, ``head``), then hands every other argument to ``options``, the one entry:
-each checked once, in one order, into the call's ``Options``. The tensor checks read a
-DTensor first (``dtensor``): the vocabulary-sharded input's local shard and its mesh's
-TP group (the group they return, for ``options``), every other tensor's local value."""
+Every public function checks its tensors (``logits_and_targets`` and ``logits_rows``:
+``[..., V_local]`` logits, flattened to their rows by ``leading``; ``logits``: 2-D, the
+glue's; ``head_and_targets``, ``head``), then hands every other argument to ``options``,
+the one entry: each checked once, in one order, into the call's ``Options``. The tensor
+checks read a DTensor first (``dtensor``): the vocabulary-sharded input's local shard and
+its mesh's TP group (the group they return, for ``options``), every other tensor's local
+value."""
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +26,7 @@ from .._types import HiddenKeywords as HiddenKeywordsOf
 from .._types import LogProbKeywords, TemperatureArg, compute_dtype
 from . import dtensor
 from .call import Options
+from .leading import Leading
 from .softmax import Tau
 from .token_sets import Support, check_support, on_host
 
@@ -141,13 +144,15 @@ def _logits_kind(value: object) -> Tensor:
     return logits
 
 
-def _logits_shape(logits: Tensor) -> None:
-    if logits.dim() != 2:
+def _logits_shape(logits: Tensor, nd: bool = False) -> None:
+    """2-D ``[T, V_local]`` logits (``nd``: at least 2-D, ``[..., V_local]``) with columns."""
+    if logits.dim() < 2 or (logits.dim() > 2 and not nd):
         raise LayoutError(
             f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
-            "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))"
+            + ("or more, [..., V_local]: one row per index of its leading dimensions (e.g. [B, S, V_local])"
+               if nd else "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))")
         )
-    if logits.shape[1] == 0:
+    if logits.shape[-1] == 0:
         raise LayoutError(
             f"logits has shape {tuple(logits.shape)}: 0 vocabulary columns; a vocabulary "
             "shard needs at least one"
@@ -166,17 +171,33 @@ def logits(value: object, tp_group: Group = None) -> tuple[Tensor, Group]:
     return logits_, group
 
 
+def logits_rows(value: object, tp_group: Group = None) -> tuple[Tensor, Group, Leading]:
+    """``[..., V_local]`` floating-point logits (at least 2-D, at least one column) as their
+    ``[T, V_local]`` rows, the TP group (as ``logits``) and their ``Leading`` shape, which
+    gives the results the leading shape back (``leading``)."""
+    local, group = dtensor.vocab_shard("logits", value, -1, tp_group)
+    logits_ = _logits_kind(local)
+    _logits_shape(logits_, nd=True)
+    lead = Leading.of("logits", logits_)
+    return lead.flat(logits_), group, lead
+
+
 def logits_and_targets(
     logits: object, targets: object, name: str = "targets", *, tp_group: Group = None
-) -> tuple[Tensor, Tensor, Group]:
-    """``logits`` and int64 token ids on their device: ``[T]`` targets, or ``[T, k]`` ids with
-    ``name="ids"``; and the TP group, as ``logits``."""
+) -> tuple[Tensor, Tensor, Group, Leading]:
+    """``[..., V_local]`` logits as ``logits_rows`` and int64 token ids on their device:
+    ``[...]`` targets, or ``[..., k]`` ids with ``name="ids"``, flattened with them to
+    ``[T]`` or ``[T, k]``; the TP group and the ``Leading`` shape. 2-D logits keep their
+    own messages (``_ids_fit``)."""
     local, group = dtensor.vocab_shard("logits", logits, -1, tp_group)
     logits_ = _logits_kind(local)
     targets_ = _ids_kind(name, dtensor.replicated(name, targets), "[T]" if name == "targets" else "[T, k]")
-    _logits_shape(logits_)
-    _ids_fit(name, tuple(targets_.shape), targets_.device, logits_.shape[0], logits_.device, "logits")
-    return logits_, targets_, group
+    _logits_shape(logits_, nd=True)
+    lead = Leading.of("logits", logits_)
+    if lead.nd:
+        targets_ = lead.per_row(name, targets_, None if name == "targets" else "k")
+    _ids_fit(name, tuple(targets_.shape), targets_.device, lead.rows, logits_.device, "logits")
+    return lead.flat(logits_), targets_, group, lead
 
 
 def head_and_targets(

@@ -6,8 +6,8 @@ hidden @ weight.T``, never built whole). Each driver writes its head's numerics
 (``forward``, ``backward``, ``topk_forward``); everything around them is written once
 here, over any head: the call's ``Options`` (``options``), the ``torch.autograd.Function``
 of the log-probs and of the top-k (the head's tensors are the Function's inputs, the head
-rebuilt from them inside), and the typed entries ``log_probs`` and ``topk`` that the
-public functions and the glue call.
+rebuilt from them inside), and the typed entries ``log_probs``, ``entropy`` and ``topk``
+that the public functions and the glue call.
 """
 
 from collections.abc import Callable, Sequence
@@ -65,6 +65,11 @@ class Head(Protocol):
 
     def take(self, index: Tensor) -> "Head":
         """The head of the rows ``index`` (an int64 index on ``x``'s device)."""
+        ...
+
+    def whole(self) -> "Head":
+        """The head that computes every row: this one, or (a sequence-parallel shard of
+        the hidden states) the head of the rows gathered over the TP group."""
         ...
 
     def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
@@ -161,6 +166,21 @@ def log_probs(head: Head, ids: Tensor, options: Options) -> tuple[Tensor, Tensor
     """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``) and the entropy (None
     without it), differentiable w.r.t. the head's tensors."""
     return _apply(type(head), ids, options, *head.tensors)
+
+
+def entropy(head: Head, **keywords: Unpack[args.Keywords]) -> Tensor:
+    """Each row's entropy alone, differentiable w.r.t. the head's tensors: the log-probs'
+    call with no picked id (``[T, 0]`` ids: nothing gathered, no picked logit in the
+    all-gather) and ``keywords`` checked as ``options``' (``entropy_grad`` left out: the
+    entropy is the result); a support only with ``entropy_over="support"``, whose rows
+    with a set take the entropy over the set alone (the full entropy needs none)."""
+    none = torch.empty((head.x.shape[0], 0), dtype=torch.int64, device=head.x.device)
+    opts = options(head, none, with_entropy=True, **keywords)
+    if not opts.over_support:
+        opts = opts._replace(support=None)
+    result = log_probs(head.whole(), none, opts)[1]
+    assert result is not None
+    return result
 
 
 def check_topk(head: Head, k: int, options: Options) -> None:

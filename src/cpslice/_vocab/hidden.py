@@ -96,7 +96,8 @@ def forward(
             # rows with a set need no logits row: their log-prob (and entropy) is sparse;
             # their target logit is their candidate element's, the last T elements
             need = ~el.host_has_set if need is None else ~el.host_has_set & need
-            dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
+            if ids.dim() == 1:  # an entropy alone ([T, 0] ids) has no candidate
+                dense.picked[:, 0] = torch.where(held[:, 0], x_el[x_el.numel() - rows :], 0.0)
         with_set_h = options.with_entropy and options.over_support
         tiles = spec.tiles(shard.size) if options.invariant else None
         sets = Sets(el, x_el, set_stats(x_el, el, dense.picked, options.tau, with_set_h, tiles))
@@ -491,6 +492,51 @@ def log_probs_and_entropy_from_hidden(
         x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
         chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
         invariant=invariant))
+
+
+def entropy_from_hidden(
+    hidden: TensorArg, weight: TensorArg, *, temperature: TemperatureArg = 1.0,
+    tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None, support: SupportArg = None,
+    entropy_over: EntropyOverArg = "full", softcap: RealArg | None = None, vocab_size: IntArg | None = None,
+    invariant: bool = False, sequence_parallel: bool = False,
+) -> PerRow:
+    """``entropy(hidden @ weight.T, ...)`` without ever building the ``[T, V_local]``
+    logits: the hidden-state path's blocks, forward and backward, with no target.
+
+    Args:
+        hidden, weight, temperature, tp_group, chunk_size, softcap, vocab_size, invariant,
+            sequence_parallel: as ``log_probs_and_entropy_from_hidden`` (``[T, H]`` hidden
+            states, or with ``sequence_parallel`` this TP rank's ``[T / tp, H]``; a
+            ``[V_local, H]`` LM-head shard or a DTensor weight sharded ``Shard(0)`` on the
+            TP mesh dimension).
+        support, entropy_over: as ``entropy``'s: with ``"support"``, a row with a set
+            takes the entropy over its set alone (each element's logit ``hidden[t] .
+            weight[id]``, ``O(K H)``), no block over it; with ``"full"`` a support
+            changes nothing.
+
+    Returns:
+        ``[T]`` float32 (float64 for float64 inputs), as ``entropy`` on the materialized
+        logits; differentiable w.r.t. ``hidden`` (the full gradient, summed over the TP
+        group; with ``sequence_parallel`` its shard's) and ``weight`` (this shard's).
+        Memory: as
+        ``log_probs_and_entropy_from_hidden``'s.
+
+    Collectives: with ``tp_group``, one ``all_gather`` of ``[3, T]`` in forward (as
+    ``entropy``) and, when ``hidden`` needs a gradient, one ``all_reduce`` of the ``[T,
+    H]`` hidden gradient in backward; every rank of the group must run backward through
+    the result, T = 0 too. With ``sequence_parallel``: one ``all_gather`` of ``[T / tp,
+    H]`` more in forward, one ``reduce_scatter`` of ``[T, H]`` in backward instead of the
+    all-reduce.
+
+    Raises:
+        TypeError, LayoutError: as ``log_probs_and_entropy_from_hidden`` for every
+            argument. Raised before any collective.
+    """
+    hidden_, weight_, tp = args.head(hidden, weight, tp_group)
+    x = hidden_head(hidden_, weight_, args.sequence(sequence_parallel, tp))
+    return head.entropy(
+        x, temperature=temperature, tp_group=tp, chunk_size=chunk_size, support=support,
+        entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant)
 
 
 def log_probs_at_from_hidden(

@@ -20,7 +20,7 @@ from .._types import (
     EntropyOverArg,
     IntArg,
     Logits,
-    PerRow,
+    PerPosition,
     RealArg,
     TemperatureArg,
     TensorArg,
@@ -151,6 +151,9 @@ class LogitsHead:
     def take(self, index: Tensor) -> "LogitsHead":
         return LogitsHead(self.logits.index_select(0, index))
 
+    def whole(self) -> "LogitsHead":
+        return self
+
     def forward(self, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None, Saved]:
         return forward(self.logits, ids, options)
 
@@ -167,21 +170,21 @@ class LogitsHead:
 @overload
 def log_probs_and_entropy(
     logits: TensorArg, targets: TensorArg, *, with_entropy: Literal[False] = False, **kwargs: Unpack[args.Keywords]
-) -> tuple[PerRow, None]: ...
+) -> tuple[PerPosition, None]: ...
 @overload
 def log_probs_and_entropy(
     logits: TensorArg, targets: TensorArg, *, with_entropy: Literal[True], **kwargs: Unpack[args.Keywords]
-) -> tuple[PerRow, PerRow]: ...
+) -> tuple[PerPosition, PerPosition]: ...
 @overload
 def log_probs_and_entropy(
     logits: TensorArg, targets: TensorArg, *, with_entropy: bool = False, **kwargs: Unpack[args.Keywords]
-) -> tuple[PerRow, PerRow | None]: ...
+) -> tuple[PerPosition, PerPosition | None]: ...
 def log_probs_and_entropy(
     logits: TensorArg, targets: TensorArg, *, with_entropy: bool = False, entropy_grad: bool = True,
     temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None, chunk_size: ChunkArg = None,
     support: SupportArg = None, entropy_over: EntropyOverArg = "full", softcap: RealArg | None = None,
     vocab_size: IntArg | None = None, invariant: bool = False,
-) -> tuple[PerRow, PerRow | None]:
+) -> tuple[PerPosition, PerPosition | None]:
     """Log-prob of each row's target, and optionally its entropy, under ``softmax(logits /
     temperature)`` over the full (possibly tensor-parallel) vocabulary.
 
@@ -191,19 +194,27 @@ def log_probs_and_entropy(
             * V_local)``, all shards of equal size. Never modified; saved for backward by
             reference (do not modify it in place before backward). Or a ``DTensor``
             ``Shard(-1)`` over the TP mesh dimension: docs/recipes.md, "DTensor logits".
-        targets: ``[T]`` int64 *global* token ids; a target in another rank's shard takes
-            its logit from that rank. Padding rows need some id in range.
+            Or ``[..., V_local]`` with any leading shape (a model's ``[B, S, V_local]``):
+            its rows are the flattened leading dimensions, and every result and per-row
+            argument has the leading shape ``[...]`` (``[T]`` above); a view of the
+            logits where the leading dimensions merge, else ``reshape``'s one copy, held
+            until backward (e.g. ``logits[:, :-1]``: pass the whole logits and slice the
+            results instead; docs/api-guide.md, "[B, S, V] logits and the entropy alone").
+        targets: ``[T]`` int64 *global* token ids (``[...]``, the logits' leading shape); a
+            target in another rank's shard takes its logit from that rank. Padding rows
+            need some id in range.
         with_entropy: also return the entropy of each row's distribution.
         entropy_grad: False: the entropy is a detached metric (no gradient, none saved).
         temperature: finite, > 0; the (capped) logits are divided by it. A ``[T]`` float
             tensor gives one per row (rollouts sampled at different temperatures), each
-            checked where it is on the CPU (on a device a bad one gives its row NaN).
+            checked where it is on the CPU (on a device a bad one gives its row NaN); for
+            ``[..., V_local]`` logits ``[...]`` or flattened ``[T]``.
         tp_group: the tensor-parallel group the vocabulary is split over (None: all local).
         chunk_size: rows per chunk of work; None picks ``default_chunk_rows`` (two
             ``[rows, V_local]`` float32 buffers within 8 MiB on the CPU, 64 MiB elsewhere;
             the compiled kernels', ``CPSLICE_BACKEND``: 32 MiB and 1 GiB).
         support: per-row token sets (top-p / top-k replay), the same on every rank of
-            ``tp_group``. A row with a non-empty set ``S_t`` takes its log-prob under the
+            ``tp_group``, over the ``T`` flattened rows. A row with a non-empty set ``S_t`` takes its log-prob under the
             softmax restricted to ``S_t`` plus its target (even outside the set: finite),
             its gradient zero outside; an empty set is unrestricted. ``O(K)`` work on
             those rows: the logits are gathered at the set's ids, never masked or copied.
@@ -224,8 +235,8 @@ def log_probs_and_entropy(
             the spec); under TP, ``V_local`` a multiple of 128. False: the fastest order.
 
     Returns:
-        ``(log_probs, entropy)``, each ``[T]`` float32 (float64 for float64 logits, which
-        are computed in float64), entropy None unless ``with_entropy``. Differentiable
+        ``(log_probs, entropy)``, each ``[T]`` (``[...]``) float32 (float64 for float64
+        logits, which are computed in float64), entropy None unless ``with_entropy``. Differentiable
         w.r.t. ``logits``. Memory: beyond the logits, ``[T]`` statistics and the chunk
         work buffers in forward, the one ``[T, V_local]`` gradient (dtype of logits) in
         backward; with a support, ``O(K + T)`` more. A row whose logits are all -inf, or
@@ -241,21 +252,73 @@ def log_probs_and_entropy(
         TypeError: logits not a floating-point tensor, targets not an int64 tensor,
             temperature not a real number or a floating-point tensor, softcap not a real
             number, chunk_size or vocab_size not an integer, support not a ``Support``.
-        LayoutError: logits not 2-D or with 0 columns, targets not ``[T]``, tensors on
-            different devices, temperature (or a row's) not finite and > 0 or not
-            ``[T]``, softcap not finite and > 0, chunk_size < 1, vocab_size < 1 or beyond
-            the full vocabulary, ``entropy_over`` not ``"full"`` or ``"support"``, a
-            support over another number of rows; on the CPU (where it costs no device
+        LayoutError: logits not at least 2-D or with 0 columns, targets not ``[T]`` (not
+            the leading shape), tensors on different devices, temperature (or a row's)
+            not finite and > 0 or not ``[T]`` (``[...]``), softcap not finite and > 0,
+            chunk_size < 1, vocab_size < 1 or beyond the full vocabulary,
+            ``entropy_over`` not ``"full"`` or ``"support"``, a support over another
+            number of rows; on the CPU (where it costs no device
             sync; on a device such a row's log-prob is NaN) a target or a support id
             outside ``[0, vocab_size)``; a DTensor placed otherwise; invariant mode's TP
             shard not whole tiles. Before any collective.
     """
-    logits_, targets_, tp = args.logits_and_targets(logits, targets, tp_group=tp_group)
+    logits_, targets_, tp, lead = args.logits_and_targets(logits, targets, tp_group=tp_group)
     x = LogitsHead(logits_)
-    return head.log_probs(x, targets_, head.options(
-        x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=temperature, tp_group=tp,
-        chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size,
-        invariant=invariant))
+    log_p, entropy_ = head.log_probs(x, targets_, head.options(
+        x, targets_, with_entropy=with_entropy, entropy_grad=entropy_grad, temperature=lead.temperature(temperature),
+        tp_group=tp, chunk_size=chunk_size, support=support, entropy_over=entropy_over, softcap=softcap,
+        vocab_size=vocab_size, invariant=invariant))
+    return lead.restore(log_p), lead.restore(entropy_)
+
+
+def entropy(
+    logits: TensorArg, *, temperature: TemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, support: SupportArg = None, entropy_over: EntropyOverArg = "full",
+    softcap: RealArg | None = None, vocab_size: IntArg | None = None, invariant: bool = False,
+) -> PerPosition:
+    """The entropy of each row's ``softmax(logits / temperature)`` over the full (possibly
+    tensor-parallel) vocabulary, without targets: ``log_probs_and_entropy``'s entropy,
+    with its gradient, and no log-prob computed.
+
+    Args:
+        logits: ``[..., V_local]`` (``[T, V_local]``, a model's ``[B, S, V_local]``) as
+            ``log_probs_and_entropy``'s: its rows the flattened leading dimensions; never
+            modified, saved for backward by reference; or a DTensor sharded ``Shard(-1)``
+            over the TP mesh dimension.
+        temperature, tp_group, chunk_size, softcap, vocab_size: as
+            ``log_probs_and_entropy`` (a per-row temperature ``[...]`` or flattened
+            ``[T]``).
+        support, entropy_over: with ``entropy_over="support"``, a row with a non-empty
+            set ``S_t`` (a ``Support`` over the ``T`` flattened rows, the same on every
+            rank of ``tp_group``) takes the entropy of the softmax restricted to ``S_t``
+            alone (there is no target to add), with no full pass over it; its gradient
+            zero outside ``S_t``. With ``"full"`` (default) every row's entropy is the
+            whole vocabulary's: a support is checked and changes nothing, as it leaves
+            ``log_probs_and_entropy``'s entropy unchanged.
+        invariant: as ``log_probs_and_entropy``: the same bits as its entropy with the
+            same options, whatever the batch, chunking and TP size.
+
+    Returns:
+        ``[...]`` (the leading shape; ``[T]`` for 2-D logits) float32 (float64 for
+        float64 logits), the same on every rank of ``tp_group``. Differentiable w.r.t.
+        ``logits`` (under ``torch.no_grad()`` nothing is saved: a detached metric).
+        Memory: as ``log_probs_and_entropy``: ``[T]`` statistics and the chunk work
+        buffers in forward, the one ``[T, V_local]`` gradient in backward.
+
+    Collectives: with ``tp_group``, exactly one ``all_gather`` of a ``[3, T]`` tensor in
+    forward (each row's max, sum of exp and entropy sum; with ``entropy_over="support"``
+    and a support 3 more; invariant: each statistic once per local tile), entered by
+    every rank whatever its inputs (T = 0 too); backward enters none.
+
+    Raises:
+        TypeError, LayoutError: as ``log_probs_and_entropy`` for every argument. Raised
+            before any collective.
+    """
+    logits_, tp, lead = args.logits_rows(logits, tp_group)
+    x = LogitsHead(logits_)
+    return lead.restore(head.entropy(
+        x, temperature=lead.temperature(temperature), tp_group=tp, chunk_size=chunk_size, support=support,
+        entropy_over=entropy_over, softcap=softcap, vocab_size=vocab_size, invariant=invariant))
 
 
 def log_probs_at(
@@ -269,16 +332,17 @@ def log_probs_at(
     Args:
         logits: ``[T, V_local]`` as ``log_probs_and_entropy``'s (never modified; saved for
             backward by reference), or a DTensor sharded ``Shard(-1)`` over the TP mesh
-            dimension, as there.
-        ids: ``[T, k]`` int64 *global* token ids, any ``k >= 1``, repeats allowed; an id in
-            another rank's shard takes its logit from that rank (a replicated DTensor: its
-            local tensor).
+            dimension, as there; or ``[..., V_local]``, its rows the flattened leading
+            dimensions, as there.
+        ids: ``[T, k]`` int64 *global* token ids (``[..., k]``), any ``k >= 1``, repeats
+            allowed; an id in another rank's shard takes its logit from that rank (a
+            replicated DTensor: its local tensor).
         temperature, tp_group, chunk_size, softcap, vocab_size, invariant: as
             ``log_probs_and_entropy`` (an id ``>= vocab_size`` is refused).
 
     Returns:
-        ``[T, k]`` float32 (float64 for float64 logits), the same on every rank of
-        ``tp_group``; differentiable w.r.t. ``logits`` (a repeated id's entry gathers the
+        ``[T, k]`` (``[..., k]``) float32 (float64 for float64 logits), the same on every
+        rank of ``tp_group``; differentiable w.r.t. ``logits`` (a repeated id's entry gathers the
         gradient of every copy). Memory: ``O(T * k)`` saved beyond the logits, no
         ``[T, V]`` work buffer (the chunk kernels, compiled where ``CPSLICE_BACKEND``
         says so), and in backward the one ``[T, V_local]`` gradient.
@@ -290,16 +354,17 @@ def log_probs_at(
     Raises:
         TypeError: logits not a floating-point tensor, ids not an int64 tensor; as
             ``log_probs_and_entropy`` for temperature and chunk_size.
-        LayoutError: logits not 2-D or with 0 columns, ids not ``[T, k]`` with ``k >= 1``,
+        LayoutError: logits not at least 2-D or with 0 columns, ids not ``[T, k]``
+            (``[..., k]``) with ``k >= 1``,
             tensors on different devices, a CPU id outside ``[0, tp_size * V_local)``
             (on a device, where checking would cost a sync, that entry is NaN); as
             ``log_probs_and_entropy`` otherwise. Raised before any collective.
     """
-    logits_, ids_, tp = args.logits_and_targets(logits, ids, "ids", tp_group=tp_group)
+    logits_, ids_, tp, lead = args.logits_and_targets(logits, ids, "ids", tp_group=tp_group)
     x = LogitsHead(logits_)
-    options = head.options(x, ids_, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
-                           vocab_size=vocab_size, invariant=invariant)
-    return head.log_probs(x, ids_, options)[0]
+    options = head.options(x, ids_, temperature=lead.temperature(temperature), tp_group=tp, chunk_size=chunk_size,
+                           softcap=softcap, vocab_size=vocab_size, invariant=invariant)
+    return lead.restore(head.log_probs(x, ids_, options)[0])
 
 
 def topk_log_probs(
@@ -316,14 +381,16 @@ def topk_log_probs(
 
     Args:
         logits, temperature, tp_group, chunk_size, softcap: as ``log_probs_and_entropy``
-            (DTensor logits sharded ``Shard(-1)`` over the TP mesh dimension included).
+            (DTensor logits sharded ``Shard(-1)`` over the TP mesh dimension, and
+            ``[..., V_local]`` logits, included).
         k: ids per row, ``1 <= k <=`` the vocabulary (``vocab_size``).
         vocab_size: as ``log_probs_and_entropy``: no padded id is ever chosen.
         invariant: as ``log_probs_and_entropy``; ties are broken by the smaller id.
 
     Returns:
         ``(log_probs, ids)``: ``[T, k]`` float32 (float64 for float64 logits), descending,
-        and ``[T, k]`` int64 global ids, the same on every rank of ``tp_group``.
+        and ``[T, k]`` int64 global ids (each ``[..., k]`` for ``[..., V_local]`` logits),
+        the same on every rank of ``tp_group``.
 
     Collectives: with ``tp_group``, exactly one ``all_gather`` in forward: each rank's
     local top-k candidates (values and ids) ride with its row statistics, and the top-k
@@ -335,9 +402,10 @@ def topk_log_probs(
             vocabulary (LayoutError), a vocabulary of more than 2^24 ids with logits
             other than float64. Raised before any collective.
     """
-    logits_, tp = args.logits(logits, tp_group)
+    logits_, tp, lead = args.logits_rows(logits, tp_group)
     k_ = args.k_best(k)
     x = LogitsHead(logits_)
-    options = head.options(x, None, temperature=temperature, tp_group=tp, chunk_size=chunk_size, softcap=softcap,
-                           vocab_size=vocab_size, invariant=invariant)
-    return head.topk(x, k_, options)
+    options = head.options(x, None, temperature=lead.temperature(temperature), tp_group=tp, chunk_size=chunk_size,
+                           softcap=softcap, vocab_size=vocab_size, invariant=invariant)
+    log_p, ids = head.topk(x, k_, options)
+    return lead.restore(log_p), lead.restore(ids)

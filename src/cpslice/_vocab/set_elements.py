@@ -50,11 +50,12 @@ class Elements(NamedTuple):
 
 
 def elements(support: Support, targets: Tensor, shard: Shard, keep: Tensor | None = None) -> Elements:
-    """The elements of every row's ``S_t + {target_t}`` that ``shard`` holds. ``O(K + T)``,
-    no device sync. ``keep`` (CPU bool ``[T]``, None: all) are the rows to compute: the
+    """The elements of every row's ``S_t + {target_t}`` that ``shard`` holds; with ``[T, 0]``
+    targets (an entropy alone) of every row's ``S_t``, no candidate. ``O(K + T)``, no
+    device sync. ``keep`` (CPU bool ``[T]``, None: all) are the rows to compute: the
     others have no set (no element of theirs counts, whatever their logits)."""
     device = targets.device
-    rows = targets.numel()
+    rows = targets.shape[0]
     ids = support.ids.to(device, non_blocking=True)
     offsets = support.offsets.to(device, non_blocking=True)
     counts = offsets.diff()
@@ -64,22 +65,34 @@ def elements(support: Support, targets: Tensor, shard: Shard, keep: Tensor | Non
     has_set, host_has_set = counts > 0, host_offsets(support).diff() > 0
     if keep is not None:
         has_set, host_has_set = has_set & keep.to(device, non_blocking=True), host_has_set & keep
-    hit = ids == targets[set_row]
-    in_set = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, hit.to(_I64)) > 0
-    row = torch.cat([set_row, torch.arange(rows, device=device)])
+    hit, cand_row, cand_counted = _candidates(ids, targets, set_row, has_set)
     outside = ((ids < 0) | (ids >= shard.vocab)).to(_I64)
     bad_row = torch.zeros(rows, dtype=_I64, device=device).index_add_(0, set_row, outside) > 0
-    col, held = shard.columns(torch.cat([ids, targets]))
-    counted = torch.cat([has_set[set_row], has_set & ~in_set])
+    col, held = shard.columns(torch.cat([ids, targets.view(-1)]))
+    counted = torch.cat([has_set[set_row], cand_counted])
     return Elements(
-        row,
+        torch.cat([set_row, cand_row]),
         col,
         held & counted,
-        torch.cat([hit, torch.ones_like(has_set)]),
+        torch.cat([hit, torch.ones_like(cand_counted)]),
         has_set,
         host_has_set,
         bad_row,
     )
+
+
+def _candidates(ids: Tensor, targets: Tensor, set_row: Tensor, has_set: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Of ``[T]`` targets: which set ids are their row's target (``[K]``), and each row's
+    candidate, the target: its row and whether it counts (``[T]``: where the row has a set
+    that lacks it). Of ``[T, 0]`` targets: no set id is a target, no candidate."""
+    if targets.dim() == 2:
+        assert targets.shape[1] == 0, targets.shape
+        none = set_row[:0]
+        return torch.zeros_like(ids, dtype=torch.bool), none, none.bool()
+    rows = targets.shape[0]
+    hit = ids == targets[set_row]
+    in_set = torch.zeros(rows, dtype=_I64, device=ids.device).index_add_(0, set_row, hit.to(_I64)) > 0
+    return hit, torch.arange(rows, device=ids.device), has_set & ~in_set
 
 
 def set_stats(
@@ -144,15 +157,16 @@ def split(
     entropy_over_support: bool,
     rows: Tensor | None = None,
 ) -> Split:
-    """``Split`` of the upstream gradients (``g_lp`` ``[T, 1]``); without sets, all dense.
-    ``rows`` (CPU bool ``[T]``, None: all) bounds the rows the dense pass may need: the
-    others were never computed."""
+    """``Split`` of the upstream gradients (``g_lp`` ``[T, 1]``, or ``[T, 0]`` for an entropy
+    alone); without sets, all dense. ``rows`` (CPU bool ``[T]``, None: all) bounds the
+    rows the dense pass may need: the others were never computed."""
     if restricted is None:
         return Split(g_lp, g_entropy, None, None, None)
     el = restricted.elements
     # rows with a set: the log-prob's gradient is sparse, and so is the entropy's with
-    # entropy_over="support" (or no entropy gradient)
-    set_lp = torch.where(el.has_set, g_lp[:, 0], 0.0)
+    # entropy_over="support" (or no entropy gradient); an entropy alone has no log-prob
+    picked = g_lp[:, 0] if g_lp.shape[1] else g_lp.new_zeros(g_lp.shape[0])
+    set_lp = torch.where(el.has_set, picked, 0.0)
     dense_lp = g_lp - set_lp[:, None]
     set_h = None
     if g_entropy is not None and restricted.totals.entropy is not None:
