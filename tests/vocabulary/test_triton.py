@@ -121,7 +121,8 @@ def test_backend_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             monkeypatch.setenv("CPSLICE_BACKEND", value)
         assert backend.setting() == want
-    for bad in ("1", "0", "cuda", "Triton", "inductor"):
+    # a value with spaces around it, or of spaces only, is no name either: refused
+    for bad in ("1", "0", "cuda", "Triton", "inductor", " triton", "eager ", "  "):
         monkeypatch.setenv("CPSLICE_BACKEND", bad)
         with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid; use one of.*'auto'.*'eager'"
                                              r".*'compiled'.*'triton'"):
