@@ -185,6 +185,54 @@ def test_masked_logits_in_a_set() -> None:
                "over": over})
 
 
+def _with_row_0_masked(run: Any, *leaves: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``run(*leaves)``'s log-probs and entropy, and the leaves' gradients of a loss that
+    masks row 0 out (``torch.where``: its upstream gradients 0, whatever its values)."""
+    leaves = tuple(x.detach().clone().requires_grad_(True) for x in leaves)
+    lp, h = run(*leaves)
+    keep = torch.arange(lp.shape[0]) > 0
+    g = torch.linspace(-1.0, 1.0, lp.shape[0])
+    torch.autograd.backward((torch.where(keep, lp, 0.0) * g).sum() + (torch.where(keep, h, 0.0) * g.flip(0)).sum())
+    grads = [x.grad for x in leaves]
+    assert all(x is not None for x in grads)
+    return lp.detach(), h.detach(), [x for x in grads if x is not None]
+
+
+def test_a_set_row_whose_statistics_are_not_finite_touches_nothing_outside_its_set() -> None:
+    """``entropy_over="support"``: a row whose set took its log-prob and entropy is no row
+    of the dense backward (the logits path's index, the hidden path's blocks), so its
+    entropy multiplies nothing there, however non-finite (``gradient.row_grad`` keeps no
+    guard for it). Row 0's set holds a ``+inf`` logit (an overflow on the hidden path),
+    so its log-prob and entropy are NaN, masked out of the loss: every other row's
+    values and gradient are those of the batch with row 0 finite, bit for bit; row 0's
+    logits' gradient is 0 outside its set, and the LM head's rows outside its set get
+    the same gradient."""
+    sets = csr([[1, 5], [], [3, 6], []])
+    targets = torch.tensor([1, 2, 3, 4])
+    opts: dict[str, Any] = {"with_entropy": True, "support": sets, "entropy_over": "support", "temperature": 0.8}
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, 8, generator=gen)
+    bad = logits.clone()
+    bad[0, 5] = math.inf
+    clean, got = (_with_row_0_masked(lambda x: log_probs_and_entropy(x, targets, **opts), x) for x in (logits, bad))
+    assert bool(got[0][0].isnan()) and bool(got[1][0].isnan())
+    assert torch.equal(got[0][1:], clean[0][1:]) and torch.equal(got[1][1:], clean[1][1:])
+    assert torch.equal(got[2][0][1:], clean[2][0][1:])
+    outside = torch.ones(8, dtype=torch.bool).index_fill_(0, torch.tensor([1, 5]), False)
+    assert not got[2][0][0, outside].any() and not clean[2][0][0, outside].any()
+    # the hidden path: row 0's logit at id 5 overflows (1e30 * 1e10), the others' stay 0 there
+    hidden, weight = torch.randn(4, 3, generator=gen), torch.randn(8, 3, generator=gen)
+    hidden[:, 0], weight[:, 0] = 0.0, 0.0
+    weight[5, 0], hidden[0, 0] = 1e10, 1e30
+    finite = hidden.clone()
+    finite[0, 0] = 1.0
+    clean, got = (_with_row_0_masked(lambda h, w: log_probs_and_entropy_from_hidden(h, w, targets, **opts), h,
+                                     weight) for h in (finite, hidden))
+    assert bool(got[0][0].isnan()) and bool(got[1][0].isnan())
+    assert torch.equal(got[0][1:], clean[0][1:]) and torch.equal(got[1][1:], clean[1][1:])
+    assert torch.equal(got[2][0][1:], clean[2][0][1:]) and torch.equal(got[2][1][outside], clean[2][1][outside])
+
+
 # ---------------------------------------------------------------------------
 # Support.from_responses against the oracle, and CP invariance.
 
