@@ -302,6 +302,8 @@ def test_printed_shares_are_what_extraction_returns(
          "--total has 2 samples but --response has 1"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2"],
          "--mode 'none' with --cp-size 2"),
+        (["plan", "--total", "10", "--response", "4", "--mode", "zigzag"],
+         "cpslice plan: error: --mode 'zigzag' with --cp-size 1: zigzag needs --cp-size 2 or more"),
         (["plan", "--total", "10", "--response", "4", "--format", "bshd"],
          "--format 'bshd' needs --max-seq-len"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "allgather",
