@@ -4,17 +4,29 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.cpslice-installed
+TORCH  := torch==2.13.0
+# The index torch comes from. Empty: pip's own configuration (an index or --find-links that
+# serves the CPU wheel, as on a machine with a local mirror). Elsewhere pip's default index
+# serves the CUDA build (gigabytes): `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
+PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 
 .PHONY: install typecheck lint test demo bench clean
 
 install: $(STAMP)
 
+# one line per stage: pip is quiet, and the first stages take minutes
 $(STAMP): pyproject.toml requirements-dev.txt Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[megatron,debug]'
-	touch $(STAMP)
+	@echo "make install: 1/4 the virtual environment $(VENV)/"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "make install: 2/4 $(TORCH) from $(if $(TORCH_INDEX),$(TORCH_INDEX),pip's configured index) (the largest download)"
+	@$(PIP) $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	@echo "make install: 3/4 the pinned tools of requirements-dev.txt (megatron-core, transformers, triton, ...)"
+	@$(PIP) -r requirements-dev.txt
+	@echo "make install: 4/4 cpslice itself, editable, with its extras"
+	@$(PIP) -e '.[megatron,debug]'
+	@touch $(STAMP)
+	@echo "make install: done"
 
 typecheck: install
 	$(BIN)/mypy

@@ -9,7 +9,8 @@ Each step: ``model.model(...)``'s final hidden states and ``model.lm_head.weight
 (the response rows only: the ``[B, S, V]`` logits are never built) -> a clipped-ratio
 loss with group-normalized advantages (``cpslice.sum_of_sample_means``) -> Adam.
 
-Printed: each step's loss, and the peak memory of one step (forward + backward) against
+Printed: each step's loss (in scientific notation: the first, on-policy, is 0 up to
+rounding), and the peak memory of one step (forward + backward) against
 the recipe it replaces, ``log_softmax(model(...).logits[:, -R-1:-1])`` gathered at the
 response tokens (verl; TRL's ``logits_to_keep=R + 1`` builds ``[B, R + 1, V]`` of them
 instead of ``[B, S, V]``): the growth of the peak RSS (VmHWM) during the step beyond the
@@ -182,6 +183,14 @@ def train(
     return losses
 
 
+def loss_line(step: int, loss: float) -> str:
+    """What ``main`` prints of a step's loss: four significant digits, whatever its size.
+    Step 0 is on-policy (every ratio 1): its loss is minus the mean of advantages centred
+    per group, 0 but for rounding; Adam's steps move the policy after it."""
+    why = " (on-policy: minus the mean advantage, 0 up to rounding)" if step == 0 else ""
+    return f"step {step}: loss {loss:+.3e}{why}"
+
+
 def step_peak_bytes(model: LlamaForCausalLM, batch: Batch, log_probs: LogProbs) -> int:
     """Peak RSS growth of one forward + backward of ``log_probs``' loss."""
     def step() -> None:
@@ -203,7 +212,7 @@ def main() -> None:
           f"({rows // group} prompts x {group}), rows of S = {width} columns, "
           f"{sum(batch.layout.response_lengths)} response tokens")
     for i, loss in enumerate(train(model, batch, rewards, group, steps=3)):
-        print(f"step {i}: loss {loss:+.5f}")
+        print(loss_line(i, loss))
     mib = 2**20
     ours = step_peak_bytes(model, batch, hidden_log_probs)
     theirs = step_peak_bytes(model, batch, logits_log_probs)

@@ -4,6 +4,8 @@ The pages are README.md and every docs/*.md. A fenced block opens with a line of
 backticks and a language (```python, ```text, ```sh) and closes with three backticks.
 """
 
+import contextlib
+import io
 import re
 from pathlib import Path
 from typing import Any
@@ -40,3 +42,21 @@ def block_defining(page: str, function: str) -> dict[str, Any]:
     found = [b for b in blocks(ROOT / page, "python") if f"def {function}(" in b]
     assert len(found) == 1, f"{page}: {len(found)} Python blocks define {function}, not one"
     return run_block(found[0], f"{page} (def {function})")
+
+
+_SHOWN = re.compile(r"^print\(.*\)\s+# ([\[(\d'\"-][^:]*)(?::\s.*)?$")
+
+
+def shown(source: str) -> list[str]:
+    """What a block says its prints print, in order: each top-level ``print(...)`` line's
+    comment up to ``: ``, where that comment starts with a value (a bracket, a digit, a
+    quote or a minus), e.g. ``print(x)  # [4, 4, 3]: ...`` shows ``[4, 4, 3]``."""
+    return [m.group(1).rstrip() for m in map(_SHOWN.match, source.splitlines()) if m is not None]
+
+
+def printed(source: str, name: str) -> list[str]:
+    """The lines a block prints when it runs (``run_block``)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_block(source, name)
+    return out.getvalue().splitlines()

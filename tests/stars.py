@@ -203,7 +203,7 @@ def stars(draw: st.DrawFn, max_groups: int = 3, max_cp: int = 4,
     response = tuple(draw(st.lists(st.sampled_from((0, 1, 1, 2, 3, 6)), min_size=sum(groups),
                                    max_size=sum(groups))))
     mode = draw(st.sampled_from(modes))
-    cp = 1 if mode == "none" else draw(st.integers(1, max_cp))
+    cp = 1 if mode == "none" else draw(st.integers(2 if mode == "zigzag" else 1, max_cp))  # zigzag: cp >= 2
     case = Stars(groups, prompts, response, "none" if mode == "order" else mode, cp)
     step = 2 * cp if mode == "zigzag" else 1
     kind = draw(st.sampled_from(("default", "default", "align", "padded", "cu")))

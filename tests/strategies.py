@@ -75,7 +75,7 @@ def configs(
     total, response = draw(samples(max_n=max_n))
     mode = draw(st.sampled_from(modes))
     fmt: QkvFormat = "thd" if mode == "allgather" else draw(st.sampled_from(("thd", "bshd")))
-    cp = 1 if mode == "none" else draw(st.integers(1, max_cp))
+    cp = 1 if mode == "none" else draw(st.integers(2 if mode == "zigzag" else 1, max_cp))  # zigzag: cp >= 2
     seq, offsets = draw(rows(total, response)) if fmt == "bshd" else (None, None)
     padded, align = draw(padding(total, mode, cp)) if fmt == "thd" else (None, None)
     extra = draw(st.integers(0, 4))

@@ -302,6 +302,8 @@ def test_printed_shares_are_what_extraction_returns(
          "--total has 2 samples but --response has 1"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2"],
          "--mode 'none' with --cp-size 2"),
+        (["plan", "--total", "10", "--response", "4", "--mode", "zigzag"],
+         "cpslice plan: error: --mode 'zigzag' with --cp-size 1: zigzag needs --cp-size 2 or more"),
         (["plan", "--total", "10", "--response", "4", "--format", "bshd"],
          "--format 'bshd' needs --max-seq-len"),
         (["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "allgather",
@@ -380,6 +382,54 @@ def test_an_invalid_cpslice_debug_is_one_line_from_the_command_line(
     assert done.stderr == (
         "cpslice: error: CPSLICE_DEBUG='yes' is not valid; use one of: unset or '' or '0' "
         "(no checking), '1' (jaxtyping + beartype checks on every cpslice function)\n")
+
+
+_BAD_BACKEND = """
+import contextlib, io, torch, cpslice
+from cpslice._cli import main
+layout = cpslice.Layout([3], [1])  # what needs no backend works
+print(cpslice.pack([torch.arange(3)], layout).tolist())
+for dtype in (torch.float32, torch.float64):  # float64 would fall back from Triton: refused first
+    try:
+        cpslice.log_probs_and_entropy(torch.randn(2, 5, dtype=dtype), torch.tensor([0, 1]))
+    except ValueError as error:
+        print(f"ValueError: {error}")
+for argv in (["plan", "--total", "3", "--response", "1"], ["verify"], ["bench", "--checkout", "/nowhere"]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    print(argv[0], code, len(out.getvalue().splitlines()), err.getvalue().splitlines())
+"""
+
+
+def _bad_backend() -> dict[str, Job]:
+    """A fresh interpreter with ``CPSLICE_BACKEND=gpu`` (read when cpslice is imported):
+    the library and the command line, a background job (tests/background.py)."""
+    env = {**os.environ, "CPSLICE_BACKEND": "gpu"}
+    return {"gpu": Job((sys.executable, "-c", _BAD_BACKEND), env, background.folder())}
+
+
+background.register("bad-backend", "tests/cli/test_cli_plan.py::test_an_invalid_cpslice_backend", _bad_backend)
+
+
+def test_an_invalid_cpslice_backend_is_refused_in_one_line_where_a_backend_is_needed() -> None:
+    """``import cpslice`` and what needs no backend (a ``Layout``, ``cpslice plan``) work;
+    the first vocabulary call raises one ``ValueError`` line naming the setting and its
+    values, and ``cpslice verify`` and ``bench`` (the subcommands that compute) say it in
+    one line and exit 2 before they start."""
+    done = background.result("bad-backend", timeout=200)["gpu"]
+    assert done.code == 0, done.err[-3000:]
+    said = ("CPSLICE_BACKEND='gpu' is not valid; use one of: unset or '' or 'auto' (Triton kernels for CUDA "
+            "tensors, compiled kernels on the CPU where they pay, else eager), 'eager' (torch operations), "
+            "'compiled' (torch.compile; an error if it fails), 'triton' (Triton kernels; an error for a tensor "
+            "they cannot run on)")
+    assert done.out.splitlines() == [
+        "[0, 1, 2]", f"ValueError: {said}", f"ValueError: {said}",
+        "plan 0 9 []",
+        f"verify 2 0 {[f'cpslice verify: error: {said}']}",
+        f"bench 2 0 {[f'cpslice bench: error: {said}']}",
+    ], done.out
+    assert done.err == ""
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from cpslice._verify.batches import make_batch
 from cpslice._verify.cases import ORDER_CASES, TOLERANCE, Case, Config, select_cases
 from cpslice._verify.check import Errors, max_error, row_length
 from cpslice._verify.rank import join_store
-from cpslice._verify.report import CaseResult
+from cpslice._verify.report import CaseResult, progress_line
 from cpslice._verify.runner import host_store, verify_main
 
 from .. import _verify_ranks, planted
@@ -269,9 +269,19 @@ def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[s
         assert r[7] == "0", (name, r)  # invariance: the same bits as decode time
     assert "pass when each is <= 1e-05" in out
     assert lines[-1] == "13 layouts: all pass"
-    # progress: a line per layout on stderr, as each finishes
+    # progress: a line per layout on stderr, as each finishes, the verdicts in one column
     assert [line.split(" pass ")[0].strip() for line in err.splitlines()
             if " pass " in line] == names
+    assert len({line.index(" pass ") for line in err.splitlines() if " pass " in line}) == 1, err
+
+
+def test_progress_lines_keep_the_verdicts_in_one_column() -> None:
+    cases = (Case("none", "thd"), *ORDER_CASES)
+    width = max(len(c.name) for c in cases)
+    lines = [progress_line(CaseResult(c, 2, 1, 4, 0, Errors(0.0, 0.0, 0.0, 0.0, 0.0), TOLERANCE, 0.25), width)
+             for c in cases]
+    assert {line.index(" pass ") for line in lines} == {2 + width}, lines
+    assert lines[0] == f"  {'none thd':<{width}} pass  (0.25 s)"
 
 
 def test_the_error_measure_turns_nan_into_a_failure() -> None:

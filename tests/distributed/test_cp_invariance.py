@@ -172,6 +172,8 @@ def _redistribute_errors(rank: int, world: int) -> list[str]:
     world_group = dist.group.WORLD
     bad: list[Callable[[], object]] = [
         lambda: redistribute(shares, zig.for_rank((rank + 1) % world), zig, cp_group=world_group),
+        # a dst of the group's size, but another rank's: refused as a src of another rank is
+        lambda: redistribute(shares, zig, zig.for_rank((rank + 1) % world), cp_group=world_group),
         lambda: redistribute(shares, Layout([10, 6], [4, 2], cp_mode="zigzag", cp_size=2,
                                             cp_rank=rank % 2), zig, cp_group=world_group),
         lambda: redistribute(shares, zig, Layout([10, 7], [4, 2]), cp_group=world_group),
@@ -211,9 +213,11 @@ def test_every_rank_enters_the_same_collectives_even_holding_nothing() -> None:
         assert sequence == ["all_to_all_single"] * 2 + ["forward done"] + (
             ["all_to_all_single"] * 2
         ) + ["backward done"], sequence
-    wrong_rank, wrong_size, other_samples, wrong_length, mixed, no_local, *rest = messages[1]
+    wrong_rank, wrong_dst_rank, wrong_size, other_samples, wrong_length, mixed, no_local, *rest = messages[1]
     no_group, no_group_gather, no_cp = rest
     assert "src is rank 2 of cp_size 4 but this process is rank 1 of a group of 4" in wrong_rank
+    assert wrong_dst_rank.startswith("dst is rank 2 of cp_size 4 but this process is rank 1 of 4; a dst with CP "
+                                     "must be this rank's layout"), wrong_dst_rank
     assert "pass the CP group" in wrong_size
     assert "same samples" in other_samples
     assert "sample 0: values[0] has 1 positions but rank 1's share in src is 0" in wrong_length

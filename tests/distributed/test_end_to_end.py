@@ -71,9 +71,9 @@ def _check_rank(batch: Batch, layout: Layout, tp_rank: int, tp: int, cp_group: A
     whole_lp, whole_ent = redistribute((lp, ent), layout, Layout(batch.total, batch.response),
                                        cp_group=cp_group)
     err["gathered"] = max(_err(whole_lp, batch.ref_lp), _err(whole_ent, batch.ref_ent))
-    if layout.cp_mode == "allgather":
+    if layout.cp_mode == "allgather":  # -> zigzag (at cp 1, one rank's layout: none)
         zig = Layout(batch.total, batch.response, cp_mode="zigzag", cp_rank=layout.cp_rank,
-                     cp_size=layout.cp_size)
+                     cp_size=layout.cp_size) if layout.cp_size > 1 else Layout(batch.total, batch.response)
         zlp = redistribute(lp, layout, zig, cp_group=cp_group)
         zcfg = oracle.config_of(zig)
         err["to_zigzag"] = _err(zlp, oracle.shares(batch.ref_lp, zcfg, rank))
@@ -198,7 +198,8 @@ def _worker(rank: int, world: int, setups: list[tuple[int, int, int]]
             layouts[tp, cp] = from_parallel_state_setup(tp, cp)
             cp_group, tp_group = ps.get_context_parallel_group(), ps.get_tensor_model_parallel_group()
             batch = make_batch(seed, n=7, cp=cp, vocab=VOCAB_PER_RANK * tp)
-            for kind in KINDS + (["none-thd", "none-bshd"] if cp == 1 else []):
+            # at cp 1 zigzag is no layout (cp_mode None reads none there): none's kinds instead
+            for kind in KINDS if cp > 1 else ["allgather", "none-thd", "none-bshd"]:
                 base = layout_for(batch, kind, 0, cp)
                 allgather = kind == "allgather"
                 layout = Layout.from_parallel_state(

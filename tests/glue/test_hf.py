@@ -18,6 +18,7 @@ from hf_grpo_step import (  # examples/: pytest puts it on the path
     LogProbs,
     hidden_log_probs,
     logits_log_probs,
+    loss_line,
     rollout,
     tiny_llama,
     train,
@@ -74,3 +75,10 @@ def test_grpo_steps_train_as_on_the_logits() -> None:
     assert losses == pytest.approx(want, abs=1e-5)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-4, msg=name)
+    # what the example prints of them: the on-policy step's loss, 0 up to rounding, shows
+    # its digits, not a -0.00000 that reads as nothing computed
+    assert abs(losses[0]) < 1e-6
+    first = loss_line(0, losses[0])
+    assert first.startswith(f"step 0: loss {losses[0]:+.3e} (on-policy") and "e-" in first, first
+    assert float(first.split()[3]) == pytest.approx(losses[0], rel=1e-3)
+    assert loss_line(1, -0.1408) == "step 1: loss -1.408e-01"

@@ -235,7 +235,7 @@ def _shared_cases(draw: st.DrawFn) -> Case:
         response += rs
         stars.append(prompt + sum(rs))
     mode = draw(st.sampled_from(("none", "zigzag", "allgather", "order")))
-    cp = 1 if mode == "none" else draw(st.integers(1, 4))
+    cp = 1 if mode == "none" else draw(st.integers(2 if mode == "zigzag" else 1, 4))  # zigzag: cp >= 2
     step = 2 * cp if mode == "zigzag" else 1
     padded: tuple[int, ...] | None = tuple(-(-s // step) * step + step * draw(st.integers(0, 1)) for s in stars)
     order: tuple[int, ...] | None = None

@@ -76,6 +76,11 @@ def test_wrong_kinds(args: tuple[Any, ...], kwargs: dict[str, Any], error: type,
         (([3], [1]), {"cp_mode": "zigzag", "cp_size": 2, "cp_rank": -1}, r"cp_rank -1 is outside"),
         (([3], [1]), {"cp_mode": "zigzag", "cp_size": 0}, r"cp_size 0 < 1"),
         (([3], [1]), {"cp_size": 2}, r"cp_mode 'none' with cp_size 2: pass cp_mode='zigzag'"),
+        (([3], [1]), {"cp_mode": "zigzag"}, r"^cp_mode 'zigzag' with cp_size 1: zigzag needs cp_size 2 or more "
+         r"\(it deals each sample's 2 \* cp_size chunks out to the CP ranks in pairs\); pass cp_mode='none' for one "
+         r"rank$"),
+        (([3], [1]), {"cp_mode": "zigzag", "qkv_format": "bshd", "max_seq_len": 4, "cp_size": 1},
+         r"cp_mode 'zigzag' with cp_size 1"),
         (([3], [1]), {"cp_mode": "allgather", "qkv_format": "bshd", "max_seq_len": 4,
                       "cp_size": 2}, r"cp_mode 'allgather' .* needs qkv_format 'thd'"),
         (([3], [1]), {"local_length": -1}, r"local_length -1 < 0"),
@@ -281,7 +286,7 @@ def test_redistribute_at_cp_size_1_needs_no_process_group() -> None:
     import torch.distributed as dist
 
     assert not dist.is_initialized()
-    zig = Layout([10, 6], [4, 2], cp_mode="zigzag", cp_size=1)
+    zig = Layout([10, 6], [4, 2], cp_mode="allgather", cp_size=1, local_length=16)
     lp = [torch.randn(4, requires_grad=True), torch.randn(2, requires_grad=True)]
     ent = [torch.randn(4), torch.randn(2)]
     out, out_ent = redistribute((lp, ent), zig, Layout([10, 6], [4, 2]))

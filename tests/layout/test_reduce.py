@@ -272,7 +272,7 @@ def test_extremes_without_cp_need_no_process_group_and_with_cp_say_so() -> None:
     values, masks = [torch.tensor([1.0, 3.0])], [torch.ones(2)]
     cp = Layout([8], [2], cp_mode="zigzag", cp_size=2, cp_rank=1)
     for fn, want in ((sample_max, [3.0]), (sample_min, [1.0])):
-        assert fn(values, masks, Layout([3], [2], cp_mode="zigzag", cp_size=1)).tolist() == want
+        assert fn(values, masks, Layout([3], [2], cp_mode="allgather", cp_size=1, local_length=3)).tolist() == want
         with pytest.raises(RuntimeError, match=rf"{fn.__name__} at cp_size 2 needs torch.distributed"):
             fn(shard_responses(values, cp), masks, cp)
 
@@ -329,7 +329,7 @@ def test_sample_means_without_cp_needs_no_process_group_and_with_cp_says_so() ->
 
     assert not dist.is_initialized()
     values, masks = [torch.tensor([1.0, 3.0])], [torch.ones(2)]
-    for layout in (Layout([3], [2]), Layout([3], [2], cp_mode="zigzag", cp_size=1)):
+    for layout in (Layout([3], [2]), Layout([3], [2], cp_mode="allgather", cp_size=1, local_length=3)):
         assert sample_means(values, masks, layout).tolist() == [2.0]
     cp = Layout([8], [2], cp_mode="zigzag", cp_size=2, cp_rank=1)
     with pytest.raises(RuntimeError, match=r"cp_size 2 needs torch.distributed"):

@@ -23,7 +23,7 @@ import pytest
 import cpslice
 from cpslice import _cli
 
-from .._docs import DOCS, PAGES, ROOT, blocks, page_name, run_block
+from .._docs import DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
 
 PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
 README = ROOT / "README.md"
@@ -59,6 +59,21 @@ def test_links_resolve(page: Path) -> None:
         assert file.is_relative_to(ROOT) and file.exists(), f"{page_name(page)}: {target}"
         if anchor:
             assert anchor in _anchors(file), f"{page_name(page)}: no heading for {target}"
+
+
+def test_the_readme_shows_what_its_blocks_print() -> None:
+    """Each README block's prints are commented with what they print (``# [4, 4, 3]: ...``),
+    and print that."""
+    for i, source in enumerate(blocks(README, "python")):
+        want = shown(source)
+        assert want == [] or printed(source, f"README.md block {i}") == want, i
+        assert want or "print(" not in source, f"README.md block {i}: a print whose comment shows no value"
+
+
+def test_the_value_a_print_shows_is_read_from_its_comment() -> None:
+    source = ("print(a)   # [4, 4, 3]: the shares\nprint(b)  # (16, 8)\nprint(c)  # branch 2's row\n"
+              "    print(d)  # [1]\nx = 1  # [2]\nprint(e)  # -0.5: a loss\n")
+    assert shown(source) == ["[4, 4, 3]", "(16, 8)", "-0.5"]
 
 
 def test_the_readme_maps_every_docs_page() -> None:

@@ -209,6 +209,35 @@ def test_readme_opens_with_what_and_how_to_install() -> None:
     opening = text[: text.index("## Install")]
     assert "make test" not in opening, "what cpslice is comes first, then how to install it"
     install = text[text.index("## Install") : text.index(f"## {heads[1]}")]
-    torch_cpu = install.index("https://download.pytorch.org/whl/cpu")
-    extras = install.index("pip install 'cpslice[megatron,debug]'")
-    assert torch_cpu < extras < install.index("make test") < install.index("make demo")
+    # no release yet: the clone comes first, then its one command, then an own environment's
+    commands = re.findall(r"^```sh\n(.*?)^```", install, re.S | re.M)[0].splitlines()
+    assert "no release on PyPI yet" in install
+    assert commands[0].startswith("git clone ") and commands[1].startswith("make test ")
+    assert "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu" in install
+    clone, torch_cpu = install.index("git clone"), install.index("pip install torch --index-url "
+                                                                  "https://download.pytorch.org/whl/cpu")
+    extras = install.index("pip install -e '.[megatron,debug]'")
+    assert clone < install.index("\nmake test", clone) < install.index("\nmake demo", clone) < torch_cpu < extras
+    # how long the two commands take, in minutes
+    assert re.search(r"first\s+`make test` takes about \d+ minutes", install), install
+    assert re.search(r"`make demo` about \d+ (seconds|minutes?)", install), install
+
+
+def _make_install(*assignments: str) -> list[str]:
+    """The commands ``make install`` would run (``make -n -B``: printed, none run)."""
+    done = subprocess.run(["make", "-n", "-B", "install", *assignments], cwd=ROOT, capture_output=True, text=True,
+                          check=True, timeout=60)
+    return done.stdout.splitlines()
+
+
+def test_make_install_takes_torch_from_the_index_given_and_says_each_stage() -> None:
+    plain = _make_install()
+    torch_line = [line for line in plain if "pip install" in line and "torch==" in line]
+    assert len(torch_line) == 1 and "--index-url" not in torch_line[0], plain  # pip's configured index
+    cpu = _make_install("TORCH_INDEX=https://download.pytorch.org/whl/cpu")
+    torch_line = [line for line in cpu if "pip install" in line and "torch==" in line]
+    assert len(torch_line) == 1 and torch_line[0].endswith("--index-url https://download.pytorch.org/whl/cpu"), cpu
+    assert not [line for line in cpu if "--index-url" in line and "torch==" not in line and "echo" not in line]
+    stages = [line for line in plain if line.startswith('echo "make install: ')]
+    assert [s.split()[3] for s in stages[:4]] == ["1/4", "2/4", "3/4", "4/4"], stages
+    assert all(line.startswith("echo ") or "-q" in line for line in plain if "pip install" in line)

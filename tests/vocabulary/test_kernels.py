@@ -75,12 +75,24 @@ def _import_a_copy() -> ModuleType:
     return module
 
 
-def test_invalid_value_refused_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPSLICE_BACKEND", "on")
-    with pytest.raises(ValueError, match="CPSLICE_BACKEND='on' is not valid"):
-        _import_a_copy()
+def test_an_invalid_value_is_refused_where_a_backend_is_first_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read at import, refused by ``current`` (what every kernel's choice reads), not by the
+    import: what needs no backend still works (tests/cli/test_cli_plan.py runs a fresh
+    interpreter with one)."""
+    for bad in ("on", " eager", "   "):
+        monkeypatch.setenv("CPSLICE_BACKEND", bad)
+        copy = _import_a_copy()
+        with pytest.raises(ValueError, match=rf"^CPSLICE_BACKEND='{bad}' is not valid; use one of[^\n]*'triton'"):
+            copy.current()
+        with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid"):
+            copy.compile_mode()
+        with copy.using("eager"):  # the seam's choice replaces the refused one for the block
+            assert copy.current() == "eager"
+        with pytest.raises(ValueError, match="is not valid"):
+            copy.current()
     monkeypatch.setenv("CPSLICE_BACKEND", "eager")
-    assert _import_a_copy().selected.name == "eager"
+    copy = _import_a_copy()
+    assert copy.selected.name == copy.current() == "eager"
 
 
 @settings(max_examples=60, deadline=None)

@@ -36,7 +36,7 @@ from cpslice import (
 from cpslice import shard_responses as cp_shard
 from tests.checked import refused
 
-from .._dist import run_distributed
+from .._dist import run_distributed, tp_groups
 from ..drivers import BOTH, HIDDEN, LOGITS, Driver
 from ..oracle import Config, local_length, local_map
 from ..reference import (
@@ -183,6 +183,54 @@ def test_masked_logits_in_a_set() -> None:
         check(LOGITS, {"logits": logits, "targets": targets, "sets": [[1, 3], [0, 2]],
                "temperature": 0.7, "chunk": 1, "with_entropy": True, "entropy_grad": True,
                "over": over})
+
+
+def _with_row_0_masked(run: Any, *leaves: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``run(*leaves)``'s log-probs and entropy, and the leaves' gradients of a loss that
+    masks row 0 out (``torch.where``: its upstream gradients 0, whatever its values)."""
+    leaves = tuple(x.detach().clone().requires_grad_(True) for x in leaves)
+    lp, h = run(*leaves)
+    keep = torch.arange(lp.shape[0]) > 0
+    g = torch.linspace(-1.0, 1.0, lp.shape[0])
+    torch.autograd.backward((torch.where(keep, lp, 0.0) * g).sum() + (torch.where(keep, h, 0.0) * g.flip(0)).sum())
+    grads = [x.grad for x in leaves]
+    assert all(x is not None for x in grads)
+    return lp.detach(), h.detach(), [x for x in grads if x is not None]
+
+
+def test_a_set_row_whose_statistics_are_not_finite_touches_nothing_outside_its_set() -> None:
+    """``entropy_over="support"``: a row whose set took its log-prob and entropy is no row
+    of the dense backward (the logits path's index, the hidden path's blocks), so its
+    entropy multiplies nothing there, however non-finite (``gradient.row_grad`` keeps no
+    guard for it). Row 0's set holds a ``+inf`` logit (an overflow on the hidden path),
+    so its log-prob and entropy are NaN, masked out of the loss: every other row's
+    values and gradient are those of the batch with row 0 finite, bit for bit; row 0's
+    logits' gradient is 0 outside its set, and the LM head's rows outside its set get
+    the same gradient."""
+    sets = csr([[1, 5], [], [3, 6], []])
+    targets = torch.tensor([1, 2, 3, 4])
+    opts: dict[str, Any] = {"with_entropy": True, "support": sets, "entropy_over": "support", "temperature": 0.8}
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, 8, generator=gen)
+    bad = logits.clone()
+    bad[0, 5] = math.inf
+    clean, got = (_with_row_0_masked(lambda x: log_probs_and_entropy(x, targets, **opts), x) for x in (logits, bad))
+    assert bool(got[0][0].isnan()) and bool(got[1][0].isnan())
+    assert torch.equal(got[0][1:], clean[0][1:]) and torch.equal(got[1][1:], clean[1][1:])
+    assert torch.equal(got[2][0][1:], clean[2][0][1:])
+    outside = torch.ones(8, dtype=torch.bool).index_fill_(0, torch.tensor([1, 5]), False)
+    assert not got[2][0][0, outside].any() and not clean[2][0][0, outside].any()
+    # the hidden path: row 0's logit at id 5 overflows (1e30 * 1e10), the others' stay 0 there
+    hidden, weight = torch.randn(4, 3, generator=gen), torch.randn(8, 3, generator=gen)
+    hidden[:, 0], weight[:, 0] = 0.0, 0.0
+    weight[5, 0], hidden[0, 0] = 1e10, 1e30
+    finite = hidden.clone()
+    finite[0, 0] = 1.0
+    clean, got = (_with_row_0_masked(lambda h, w: log_probs_and_entropy_from_hidden(h, w, targets, **opts), h,
+                                     weight) for h in (finite, hidden))
+    assert bool(got[0][0].isnan()) and bool(got[1][0].isnan())
+    assert torch.equal(got[0][1:], clean[0][1:]) and torch.equal(got[1][1:], clean[1][1:])
+    assert torch.equal(got[2][0][1:], clean[2][0][1:]) and torch.equal(got[2][1][outside], clean[2][1][outside])
 
 
 # ---------------------------------------------------------------------------
@@ -543,19 +591,20 @@ def test_from_keep_mask_refusals() -> None:
 
 
 def _keep_mask_worker(rank: int, world: int) -> list[str]:
-    """TP 2 on gloo: each rank's ``[T, V_local]`` shard of one keep mask gives, on every
-    rank, the ``Support`` of the whole mask; a log-prob (and its gradient) under it is
-    the whole-mask one's; only counts and kept ids travel. A shard that keeps nothing
-    at all too."""
-    import torch.distributed as dist
-
-    group, t, v_local = dist.group.WORLD, 9, 6
+    """TP 2 on gloo (the whole world of 2, or in a world of 4 the TP group ``[0, 1]`` or
+    ``[2, 3]``, whose shard index is the rank in the group, not in the world): each
+    rank's ``[T, V_local]`` shard of one keep mask gives, on every rank of its group, the
+    ``Support`` of the whole mask; a log-prob (and its gradient) under it is the
+    whole-mask one's; only counts and kept ids travel. A shard that keeps nothing at all
+    too."""
+    group, tp, tp_rank = tp_groups(rank, world)[-1]
+    t, v_local = 9, 6
     failures: list[str] = []
 
     nothing = torch.zeros(t, v_local, dtype=torch.bool)  # the second case's rank 1 keeps no id
-    wholes = (_keep_mask(t, world * v_local, 3), torch.cat([_keep_mask(t, v_local, 4), nothing], 1))
+    wholes = (_keep_mask(t, tp * v_local, 3), torch.cat([_keep_mask(t, v_local, 4), nothing], 1))
     for case, whole in enumerate(wholes):
-        local = whole[:, rank * v_local:(rank + 1) * v_local].clone()
+        local = whole[:, tp_rank * v_local:(tp_rank + 1) * v_local].clone()
         with _probe.watch() as seen:
             mine = Support.from_keep_mask(local, tp_group=group)
         sent = [(e.name, e.elements) for e in seen.of("collective")]
@@ -565,12 +614,12 @@ def _keep_mask_worker(rank: int, world: int) -> list[str]:
                             f"not {want.ids.tolist()} {want.offsets.tolist()}")
             continue
         kept = int(local.sum())
-        if sent != [("all_gather", t), ("all_to_all_single", world * kept)]:
+        if sent != [("all_gather", t), ("all_to_all_single", tp * kept)]:
             failures.append(f"case {case}: exchanged {sent}, not the {t} counts and {kept} kept ids")
         gen = torch.Generator().manual_seed(10 + case)
-        logits = torch.randn(t, world * v_local, generator=gen, dtype=torch.float64)
-        targets = torch.randint(0, world * v_local, (t,), generator=gen)
-        x = logits[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        logits = torch.randn(t, tp * v_local, generator=gen, dtype=torch.float64)
+        targets = torch.randint(0, tp * v_local, (t,), generator=gen)
+        x = logits[:, tp_rank * v_local:(tp_rank + 1) * v_local].clone().requires_grad_(True)
         lp, h = log_probs_and_entropy(x, targets, with_entropy=True, support=mine, tp_group=group)
         torch.autograd.backward(lp.sum() + h.sum())
         full = logits.clone().requires_grad_(True)
@@ -578,7 +627,7 @@ def _keep_mask_worker(rank: int, world: int) -> list[str]:
         torch.autograd.backward(want_lp.sum() + want_h.sum())
         assert x.grad is not None and full.grad is not None
         for name, a, b in (("log-probs", lp, want_lp), ("entropy", h, want_h),
-                           ("gradient", x.grad, full.grad[:, rank * v_local:(rank + 1) * v_local])):
+                           ("gradient", x.grad, full.grad[:, tp_rank * v_local:(tp_rank + 1) * v_local])):
             if not torch.allclose(a, b, rtol=1e-12, atol=1e-12):
                 failures.append(f"case {case}: {name} {a.tolist()} against {b.tolist()}")
     return failures
@@ -586,4 +635,10 @@ def _keep_mask_worker(rank: int, world: int) -> list[str]:
 
 def test_from_keep_mask_on_tp_2_is_the_whole_masks_support() -> None:
     for rank, failures in enumerate(run_distributed(_keep_mask_worker, 2, timeout=120)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def test_from_keep_mask_in_tp_groups_that_are_not_the_world() -> None:
+    """4 ranks in two TP groups of 2: global ranks 2 and 3 hold shards 0 and 1."""
+    for rank, failures in enumerate(run_distributed(_keep_mask_worker, 4, timeout=120)):
         assert failures == [], f"rank {rank}: {failures}"

@@ -14,7 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from cpslice import _probe, log_probs_and_entropy, log_probs_at, topk_log_probs
+from cpslice import (
+    Layout,
+    _probe,
+    log_probs_and_entropy,
+    log_probs_at,
+    response_log_probs,
+    response_rows,
+    shifted_targets,
+    topk_log_probs,
+)
 from cpslice._vocab.backends import selection as backend
 
 from .. import tp_cases
@@ -101,6 +110,36 @@ def test_log_probs_at_repeated_ids_and_topk(triton_backend: None, seen: _probe.S
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
 
 
+def test_response_rows_by_index_with_a_temperature_per_sample(triton_backend: None, seen: _probe.Seen) -> None:
+    """The kernels given the response rows as an index (``response_log_probs``), each row
+    with its sample's temperature: a program reads the temperature of the row it
+    computes, not of its place in the index, and the gradient kernel writes those rows
+    only (every other gradient row stays zero)."""
+    total, response, temperatures, v = [7, 5, 6], [3, 2, 2], [0.6, 1.4, 0.9], 300
+    layout = Layout(total, response)
+    gen = torch.Generator().manual_seed(8)
+    tokens = [torch.randint(0, v, (t,), generator=gen) for t in total]
+    x0 = logits(sum(total), v, torch.float32, 8)  # row 1, a prompt row, all -inf
+    x = x0.clone().requires_grad_()
+    before = len(seen.events)
+    lp, h = response_log_probs(x, tokens, layout, with_entropy=True, temperature=temperatures)
+    assert launched(seen, before) == {"default.stats"}
+    assert [e.rows for e in seen.of("launch", name="default.stats")[-1:]] == [sum(response)]
+    g_lp, g_h = torch.randn(sum(response), generator=gen), torch.randn(sum(response), generator=gen)
+    torch.autograd.backward((torch.cat(lp) * g_lp).sum() + (torch.cat(h) * g_h).sum())
+    assert launched(seen, before) == {"default.stats", "default.grad"}
+    read = response_rows(layout)
+    tau = torch.tensor(temperatures).repeat_interleave(torch.tensor(read.counts))
+    targets = shifted_targets(tokens, layout)[read.rows]
+    ref_lp, ref_h, ref_grad = reference(x0[read.rows], targets[:, None], tau, None, None, g_lp[:, None], g_h)
+    torch.testing.assert_close(torch.cat(lp).double(), ref_lp[:, 0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(torch.cat(h).double(), ref_h, rtol=0, atol=2e-5)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad[read.rows].double(), ref_grad, rtol=2e-6, atol=2e-6 * float(ref_grad.abs().max()))
+    others = torch.ones(sum(total), dtype=torch.bool).index_fill_(0, read.rows, False)
+    assert not x.grad[others].any()
+
+
 def test_empty_and_all_masked_rows(triton_backend: None) -> None:
     x = torch.full((3, 300), -math.inf)
     x[0] = torch.randn(300)
@@ -121,7 +160,8 @@ def test_backend_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             monkeypatch.setenv("CPSLICE_BACKEND", value)
         assert backend.setting() == want
-    for bad in ("1", "0", "cuda", "Triton", "inductor"):
+    # a value with spaces around it, or of spaces only, is no name either: refused
+    for bad in ("1", "0", "cuda", "Triton", "inductor", " triton", "eager ", "  "):
         monkeypatch.setenv("CPSLICE_BACKEND", bad)
         with pytest.raises(ValueError, match=rf"CPSLICE_BACKEND='{bad}' is not valid; use one of.*'auto'.*'eager'"
                                              r".*'compiled'.*'triton'"):
@@ -207,7 +247,8 @@ def _invariant_call(which: str, x0: Tensor, targets: Tensor, opts: dict[str, Any
         lp, h = log_probs_and_entropy(x, targets, with_entropy=True, invariant=True, tp_group=tp_group, **opts)
         g = torch.linspace(-1, 1, x0.shape[0])
         ((lp * g).sum() + (h * g.flip(0)).sum()).backward()
-        top, ids = topk_log_probs(x0, 3, invariant=True, tp_group=tp_group, **opts)
+        top_opts = {k: v for k, v in opts.items() if k != "entropy_grad"}
+        top, ids = topk_log_probs(x0, 3, invariant=True, tp_group=tp_group, **top_opts)
     assert x.grad is not None
     return lp.detach(), h.detach(), x.grad, top, ids
 
@@ -226,6 +267,33 @@ def test_invariant_mode_gives_the_eager_bits(seen: _probe.Seen, dtype: torch.dty
     got = _invariant_call("triton", x0, targets, opts)
     assert {"invariant_tiles", "invariant_merge", "invariant_grad"} <= launched(seen, before)
     want = _invariant_call("eager", x0, targets, opts)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_invariant_mode_without_an_entropy_gradient_gives_the_eager_bits(seen: _probe.Seen,
+                                                                         dtype: torch.dtype) -> None:
+    """``entropy_grad=False``: the gradient kernel's entropy coefficient is zero (no ``a``)."""
+    x0 = logits(4, 400, dtype, 9)
+    targets = torch.tensor([5, 300, 399, 17])
+    before = len(seen.events)
+    got = _invariant_call("triton", x0, targets, {"entropy_grad": False, "temperature": 0.8})
+    assert "invariant_grad" in launched(seen, before)
+    want = _invariant_call("eager", x0, targets, {"entropy_grad": False, "temperature": 0.8})
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_invariant_mode_takes_float16_logits_off_the_triton_kernels(seen: _probe.Seen) -> None:
+    """Invariant mode's Triton kernels take float32 and bfloat16 (its spec's dtypes):
+    float16 logits fall back with ``triton`` selected (no Triton launch), to the eager bits."""
+    x0 = logits(4, 400, torch.float16, 10)
+    targets = torch.tensor([5, 300, 399, 17])
+    before = len(seen.events)
+    got = _invariant_call("triton", x0, targets, {"temperature": 0.8})
+    assert launched(seen, before) == set()
+    want = _invariant_call("eager", x0, targets, {"temperature": 0.8})
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
 

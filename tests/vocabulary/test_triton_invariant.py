@@ -222,6 +222,27 @@ def test_every_launch_is_counted(seen: _probe.Seen) -> None:
     assert seen.of("launch") == seen.of("launch", backend="triton")
 
 
+def test_a_bfloat16_gradient_on_a_rounding_tie_rounds_to_even() -> None:
+    """The gradient kernel's own rounding to bfloat16 (by the float's bits) on exact ties, as
+    ``.to(torch.bfloat16)`` rounds: to nearest, ties to the even neighbour, whatever the
+    sign, subnormals too. A row of logits equal to its ``M``, with ``log S = 0`` and ``r =
+    1``, has ``log p = 0`` and ``spec.exp(0) = 1`` in every column, so its value there is
+    its ``b`` exactly: a ``b`` halfway between two bfloat16 values is a tie."""
+    ties = [1 + 2**-8, -(1 + 2**-8), 3 + 2**-7, 2**-134, -(2**-134)]  # the even neighbour below
+    odd = [1 + 3 * 2**-8, -(1 + 3 * 2**-8), 2**-133 + 2**-134]  # the odd one below: away from it
+    near = [1 + 2**-8 + 2**-20, 1 + 2**-8 - 2**-20, 7.0]  # no ties
+    b = torch.tensor(ties + odd + near)
+    rows = b.numel()
+    bits = b.view(torch.int32)
+    assert bool(((bits & 0xFFFF)[: len(ties) + len(odd)] == 0x8000).all()), "ties: a half of the last bit"
+    assert bool((((bits >> 16) & 1)[: len(ties)] == 0).all()) and bool((((bits >> 16) & 1)[len(ties):-3] == 1).all())
+    x, zero, one = torch.zeros(rows, 5), torch.zeros(rows), torch.ones(rows)
+    out = torch.full((rows, 5), math.nan, dtype=torch.bfloat16)
+    _tri.grad(x, None, one, zero, zero, zero, b, None, out)
+    want = b.to(torch.bfloat16)[:, None].expand(rows, 5)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out[:, 0], want[:, 0])
+
+
 @_jit
 @no_type_check
 def _adjacent_tree(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
@@ -230,6 +251,17 @@ def _adjacent_tree(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
         lo, hi = tl.split(tl.reshape(x, [ROWS, W >> (k + 1), 2]))
         x = lo + hi
     return tl.reshape(x, [ROWS])
+
+
+@_jit
+@no_type_check
+def _doubled_merge_tree(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """A planted tree wrong in the merge only: a row's sum over its tiles (``W`` tiles, fewer
+    than a tile's 128 columns here) doubled, a tile's own sums right."""
+    total = _tri._tree(x, ROWS, W, LOG_W)
+    if W != 128:
+        total = total * 2.0
+    return total
 
 
 @_jit
@@ -258,6 +290,7 @@ def _no_pad(y, inside):
 
 @pytest.mark.parametrize(("step", "plant"), [
     pytest.param("triton_tree", _adjacent_tree, id="tree-pairing"),
+    pytest.param("triton_tree", _doubled_merge_tree, id="tree-in-the-merge"),  # the merge's site too
     pytest.param("triton_exp", _off_exp, id="exp-coefficient"),
     pytest.param("triton_pad", _no_pad, id="no-inf-pad"),
 ])

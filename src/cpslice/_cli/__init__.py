@@ -8,7 +8,8 @@ never loads them.
 
 Every mistake in the arguments, argparse's or a ``LayoutError`` from the library,
 ends in one line ``cpslice <subcommand>: error: <problem>`` on stderr and exit
-status 2, never a traceback.
+status 2, never a traceback; so does an invalid ``CPSLICE_BACKEND`` for a subcommand
+that computes (``verify``, ``bench``: ``Subcommand.backend``), before it starts.
 """
 
 import argparse
@@ -19,6 +20,7 @@ from typing import cast
 
 from .. import __version__
 from .._errors import LayoutError
+from .._vocab.backends import selection
 from . import bench, plan, verify
 from .args import EXIT_USAGE, Parser, Subcommand, one_line
 
@@ -44,6 +46,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, parsers
 
 
+def _refused_backend(prog: str) -> bool:
+    """Whether ``CPSLICE_BACKEND`` holds a value the library refuses (``selection.current``);
+    if so, said in one line after ``<prog>: error: ``."""
+    try:
+        selection.current()
+    except ValueError as err:
+        one_line(prog, str(err))
+        return True
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``cpslice`` on ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
@@ -61,8 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = stop.code
         return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
     name = cast(str, args.command)
+    command = SUBCOMMANDS[name]
+    if command.backend and _refused_backend(parsers[name].prog):
+        return EXIT_USAGE
     try:
-        return SUBCOMMANDS[name].run(args)
+        return command.run(args)
     except LayoutError as err:
         one_line(parsers[name].prog, str(err))
         return EXIT_USAGE

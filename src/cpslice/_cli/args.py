@@ -11,11 +11,14 @@ EXIT_FAILURE = 1
 
 
 class Subcommand(NamedTuple):
-    """One ``cpslice`` subcommand: its help line, its arguments and its body."""
+    """One ``cpslice`` subcommand: its help line, its arguments and its body; ``backend``:
+    whether it computes with the vocabulary kernels (``CPSLICE_BACKEND`` is then checked
+    before it runs)."""
 
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    backend: bool = False
 
 
 def one_line(prog: str, message: str) -> None:

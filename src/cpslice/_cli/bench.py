@@ -133,4 +133,5 @@ COMMAND = Subcommand(
     "as one report; needs a source checkout",
     _bench_arguments,
     _bench,
+    backend=True,
 )

@@ -152,4 +152,5 @@ COMMAND = Subcommand(
     "parallel_state (CP x TP) against a float64 reference",
     _verify_arguments,
     _verify,
+    backend=True,
 )

@@ -14,7 +14,7 @@ import torch
 
 from .._checks import integer, kind, lengths, per_sample_lengths
 from .._errors import LayoutError
-from .._types import CpMode, FormatArg, ModeArg, QkvFormat
+from .._types import CpMode, FormatArg, LayoutMode, ModeArg, QkvFormat
 
 _FORMATS: tuple[QkvFormat, ...] = ("thd", "bshd")
 _MODES: tuple[CpMode, ...] = ("none", "zigzag", "allgather")
@@ -93,8 +93,10 @@ def _row_length(fmt: QkvFormat, max_seq_len: object, total: tuple[int, ...]) -> 
     return seq
 
 
-def check_cp(cp_rank: object, cp_size: object, fmt: QkvFormat, mode: CpMode) -> tuple[int, int]:
-    """The CP rank and size: ``0 <= cp_rank < cp_size``, a size the mode and format allow."""
+def check_cp(cp_rank: object, cp_size: object, fmt: QkvFormat, mode: LayoutMode) -> tuple[int, int]:
+    """The CP rank and size: ``0 <= cp_rank < cp_size``, a size the mode and format allow
+    (``"order"``: any size, the order's to check). The one statement of each mode's size
+    rule: ``none`` is cp_size 1, ``zigzag`` cp_size 2 or more."""
     size = integer("cp_size", cp_size)
     rank = integer("cp_rank", cp_rank)
     if size < 1:
@@ -105,6 +107,12 @@ def check_cp(cp_rank: object, cp_size: object, fmt: QkvFormat, mode: CpMode) -> 
         raise LayoutError(
             f"cp_mode 'none' with cp_size {size}: pass cp_mode='zigzag' or "
             "'allgather' for context parallelism, or cp_size=1"
+        )
+    if mode == "zigzag" and size == 1:
+        raise LayoutError(
+            "cp_mode 'zigzag' with cp_size 1: zigzag needs cp_size 2 or more (it deals each "
+            "sample's 2 * cp_size chunks out to the CP ranks in pairs); pass cp_mode='none' "
+            "for one rank"
         )
     if mode == "allgather" and fmt == "bshd":
         raise LayoutError(
@@ -257,7 +265,8 @@ def cu_seqlens_widths(
 def check_parallel_state_mode(cp_mode: ModeArg | None, size: int) -> ModeArg:
     """``Layout.from_parallel_state``'s mode at megatron-core's CP world size ``size``:
     None reads it (``"zigzag"`` above 1, else ``"none"``); ``"zigzag"`` and ``"none"``
-    must fit the size; anything else is ``Layout``'s to check."""
+    refused at a size ``check_cp``'s rule refuses them, in megatron-core's terms;
+    anything else is ``Layout``'s to check."""
     if cp_mode is None:
         return "zigzag" if size > 1 else "none"
     if cp_mode == "zigzag" and size == 1:

@@ -189,7 +189,7 @@ def _from_order(
     base = cls(total_lengths, response_lengths, qkv_format=qkv_format, max_seq_len=max_seq_len,
                padded_lengths=padded_lengths, align=align, row_offsets=row_offsets,
                shared_prefix=shared_prefix)
-    rank, size = check_cp(cp_rank, cp_size, base.qkv_format, "zigzag")
+    rank, size = check_cp(cp_rank, cp_size, base.qkv_format, "order")
     _, placement = read(order, base.qkv_format, base.padded_lengths, base.max_seq_len, size)
     mode = twin(placement, base.qkv_format, base.padded_lengths, size)
     if mode is None:
@@ -213,8 +213,8 @@ class Layout:
             (rows of ``max_seq_len``, flattened to dimension 0).
         max_seq_len: the bshd row length ``S``; required for bshd, refused for thd.
         cp_mode: ``"none"`` (cp_size 1), ``"zigzag"`` (load-balanced ring
-            attention; thd or bshd) or ``"allgather"`` (contiguous split of the
-            packed stream; thd only; also Ulysses-style contiguous sharding).
+            attention, cp_size 2 or more; thd or bshd) or ``"allgather"`` (contiguous
+            split of the packed stream; thd only; also Ulysses-style contiguous sharding).
         cp_rank, cp_size: this rank and the context-parallel world size.
         local_length: ``T``, the length of this rank's local tensor (allgather's pieces
             ``[r*T, (r+1)*T)``), checked where the layout is read; None: the length of
@@ -354,7 +354,7 @@ class Layout:
 
     def _replace(self, cp_rank: IntArg, local_length: IntArg | None) -> "Layout":
         if self._order is not None:
-            return self._placed(check_cp(cp_rank, self.cp_size, self.qkv_format, "zigzag")[0],
+            return self._placed(check_cp(cp_rank, self.cp_size, self.qkv_format, "order")[0],
                                 self.cp_size, check_local_length(local_length), self._order)
         return Layout(
             self.total_lengths, self.response_lengths, qkv_format=self.qkv_format,

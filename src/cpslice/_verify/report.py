@@ -103,9 +103,10 @@ def _order_kinds(config: Config) -> str:
     return f"  order: Layout.from_order of {what}, the shares redistributed to zigzag;\n"
 
 
-def progress_line(result: CaseResult) -> str:
-    """One line per finished layout."""
-    return f"  {result.case.name:<14} {result.verdict}  ({result.seconds:.2f} s)"
+def progress_line(result: CaseResult, width: int) -> str:
+    """One line per finished layout, its name padded to ``width`` (the run's longest: the
+    verdicts in one column)."""
+    return f"  {result.case.name:<{width}} {result.verdict}  ({result.seconds:.2f} s)"
 
 
 def plural(n: int, one: str, many: str | None = None) -> str:

@@ -301,8 +301,10 @@ def verify_main(config: Config) -> int:
          f"megatron-core: a few seconds, at most --startup-timeout "
          f"{config.startup_timeout:g} s)")
 
+    width = max((len(case.name) for case in config.cases), default=0)
+
     def show(result: CaseResult) -> None:
-        note(progress_line(result))
+        note(progress_line(result, width))
 
     def started(seconds: float) -> None:
         note(f"  {plural(config.world, 'rank')} ready ({seconds:.1f} s)")

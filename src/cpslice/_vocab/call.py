@@ -147,10 +147,6 @@ def row_terms(
         g_lp.to(saved.max.dtype)
     )
     parts = split(saved.restricted, g, g_entropy, opts.over_support, opts.rows)
-    # H may be a placeholder where a row's set took its entropy gradient
     h = None if parts.g_entropy is None else entropy
-    row = row_grad(
-        parts.g_lp, parts.g_entropy, h, opts.tau, column, held,
-        with_hot=g_lp is not None, placeholders=saved.restricted is not None,
-    )
+    row = row_grad(parts.g_lp, parts.g_entropy, h, opts.tau, column, held, with_hot=g_lp is not None)
     return row, parts

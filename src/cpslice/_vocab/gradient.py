@@ -47,21 +47,25 @@ def row_grad(
     held: Tensor,
     *,
     with_hot: bool,
-    placeholders: bool = False,
 ) -> RowGrad:
     """``RowGrad`` from the upstream gradients ``g_lp`` ``[T, k]`` and ``g_entropy`` ``[T]``
-    (None: none) and the saved entropy. With ``placeholders``, a row whose ``g_entropy`` is
-    0 adds no ``g_H H`` term even where ``H`` is not finite (a placeholder)."""
+    (None: none) and the saved entropy.
+
+    A row's ``g_H H`` term is kept where ``g_H`` is 0 and ``H`` is not finite (NaN then):
+    no kernel reads it there. A row whose token set took its entropy (``entropy_over=
+    "support"``: its ``H`` the set's, whatever its dense statistics) is no row of the dense
+    backward (the logits path's index and the hidden path's blocks hold the rows its dense
+    forward read); and where the dense backward computes a row whose dense ``H`` is not
+    finite, that row's own logits (``+inf``, NaN, all ``-inf``) already make every entry of
+    its gradient NaN. tests/vocabulary/test_support.py's
+    ``test_a_set_row_whose_statistics_are_not_finite_touches_nothing_outside_its_set``."""
     g_sum = g_lp.sum(1)
     hot = torch.where(held, g_lp / per_row(tau), 0.0) if with_hot else None
     if g_entropy is None:
         return RowGrad(None, -g_sum / tau, hot, column)
     assert entropy is not None
     g_h = g_entropy.to(g_lp.dtype)
-    h_term = g_h * entropy
-    if placeholders:
-        h_term = torch.where(g_h != 0, h_term, 0.0)
-    return RowGrad(-g_h / tau, -(g_sum + h_term) / tau, hot, column)
+    return RowGrad(-g_h / tau, -(g_sum + g_h * entropy) / tau, hot, column)
 
 
 def pick_grad(

@@ -16,8 +16,10 @@ Three backends, each with the default reduction and invariant mode's:
 work is large enough and the compiler works) and ``eager`` otherwise; ``eager``,
 ``compiled`` and ``triton`` force one (``compiled``: a compile failure is an error;
 ``triton``: a tensor it cannot run on, a CPU tensor without the interpreter, is an
-error). The selection lives in one object, ``selected``; ``using`` changes it for a
-block (tests and benchmarks)."""
+error). Any other value (one with spaces around it too) is refused where a backend is
+first needed (``current``: a one-line ``ValueError``), not at import, so that what needs
+no backend (a ``Layout``, ``cpslice plan``) still works. The selection lives in one
+object, ``selected``; ``using`` changes it for a block (tests and benchmarks)."""
 
 import contextlib
 import dataclasses
@@ -55,7 +57,8 @@ def setting(value: str | None = None) -> str:
 
 @dataclass
 class Selection:
-    """The chosen backend (``name``, one of ``NAMES``) and all that the backends learn at
+    """The chosen backend (``name``, one of ``NAMES``; ``refused``: why ``CPSLICE_BACKEND``
+    was refused at import, raised by ``current``) and all that the backends learn at
     run time, in one place: whether Triton imports (None: not asked yet); the compiled
     backend's ``torch.compile`` backend (``compiler``: inductor; tests of the chunk
     plumbing use ``aot_eager``), its compiled functions and the keys whose first call
@@ -64,6 +67,7 @@ class Selection:
     and why they were turned off (a disagreement), if they were."""
 
     name: str
+    refused: str | None = None
     triton_imports: bool | None = None
     compiler: str | Callable[..., Any] = "inductor"
     compiled: dict[tuple[object, ...], Callable[..., Any]] = field(default_factory=dict)
@@ -78,8 +82,29 @@ class Selection:
         return self.triton_imports
 
 
-selected = Selection(setting())
+def _at_import() -> Selection:
+    """The selection ``CPSLICE_BACKEND`` makes at import: a value ``setting`` refuses is kept
+    as ``refused``, for ``current`` to raise where a backend is first needed."""
+    try:
+        return Selection(setting())
+    except ValueError as bad:
+        return Selection("auto", refused=str(bad))
+
+
+selected = _at_import()
 """The process's selection, from ``CPSLICE_BACKEND`` at import."""
+
+
+def current() -> str:
+    """The selected backend's name (one of ``NAMES``): what every kernel's choice reads.
+
+    Raises:
+        ValueError: ``CPSLICE_BACKEND`` held a value ``setting`` refuses (its message: one
+            line naming the setting and the valid values).
+    """
+    if selected.refused is not None:
+        raise ValueError(selected.refused)
+    return selected.name
 
 
 @contextlib.contextmanager
@@ -92,7 +117,7 @@ def using(
     call checked again), verified or broken (the compiled functions, a cache, are kept;
     what the block learns is dropped after it)."""
     before = dataclasses.replace(selected)
-    selected.name = setting(name)
+    selected.name, selected.refused = setting(name), None
     if compiler is not None:
         selected.compiler = compiler
     if fresh:
@@ -115,8 +140,9 @@ def triton_for(x: Tensor, invariant: bool = False) -> bool:
     Raises:
         RuntimeError: ``triton`` selected for a tensor it cannot run on (a CPU tensor
             without ``TRITON_INTERPRET=1``, another device, Triton missing).
+        ValueError: ``CPSLICE_BACKEND`` was refused (``current``).
     """
-    name = selected.name
+    name = current()
     if name in ("eager", "compiled") or x.dtype not in (INVARIANT_DTYPES if invariant else TRITON_DTYPES):
         return False
     if name == "auto":
@@ -138,5 +164,9 @@ def triton_for(x: Tensor, invariant: bool = False) -> bool:
 
 def compile_mode() -> str:
     """The compiled kernels' mode the selection implies: ``1`` (always, failures are
-    errors) for ``compiled``, ``0`` (never) for ``eager``, else ``auto``."""
-    return {"compiled": "1", "eager": "0"}.get(selected.name, "auto")
+    errors) for ``compiled``, ``0`` (never) for ``eager``, else ``auto``.
+
+    Raises:
+        ValueError: ``CPSLICE_BACKEND`` was refused (``current``).
+    """
+    return {"compiled": "1", "eager": "0"}.get(current(), "auto")
