@@ -1,8 +1,10 @@
 """The matmul blocks of the hidden-state driver (``hidden``): ``[rows, V_block]`` blocks of
 ``hidden @ weight.T`` (``Blocks``), the pieces the support elements are multiplied out in,
-and the forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks
-merged as TP shards merge. The backward (``hidden.backward``) walks the same blocks.
-(A "tile" is invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
+the block kernels' interface (``block_stats``, ``block_grad``: the first backend of the
+selection's chain that takes the block, its ``KernelBackend`` block kernels) and the
+forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks merged as
+TP shards merge. The backward (``hidden.backward``) walks the same blocks. (A "tile" is
+invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
 ``invariant.BLOCK_TILES`` of them.)
 """
 
@@ -13,16 +15,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import _probe
 from .._types import HeadWeight, Hidden
-from . import invariant, kernels, topk
+from . import invariant, topk
+from .backends import selection
 from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
+from .backends.interface import Shape, Task
 from .call import Options
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
 from .set_elements import Elements
 from .shard import Shard
-from .softmax import Softmax
+from .softmax import Softmax, reciprocals
 from .spec import TILE, tiles
 from .stats import Parts, RowStats, Stats, merge
 
@@ -57,30 +62,11 @@ class Blocks(NamedTuple):
         block_rows = max(1, min(rows, max(chunk, MIN_BLOCK_ROWS)))
         return cls(block_rows, max(1, min(vocab, chunk * vocab // (2 * block_rows))))
 
-    def logits(self, hidden: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``hidden @ weight.T`` of one block (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
-        by a matmul of exactly this block's shape, zero rows padding both (a BLAS picks
-        its kernel by shape, and a row's bits with it)."""
-        if not fixed:
-            return torch.mm(hidden, weight.t())
-        n, v = hidden.shape[0], weight.shape[0]
-        if n < self.rows:
-            hidden = torch.cat([hidden, hidden.new_zeros((self.rows - n, hidden.shape[1]))])
-        if v < self.columns:
-            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
-        return torch.mm(hidden, weight.t())[:n, :v]
-
-    def product(self, grad: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``grad @ weight`` of one block (``[n, v]`` logit gradients, ``[v, H]`` columns),
-        ``[n, H]``; ``fixed``: by a matmul of the block's shape, as ``logits``."""
-        if not fixed:
-            return torch.mm(grad, weight)
-        n, v = grad.shape
-        padded = grad.new_zeros((self.rows, self.columns))
-        padded[:n, :v] = grad
-        if v < self.columns:
-            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
-        return torch.mm(padded, weight)[:n]
+    def shape(self, fixed: bool) -> Shape:
+        """The blocks' GEMM shape: ``fixed`` (invariant mode), exactly this block's, zero
+        rows padding both operands (a BLAS picks its kernel by shape, and a row's bits
+        with it; ``backends.gemm``); else each block's own (None)."""
+        return (self.rows, self.columns) if fixed else None
 
     def blocks(self, vocab: int) -> list[tuple[int, int]]:
         """The vocabulary blocks ``[v0, v1)``."""
@@ -90,6 +76,41 @@ class Blocks(NamedTuple):
         """The kernels' chunks on one block of ``rows`` rows: the whole block at once
         eagerly, the compiled kernels' rows for its width."""
         return Chunks(rows, compiled_chunk_rows(self.columns, dtype, device))
+
+
+def block_stats(
+    h: Tensor, w: Tensor, softmax: Softmax, out: Stats, shape: Shape, first: int, chunks: Chunks, work: Workspace
+) -> Tensor:
+    """A block's statistics (``KernelBackend.block_stats``: its logits ``h @ w.T`` by a GEMM
+    of ``shape``, then reduced into ``out``) by the first backend of the selection's
+    chain that takes the block; its logits."""
+    n, v = h.shape[0], w.shape[0]
+    if _probe.active is not None:
+        _probe.active.call("stats", n, None, invariant=softmax.invariant)
+    task = Task(h.device, h.dtype, n, v, True, softmax.invariant)
+    return selection.block(task, lambda b, chain: b.block_stats(chain, h, w, softmax, out, shape, first, chunks,
+                                                                  work))
+
+
+def block_grad(
+    h: Tensor, w: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, shape: Shape,
+    chunks: Chunks, work: Workspace,
+) -> None:
+    """A block's logit gradient ``G`` into ``out`` (``KernelBackend.block_grad``: its logits
+    recomputed by the forward's GEMM, then the gradient) by the first backend of the
+    selection's chain that takes the block; in invariant mode the picked ids' entries
+    after (``invariant.picks``)."""
+    n, v = h.shape[0], w.shape[0]
+    if _probe.active is not None:
+        _probe.active.call("grad", n, None, invariant=softmax.invariant)
+    task = Task(h.device, h.dtype, n, v, True, softmax.invariant)
+    x = selection.block(task, lambda b, chain: b.block_grad(chain, h, w, big_m, log_s, softmax, row, out, shape,
+                                                              chunks, work))
+    if softmax.invariant:
+        r = reciprocals(softmax.tau, n, row.b.dtype, h.device)
+        a = torch.zeros_like(row.b) if row.a is None else row.a
+        invariant.picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, None,
+                        max(chunks.eager, chunks.compiled))
 
 
 def element_rows(width: int) -> int:
@@ -188,9 +209,8 @@ def _default_rows(run: _Pass, dense: RowStats, at: At) -> topk.Candidates | None
         # the same [rows, V_block] blocks, by the same matmuls, as backward: its
         # recomputed logits are these bit for bit, so the gradient's p and the
         # forward's max and sum agree (a row sure of its target gets exactly 0)
-        x = run.blocks.logits(h, run.weight[v0:v1], False)
         part = parts.part(min(b, 1))
-        kernels.stats(x, softmax, part, chunks=chunks, work=run.work)
+        x = block_stats(h, run.weight[v0:v1], softmax, part, None, 0, chunks, run.work)
         part.picked.copy_(_picked(run, x, at, v0, v1, softmax))
         running = _running_best(run, running, x, v0, False)
         del x
@@ -213,9 +233,9 @@ def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
     else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
         parts = dense.map(operator.itemgetter(at))
     running = None
+    chunks = run.blocks.chunks(n, run.hidden.dtype, run.hidden.device)
     for v0, v1 in run.spans:
-        x = run.blocks.logits(h, run.weight[v0:v1], True)
-        invariant.stats(x, softmax, v1 - v0, parts, None, n, first=v0 // TILE)
+        x = block_stats(h, run.weight[v0:v1], softmax, parts, run.blocks.shape(True), v0 // TILE, chunks, run.work)
         parts.picked.add_(_picked(run, x, at, v0, v1, softmax))  # placeholders hold 0; one block holds each id
         running = _running_best(run, running, x, v0, True)
         del x

@@ -45,12 +45,13 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, spec, topk
+from . import args, head, invariant, spec, topk
+from .backends import gemm
 from .backends.chunks import Workspace
-from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
+from .blocks import Blocks, block_grad, dense_pass, element_logits, element_rows, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .gradient import RowGrad
-from .rows import At, count, gather, holding, index_of, places, size
+from .rows import At, count, gather, holding, index_of, places
 from .set_elements import Elements, Split, element_grad, elements, set_stats
 from .shard import Shard, shard_of
 from .stats import Stats, placeholders
@@ -248,14 +249,13 @@ class _Walk:
 
     def _grad(self, h: Tensor, w_b: HeadWeight, at: At, row_b: RowGrad) -> Tensor:
         """The block's logit gradient ``G`` (rows ``at``, in the reused buffer); its logits
-        recomputed, bit for bit those of the forward, and dropped."""
+        recomputed, bit for bit those of the forward, and dropped (``blocks.block_grad``)."""
         opts = self.saved.options
-        x = self.grid.logits(h, w_b, opts.invariant)
-        g = self.g_buf[: x.numel()].view(x.shape)
-        (invariant.grad if opts.invariant else kernels.grad)(
-            x, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
-            chunks=self.grid.chunks(size(at), self.hidden.dtype, self.hidden.device), work=self.work,
-        )
+        n, v = h.shape[0], w_b.shape[0]
+        g = self.g_buf[: n * v].view(n, v)
+        block_grad(h, w_b, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
+                   self.grid.shape(opts.invariant), self.grid.chunks(n, self.hidden.dtype, self.hidden.device),
+                   self.work)
         return g
 
     def _add_hidden(self, acc_h: _Sum, at: At, g: Tensor, w_b: HeadWeight) -> None:
@@ -264,7 +264,7 @@ class _Walk:
             acc_h.add_mm(at, g, w_b)
             return
         # a row's sum whatever the others (an index's rows: one add each, as add_)
-        product = self.grid.product(g, w_b, fixed=True)
+        product = gemm.product(g, w_b, self.grid.shape(True))
         if isinstance(at, slice):
             acc_h.acc[at].add_(product)
         else:

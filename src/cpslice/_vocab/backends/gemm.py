@@ -1,0 +1,92 @@
+"""The hidden path's block kernels by a torch GEMM, then the row kernels: the default that
+every backend takes in one line (``from .gemm import block_grad, block_stats``).
+
+A block is ``[n, v]`` logits ``h @ w.T`` of ``n`` rows of the hidden states and a
+vocabulary split ``w`` of the LM head. ``block_stats`` computes them by one GEMM in the
+input dtype (``torch.mm``: cuBLAS or the CPU's BLAS, float32 accumulation) and hands
+them to the row kernels of the backends of its chain, the first that computes;
+``block_grad`` recomputes them by the same GEMM (the forward's bits) and writes the
+block's logit gradient ``G``. In invariant mode a block's GEMM has one fixed shape
+(``Shape``: the block's rows and columns zero-padded to it).
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from ..gradient import RowGrad
+from ..softmax import Softmax, reciprocals
+from ..stats import Stats, TileStats
+from .chunks import Chunks, Workspace
+from .interface import KernelBackend, Shape
+
+
+def _pad(t: Tensor, rows: int) -> Tensor:
+    """``t`` with zero rows appended up to ``rows`` (``t`` itself when it has them)."""
+    if t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], t.shape[1]))])
+
+
+def logits(h: Tensor, w: Tensor, shape: Shape) -> Tensor:
+    """``h @ w.T`` (``[n, H]`` rows, ``[v, H]`` columns), ``[n, v]``; with ``shape``, by a
+    GEMM of exactly that shape, zero rows padding both (a BLAS picks its kernel, and a
+    row's bits with it, by shape)."""
+    if shape is None:
+        return torch.mm(h, w.t())
+    n, v = h.shape[0], w.shape[0]
+    return torch.mm(_pad(h, shape[0]), _pad(w, shape[1]).t())[:n, :v]
+
+
+def product(g: Tensor, w: Tensor, shape: Shape) -> Tensor:
+    """``g @ w`` (``[n, v]`` logit gradients, ``[v, H]`` columns), ``[n, H]``; with
+    ``shape``, by a GEMM of that shape, as ``logits``."""
+    if shape is None:
+        return torch.mm(g, w)
+    n, v = g.shape
+    padded = g.new_zeros(shape)
+    padded[:n, :v] = g
+    return torch.mm(padded, _pad(w, shape[1]))[:n]
+
+
+def block_stats(
+    chain: Iterable[KernelBackend], h: Tensor, w: Tensor, softmax: Softmax, out: Stats, shape: Shape, first: int,
+    chunks: Chunks, work: Workspace,
+) -> Tensor:
+    """``KernelBackend.block_stats`` by one GEMM, then the first backend of ``chain`` whose
+    row kernel computes on the block's logits (their statistics: the default reduction's,
+    or invariant mode's per tile or merged). Returns the logits."""
+    x = logits(h, w, shape)
+    for backend in chain:
+        if not softmax.invariant:
+            assert not isinstance(out, TileStats), "per-tile statistics out of invariant mode"
+            done = backend.stats(x, softmax, out, None, chunks, work)
+        elif isinstance(out, TileStats):
+            done = backend.tile_stats(x, softmax, x.shape[1], out, None, x.shape[0], first)
+        else:
+            done = backend.merged_stats(x, softmax, out, None, x.shape[0])
+        if done:
+            return x
+    raise AssertionError("no backend computed the block (the eager backend takes every block)")
+
+
+def block_grad(
+    chain: Iterable[KernelBackend], h: Tensor, w: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax,
+    row: RowGrad, out: Tensor, shape: Shape, chunks: Chunks, work: Workspace,
+) -> Tensor:
+    """``KernelBackend.block_grad`` by the forward's GEMM, then the first backend of
+    ``chain`` whose gradient kernel computes on the recomputed logits (invariant mode:
+    the dense part, ``r = 1 / tau`` and ``a`` 0 without entropy). Returns the logits."""
+    x = logits(h, w, shape)
+    if softmax.invariant:
+        r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
+        a = torch.zeros_like(row.b) if row.a is None else row.a
+    for backend in chain:
+        if softmax.invariant:
+            done = backend.invariant_grad(x, None, r, big_m, log_s, a, row.b, softmax.cap, chunks, out)
+        else:
+            done = backend.grad(x, big_m, log_s, softmax, row, out, None, chunks, work)
+        if done:
+            return x
+    raise AssertionError("no backend computed the block (the eager backend takes every block)")
