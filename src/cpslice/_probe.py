@@ -39,7 +39,7 @@ Backend = Literal["eager", "compiled", "triton"]
 """Who ran a launch."""
 BACKENDS: tuple[Backend, ...] = ("eager", "compiled", "triton")
 Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree", "triton_pad",
-               "triton_scratch_rows"]
+               "triton_scratch_rows", "block_sizes"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
@@ -62,7 +62,11 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   substitute is a ``@triton.jit`` function, compiled into the kernels launched within the
   block;
 - ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
-  ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``)."""
+  ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``);
+- ``block_sizes``: the hidden-state path's blocks of a call, forward and backward alike,
+  ``(device, dtype, rows, vocab, chunk, invariant) -> Blocks`` (``blocks.sizes``, called
+  with the hidden states' device type): ``lambda device, *rest: sizes("cuda", *rest,
+  budget=...)`` walks CPU tensors in the blocks a GPU's budget gives."""
 STEPS: tuple[Step, ...] = get_args(Step)
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -8,8 +8,10 @@ invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
 ``invariant.BLOCK_TILES`` of them.)
 """
 
+import functools
 import math
 import operator
+import os
 from typing import NamedTuple
 
 import torch
@@ -19,7 +21,7 @@ from .. import _probe
 from .._types import HeadWeight, Hidden
 from . import invariant, topk
 from .backends import selection
-from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
+from .backends.chunks import Chunks, Workspace, chunks_for, compiled_chunk_rows
 from .backends.interface import Shape, Task
 from .call import Options
 from .gradient import RowGrad
@@ -33,6 +35,17 @@ from .stats import Parts, RowStats, Stats, merge
 
 MIN_BLOCK_ROWS = 2048
 """Blocks span at least this many rows (all rows if fewer): see ``Blocks``."""
+SPLIT = 8192
+"""On CUDA, a block's vocabulary columns (the last split of a shard fewer): a ``[T, H] x
+[H, 8192]`` GEMM is large enough for cuBLAS's full rate and its ``[T, 8192]`` logits and
+gradient small enough for a budget that holds all rows (docs/numbers.md)."""
+DEVICE_ROWS = 1024
+"""On CUDA in invariant mode, a block's rows: every GEMM is ``DEVICE_ROWS x SPLIT``
+(zero rows and columns padding the last), whatever the rows and the shard."""
+BLOCK_MIB = 512
+"""On CUDA, the default budget of a block's buffers (its logits and its logit gradient,
+both of the input dtype), in MiB: ``CPSLICE_BLOCK_MIB`` changes it. 512 MiB holds
+``16384 x 8192`` of each in bfloat16, every row at once at the benchmark's size."""
 ELEMENT_BYTES = 16 * 2**20
 """Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
 
@@ -51,6 +64,9 @@ class Blocks(NamedTuple):
 
     rows: int
     columns: int
+    device: bool = False
+    """Sized for the device (CUDA: ``sizes``): the eager loop in chunks of its own size,
+    and a split's weight gradient written by one GEMM when one block holds every row."""
 
     @classmethod
     def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Blocks":
@@ -74,8 +90,63 @@ class Blocks(NamedTuple):
 
     def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> Chunks:
         """The kernels' chunks on one block of ``rows`` rows: the whole block at once
-        eagerly, the compiled kernels' rows for its width."""
+        eagerly (sized for the device: the eager loop's own chunks), the compiled
+        kernels' rows for its width."""
+        if self.device:
+            return chunks_for(None, self.columns, dtype, device)
         return Chunks(rows, compiled_chunk_rows(self.columns, dtype, device))
+
+
+def block_budget(value: str | None = None) -> int:
+    """``CPSLICE_BLOCK_MIB`` (or ``value``) in bytes: a whole number of MiB >= 1, unset or
+    empty meaning ``BLOCK_MIB``.
+
+    Raises:
+        ValueError: any other value; the message names the setting and says what it takes.
+    """
+    raw = os.environ.get("CPSLICE_BLOCK_MIB", "") if value is None else value
+    if not raw:
+        return BLOCK_MIB * 2**20
+    mib = int(raw) if raw.isdecimal() else 0
+    if mib < 1:
+        raise ValueError(f"CPSLICE_BLOCK_MIB={raw!r} is not valid; use a whole number of MiB >= 1 (the "
+                         f"hidden-state path's block buffers on CUDA; unset: {BLOCK_MIB})")
+    return mib * 2**20
+
+
+@functools.cache
+def _budget() -> int:
+    """``block_budget()``, read once, at the first block sized for CUDA."""
+    return block_budget()
+
+
+def sizes(
+    device: str, dtype: torch.dtype, rows: int, vocab: int, chunk: int | None, invariant: bool,
+    budget: int | None = None, split: int = SPLIT,
+) -> Blocks:
+    """The blocks of both passes over ``rows`` rows of a ``vocab``-column shard of ``dtype``
+    inputs on a ``device`` (its type): on CUDA, ``split`` columns (fewer for a smaller
+    shard) by as many rows as ``budget`` bytes (None: ``CPSLICE_BLOCK_MIB``) hold of a
+    block's logits and gradient, at most ``chunk`` (None: no other cap); in invariant
+    mode ``DEVICE_ROWS x split``, fixed. Elsewhere the CPU's tuned ``Blocks.of`` (which
+    needs ``chunk``)."""
+    if device != "cuda":
+        assert chunk is not None, "the CPU's blocks are sized from chunk_size"
+        return Blocks.of(rows, vocab, chunk, invariant)
+    if invariant:
+        return Blocks(DEVICE_ROWS, split, True)
+    columns = max(1, min(vocab, split))
+    per_row = 2 * columns * torch.empty((), dtype=dtype).element_size()
+    fit = max(1, (_budget() if budget is None else budget) // per_row)
+    return Blocks(max(1, min(rows, fit, fit if chunk is None else chunk)), columns, True)
+
+
+def grid(hidden: Tensor, vocab: int, options: Options) -> Blocks:
+    """The blocks of a call's forward and backward alike (the same shapes, so the
+    backward's recomputed logits are the forward's bits): ``sizes``, the ``block_sizes``
+    step (``_probe``)."""
+    size_of = _probe.step("block_sizes", sizes)
+    return size_of(hidden.device.type, hidden.dtype, hidden.shape[0], vocab, options.chunk_size, options.invariant)
 
 
 def block_stats(
@@ -169,9 +240,8 @@ def dense_pass(
     ``hidden @ weight.T`` over the shard's valid columns; with ``best``, also return each
     row's ``best`` largest logits and their global ids, -inf padded to ``min(best, V_local)``
     (the other rows: -inf only)."""
-    assert options.chunk_size is not None
     total, vocab = hidden.shape[0], weight.shape[0]
-    blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
+    blocks = grid(hidden, vocab, options)
     run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
                 dense.max.dtype, Workspace())
     width = 0 if best is None else min(best, vocab)

@@ -2,22 +2,26 @@
 and the LM-head weight, ``logits = hidden @ weight.T`` never built whole.
 
 Its blocks are ``[rows, V_block]`` matmul blocks (``blocks.Blocks``), walked the same way
-forward and backward. Forward (``blocks.dense_pass``) computes each block's logits,
-reduces them with ``kernels.stats``, merges a row's vocabulary blocks (``stats.merge``,
-as TP shards merge) and drops the logits; ``call.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
-log-probs and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
-Backward walks the same blocks vocabulary block by vocabulary block: each block's logits
-are recomputed by the same matmul, so bit for bit those the statistics came from (a row
-sure of its target gets a gradient of exactly 0), turned into the block's logit gradient
-``G`` by ``kernels.grad`` and multiplied out at once:
+forward and backward: cache-sized on the CPU, on CUDA ``blocks.SPLIT`` columns by as many
+rows as a budget holds (``blocks.sizes``, ``CPSLICE_BLOCK_MIB``). Forward
+(``blocks.dense_pass``) computes each block's logits and statistics (``blocks.block_stats``:
+the selection's backend), merges a row's vocabulary blocks (``stats.merge``, as TP shards
+merge) and drops the logits; ``call.finish`` (one all-gather under TP) gives the global
+``M``, ``log S``, log-probs and entropy, exactly as ``log_probs_and_entropy`` on the
+materialized logits. Backward walks the same blocks vocabulary block by vocabulary block:
+each block's logits are recomputed by the same matmul, so bit for bit those the
+statistics came from (a row sure of its target gets a gradient of exactly 0), turned into
+the block's logit gradient ``G`` (``blocks.block_grad``) and multiplied out at once:
 
     d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
     d weight[block] = sum over row blocks of G.T @ hidden[rows]   (written once per block)
 
 so the weight gradient is summed over the rows by matmuls (their own float32
 accumulation for bfloat16) and stored once: no float32 ``[V_local, H]`` accumulator
-(``_Sum``). Memory beyond the inputs and their gradients is ``O(T)`` statistics, the
-``[T, H]`` hidden-gradient sum (the gradient itself in float32) and a few blocks.
+(``_Sum``), and on CUDA, where one block holds every row, none at all (one GEMM per
+split, written straight into the weight's gradient). Memory beyond the inputs and their
+gradients is ``O(T)`` statistics, the ``[T, H]`` hidden-gradient sum (the gradient itself
+in float32) and a few blocks.
 
 A support restricts rows to their sets as on the logits path: each set element's logit
 is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no block unless the
@@ -48,7 +52,7 @@ from .._types import (
 from . import args, head, invariant, spec, topk
 from .backends import gemm
 from .backends.chunks import Workspace
-from .blocks import Blocks, block_grad, dense_pass, element_logits, element_rows, in_block, spans
+from .blocks import Blocks, block_grad, dense_pass, element_logits, element_rows, grid, in_block, spans
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
 from .gradient import RowGrad
 from .rows import At, count, gather, holding, index_of, places
@@ -77,12 +81,18 @@ def default_hidden_chunk_rows(vocab: int) -> int:
     return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
 
 
+def default_hidden_chunk(hidden: Tensor, vocab: int) -> int | None:
+    """``chunk_size`` when the caller gives none: ``default_hidden_chunk_rows`` on the CPU
+    (and any device but CUDA); None on CUDA, whose blocks the budget sizes
+    (``blocks.sizes``)."""
+    return None if hidden.device.type == "cuda" else default_hidden_chunk_rows(vocab)
+
+
 def forward(
     hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
 ) -> tuple[Tensor, Tensor | None, Saved]:
     """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
-    it) and what the backward needs; ``options.chunk_size`` is set."""
-    assert options.chunk_size is not None
+    it) and what the backward needs."""
     rows, vocab = hidden.shape[0], weight.shape[0]
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
@@ -234,10 +244,13 @@ class _Walk:
         self.g_buf = torch.empty(grid.rows * grid.columns if pieces else 0, dtype=hidden.dtype, device=hidden.device)
         self.work = Workspace()
 
-    def block(self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None) -> None:
+    def block(
+        self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None, grad_w: Tensor | None = None
+    ) -> None:
         """Every row block of the vocabulary block ``w_b`` (its first column ``v0``): ``d hidden
         += G @ w_b`` into ``acc_h``, ``d w_b += G.T @ hidden[rows]`` into ``acc_w`` (each
-        where wanted)."""
+        where wanted), or ``d w_b = G.T @ hidden[rows]`` written into ``grad_w`` by one GEMM
+        (one row block of every row)."""
         row_b = in_block(self.row, self.held, v0, v0 + w_b.shape[0])
         for at in self.pieces:
             h = gather(self.hidden, at, None)
@@ -246,6 +259,8 @@ class _Walk:
                 self._add_hidden(acc_h, at, g, w_b)
             if acc_w is not None:
                 acc_w.add_mm(slice(0, w_b.shape[0]), g.t(), h)
+            if grad_w is not None:
+                torch.mm(g.t(), h, out=grad_w)
 
     def _grad(self, h: Tensor, w_b: HeadWeight, at: At, row_b: RowGrad) -> Tensor:
         """The block's logit gradient ``G`` (rows ``at``, in the reused buffer); its logits
@@ -286,20 +301,22 @@ def backward(
     """The gradients w.r.t. ``hidden`` (the full one: one all-reduce under TP) and
     ``weight`` (this shard's), where wanted."""
     opts = saved.options
-    assert opts.chunk_size is not None
     rows, cdt, valid = hidden.shape[0], compute_dtype(hidden.dtype), saved.shard.valid
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
-    grid = Blocks.of(rows, weight.shape[0], opts.chunk_size, opts.invariant)
-    pieces = _pieces(saved.dense_rows, parts.dense, rows, grid.rows, hidden.device)
-    walk = _Walk(hidden, ids, saved, row, grid, pieces)
+    blocks = grid(hidden, weight.shape[0], opts)
+    pieces = _pieces(saved.dense_rows, parts.dense, rows, blocks.rows, hidden.device)
+    walk = _Walk(hidden, ids, saved, row, blocks, pieces)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
-    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, grid.columns)
-    for i, (v0, v1) in enumerate(grid.blocks(valid)):
-        acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
-        walk.block(weight[v0:v1], v0, acc_h, acc_w)
+    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, blocks.columns)
+    # one block of every row on a device: each split's weight gradient is one GEMM, written
+    # straight into it (no float32 [V_block, H] sum)
+    straight = blocks.device and len(pieces) == 1 and by_block is None
+    for i, (v0, v1) in enumerate(blocks.blocks(valid)):
+        acc_w = None if grad_w is None or straight else _Sum(grad_w[v0:v1], cdt)
+        walk.block(weight[v0:v1], v0, acc_h, acc_w, None if grad_w is None or not straight else grad_w[v0:v1])
         if acc_w is not None:
             if by_block is not None:
                 by_block.add(acc_w, i, v0, hidden)
@@ -320,7 +337,7 @@ class HiddenHead:
         self.weight = weight
         self.tensors = (hidden, weight)
         self.vocab_local = int(weight.shape[0])
-        self.default_chunk = default_hidden_chunk_rows(self.vocab_local)
+        self.default_chunk = default_hidden_chunk(hidden, self.vocab_local)
 
     def take(self, index: Tensor) -> "HiddenHead":
         return HiddenHead(self.hidden.index_select(0, index), self.weight)
@@ -382,15 +399,19 @@ def log_probs_and_entropy_from_hidden(
             multiplied out and get zero gradient).
         invariant: as ``log_probs_and_entropy``: a row's log-prob and entropy are the
             same bits whatever the other rows and the TP size, its logits computed by
-            matmuls of one fixed shape (``invariant.BLOCK_ROWS`` rows, zero-padded, by
-            ``BLOCK_TILES * 128`` columns) whatever ``chunk_size``. The gradients w.r.t.
+            matmuls of one fixed shape per device whatever ``chunk_size`` (the CPU:
+            ``invariant.BLOCK_ROWS`` rows, zero-padded, by ``BLOCK_TILES * 128``
+            columns; CUDA: ``blocks.DEVICE_ROWS`` by ``blocks.SPLIT``). The gradients w.r.t.
             ``hidden`` and ``weight`` sum over the vocabulary and the rows (and the TP
             shards' all-reduce): not TP-invariant (docs/invariance.md).
         chunk_size: sizes the blocks, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
             ``blocks.MIN_BLOCK_ROWS`` rows (all rows if fewer). None picks
             ``default_hidden_chunk_rows(V_local)``: ``chunk_size`` rows of float32
-            within 32 MiB.
+            within 32 MiB. On CUDA a block is ``blocks.SPLIT`` (8192) columns by as
+            many rows as ``CPSLICE_BLOCK_MIB`` (512 MiB: every row of 16384 in
+            bfloat16) holds of its logits and gradient, at most ``chunk_size`` rows
+            (None: no other cap; docs/backends.md).
 
     Returns:
         ``(log_probs, entropy)`` as ``log_probs_and_entropy`` on the materialized logits
@@ -402,7 +423,8 @@ def log_probs_and_entropy_from_hidden(
         blocks (a block's logits and work buffers) in forward; in backward a few
         blocks, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
         inputs) and one float32 ``[V_block, H]`` block of the weight gradient at a
-        time, never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
+        time (none on CUDA when one block holds every row: each block of the weight
+        gradient is one GEMM), never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
         more and ``[n, H]`` pieces of its elements. Backward recomputes the logits
         (one more matmul).
 
