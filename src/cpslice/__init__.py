@@ -56,6 +56,7 @@ from ._vocab.hidden import topk_log_probs_from_hidden as topk_log_probs_from_hid
 from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
 from ._vocab.logits import log_probs_at as log_probs_at
 from ._vocab.logits import topk_log_probs as topk_log_probs
+from ._vocab.which import backend_for as backend_for
 
 if _hook is not None:
     _hook.uninstall()
@@ -67,6 +68,7 @@ __all__ = [
     "Strategy",
     "Support",
     "attention_mask",
+    "backend_for",
     "clear_caches",
     "extract_responses",
     "extraction_strategy",

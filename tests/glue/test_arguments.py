@@ -189,6 +189,7 @@ def no_numbers(i: Any, r: Any) -> None:
     masks = [torch.ones(n) for n in RESPONSE]
     assert cpslice.sample_max(shares, masks, layout).shape == (2, 7)
     assert cpslice.sample_min([s[:, 0] for s in shares], masks, layout).shape == (2,)
+    assert cpslice.backend_for(values) in ("eager", "compiled", "triton")
     cpslice.clear_caches()
 
 
@@ -214,7 +215,8 @@ CALLS: dict[str, Callable[..., None]] = {
     "sum_of_sample_means": reducer_kinds,
     "sum_of_tokens": reducer_kinds,
     **dict.fromkeys(
-        ["redistribute", "gather_responses", "extraction_strategy", "sample_max", "sample_min", "clear_caches"],
+        ["redistribute", "gather_responses", "extraction_strategy", "sample_max", "sample_min", "clear_caches",
+         "backend_for"],
         no_numbers,
     ),
 }
