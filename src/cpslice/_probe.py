@@ -39,7 +39,7 @@ Backend = Literal["eager", "compiled", "triton"]
 """Who ran a launch."""
 BACKENDS: tuple[Backend, ...] = ("eager", "compiled", "triton")
 Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree", "triton_pad",
-               "triton_scratch_rows", "block_sizes"]
+               "triton_scratch_rows", "block_sizes", "block_gemm"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
@@ -66,7 +66,11 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
 - ``block_sizes``: the hidden-state path's blocks of a call, forward and backward alike,
   ``(device, dtype, rows, vocab, chunk, invariant) -> Blocks`` (``blocks.sizes``, called
   with the hidden states' device type): ``lambda device, *rest: sizes("cuda", *rest,
-  budget=...)`` walks CPU tensors in the blocks a GPU's budget gives."""
+  budget=...)`` walks CPU tensors in the blocks a GPU's budget gives;
+- ``block_gemm``: the GEMM of a hidden-state block's logits, forward and the backward's
+  recomputation, ``(a, b) -> a @ b`` (``torch.mm``, in ``backends.gemm.logits``): a
+  substitute sees the settings it runs under (invariant mode's, ``gemm.exact``) and
+  counts the GEMMs."""
 STEPS: tuple[Step, ...] = get_args(Step)
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import _probe
 from .._types import HeadWeight, Hidden
 from . import invariant, topk
-from .backends import selection
+from .backends import gemm, selection
 from .backends.chunks import Chunks, Workspace, chunks_for, compiled_chunk_rows
 from .backends.interface import Shape, Task
 from .call import Options
@@ -249,15 +249,16 @@ def dense_pass(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
         torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
-    for at in pieces(rows, total, blocks.rows):
-        if options.invariant:
-            running = _invariant_rows(run, dense, at)
-        else:
-            assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
-            running = _default_rows(run, dense, at)
-        if running is not None:
-            c = running.values.shape[1]
-            found.values[at, :c], found.ids[at, :c] = running
+    with gemm.exact_if(options.invariant):  # invariant mode: GEMMs without reduced precision
+        for at in pieces(rows, total, blocks.rows):
+            if options.invariant:
+                running = _invariant_rows(run, dense, at)
+            else:
+                assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
+                running = _default_rows(run, dense, at)
+            if running is not None:
+                c = running.values.shape[1]
+                found.values[at, :c], found.ids[at, :c] = running
     return None if best is None else found
 
 

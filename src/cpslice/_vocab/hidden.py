@@ -311,17 +311,28 @@ def backward(
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
     by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, blocks.columns)
+    with gemm.exact_if(opts.invariant):  # invariant mode: GEMMs without reduced precision
+        _walk_splits(walk, blocks, weight, valid, acc_h, grad_w, by_block)
+    return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
+
+
+def _walk_splits(
+    walk: _Walk, blocks: Blocks, weight: HeadWeight, valid: int, acc_h: _Sum | None, grad_w: Tensor | None,
+    by_block: _ByBlock | None,
+) -> None:
+    """The backward's walk, vocabulary split by split: ``d hidden`` into ``acc_h`` and each
+    split's weight gradient into ``grad_w`` (a support's elements added by ``by_block``)."""
+    cdt = compute_dtype(weight.dtype)
     # one block of every row on a device: each split's weight gradient is one GEMM, written
     # straight into it (no float32 [V_block, H] sum)
-    straight = blocks.device and len(pieces) == 1 and by_block is None
+    straight = blocks.device and len(walk.pieces) == 1 and by_block is None
     for i, (v0, v1) in enumerate(blocks.blocks(valid)):
         acc_w = None if grad_w is None or straight else _Sum(grad_w[v0:v1], cdt)
         walk.block(weight[v0:v1], v0, acc_h, acc_w, None if grad_w is None or not straight else grad_w[v0:v1])
         if acc_w is not None:
             if by_block is not None:
-                by_block.add(acc_w, i, v0, hidden)
+                by_block.add(acc_w, i, v0, walk.hidden)
             acc_w.done()
-    return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
 
 
 class HiddenHead:

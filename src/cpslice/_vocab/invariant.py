@@ -104,9 +104,9 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged:
 def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
-    spec's order (``spec.merge_tiles``); their picked logits added."""
-    write(out, at, *eager.merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
-                                  tau))
+    spec's order (``merge_tiles``: the Triton kernel where it takes them); their picked
+    logits added."""
+    write(out, at, *merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(), tau))
     out.picked[at] += parts.picked
 
 

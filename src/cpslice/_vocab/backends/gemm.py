@@ -7,36 +7,46 @@ input dtype (``torch.mm``: cuBLAS or the CPU's BLAS, float32 accumulation) and h
 them to the row kernels of the backends of its chain, the first that computes;
 ``block_grad`` recomputes them by the same GEMM (the forward's bits) and writes the
 block's logit gradient ``G``. In invariant mode a block's GEMM has one fixed shape
-(``Shape``: the block's rows and columns zero-padded to it).
+(``Shape``: the block's rows and columns zero-padded to it), and ``exact`` fixes, for
+invariant mode's calls, the settings that would change a GEMM's bits.
 """
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
+from ... import _probe
 from ..gradient import RowGrad
 from ..softmax import Softmax, reciprocals
 from ..stats import Stats, TileStats
 from .chunks import Chunks, Workspace
 from .interface import KernelBackend, Shape
 
+ALIGN = 256
+"""On CUDA, the bytes a fixed-shape GEMM's operand is aligned to (else copied first):
+cuBLASLt's heuristics read each pointer's alignment, up to 256 bytes, and may pick
+another kernel for another one."""
+
 
 def _pad(t: Tensor, rows: int) -> Tensor:
-    """``t`` with zero rows appended up to ``rows`` (``t`` itself when it has them)."""
-    if t.shape[0] >= rows:
+    """``t`` with zero rows appended up to ``rows``: ``t`` itself when it has them (on CUDA:
+    and its data is ``ALIGN``-byte aligned), else a new tensor."""
+    if t.shape[0] >= rows and (t.device.type != "cuda" or t.data_ptr() % ALIGN == 0):
         return t
-    return torch.cat([t, t.new_zeros((rows - t.shape[0], t.shape[1]))])
+    return torch.cat([t, t.new_zeros((max(0, rows - t.shape[0]), t.shape[1]))])
 
 
 def logits(h: Tensor, w: Tensor, shape: Shape) -> Tensor:
-    """``h @ w.T`` (``[n, H]`` rows, ``[v, H]`` columns), ``[n, v]``; with ``shape``, by a
-    GEMM of exactly that shape, zero rows padding both (a BLAS picks its kernel, and a
-    row's bits with it, by shape)."""
+    """``h @ w.T`` (``[n, H]`` rows, ``[v, H]`` columns), ``[n, v]``, by the ``block_gemm``
+    step (``torch.mm``); with ``shape``, by a GEMM of exactly that shape, zero rows padding
+    both (a BLAS picks its kernel, and a row's bits with it, by shape)."""
+    mm = _probe.step("block_gemm", torch.mm)
     if shape is None:
-        return torch.mm(h, w.t())
+        return mm(h, w.t())
     n, v = h.shape[0], w.shape[0]
-    return torch.mm(_pad(h, shape[0]), _pad(w, shape[1]).t())[:n, :v]
+    return mm(_pad(h, shape[0]), _pad(w, shape[1]).t())[:n, :v]
 
 
 def product(g: Tensor, w: Tensor, shape: Shape) -> Tensor:
@@ -48,6 +58,70 @@ def product(g: Tensor, w: Tensor, shape: Shape) -> Tensor:
     padded = g.new_zeros(shape)
     padded[:n, :v] = g
     return torch.mm(padded, _pad(w, shape[1]))[:n]
+
+
+EXACT: tuple[tuple[str, str, object], ...] = (
+    ("cuda.matmul", "fp32_precision", "ieee"),
+    ("mkldnn.matmul", "fp32_precision", "ieee"),
+    ("cuda.matmul", "allow_bf16_reduced_precision_reduction", False),
+    ("cuda.matmul", "allow_fp16_reduced_precision_reduction", False),
+    ("cuda.matmul", "allow_fp16_accumulation", False),
+)
+"""The settings under ``torch.backends`` that ``exact`` fixes, each ``(owner, name,
+value)``: float32 GEMMs in IEEE float32 (no TF32 on CUDA, no bfloat16 or TF32 inside
+oneDNN on the CPU), bfloat16 and float16 GEMMs without reduced-precision reductions
+and without float16 accumulation. One this torch does not have is skipped."""
+
+
+def _owner(path: str) -> object:
+    """``torch.backends.<path>`` (None where this torch has none)."""
+    owner: object = torch.backends
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+    return owner
+
+
+def _read(owner: object, name: str) -> object:
+    """A setting's value as its setter takes it back (a reduction's split-K choice too)."""
+    value = getattr(owner, name)
+    split = getattr(owner, f"{name}_split_k", None) if name.endswith("reduction") else None
+    return value if split is None else (value, split)
+
+
+@contextlib.contextmanager
+def exact() -> Iterator[None]:
+    """Within the block, GEMMs without the settings that change their bits (``EXACT``, and
+    ``torch.set_float32_matmul_precision("highest")``: the legacy ``allow_tf32``), each
+    restored after it, the block raising too. A GEMM of one shape then runs one kernel
+    with one reduction order. (cuDNN's TF32 setting is a convolution's: no GEMM here
+    reads it.)"""
+    saved = []
+    for path, name, value in EXACT:
+        owner = _owner(path)
+        try:
+            saved.append((owner, name, value, _read(owner, name)))
+        except (AttributeError, RuntimeError):  # not in this torch
+            continue
+    try:  # the process-wide precision, unless the per-backend settings were set apart from it
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = None
+    try:
+        if legacy is not None:
+            torch.set_float32_matmul_precision("highest")
+        for owner, name, value, before in saved:  # a reduction's split-K choice kept
+            setattr(owner, name, (value, before[1]) if isinstance(before, tuple) else value)
+        yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        for owner, name, _, before in saved:
+            setattr(owner, name, before)
+
+
+def exact_if(invariant: bool) -> contextlib.AbstractContextManager[None]:
+    """``exact()`` in invariant mode, else nothing."""
+    return exact() if invariant else contextlib.nullcontext()
 
 
 def block_stats(
