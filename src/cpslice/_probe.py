@@ -71,8 +71,8 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   with the hidden states' device type): ``lambda device, *rest: sizes("cuda", *rest,
   budget=...)`` walks CPU tensors in the blocks a GPU's budget gives;
 - ``block_gemm``: the GEMM of a hidden-state block's logits, forward and the backward's
-  recomputation, ``(a, b) -> a @ b`` (``torch.mm``, in ``backends.gemm.logits``): a
-  substitute sees the settings it runs under (invariant mode's, ``gemm.exact``) and
+  recomputation, ``(a, b) -> a @ b`` (``torch.mm``, in ``backends.interface.logits``): a
+  substitute sees the settings it runs under (invariant mode's, ``gemm_settings.exact``) and
   counts the GEMMs."""
 STEPS: tuple[Step, ...] = get_args(Step)
 

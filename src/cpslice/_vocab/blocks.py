@@ -20,10 +20,11 @@ from torch import Tensor
 from .. import _probe
 from .._types import HeadWeight, Hidden
 from . import invariant, topk
-from .backends import gemm, selection
+from .backends import selection
 from .backends.chunks import Chunks, Workspace, chunks_for, compiled_chunk_rows
 from .backends.interface import Shape, Task
 from .call import Options
+from .gemm_settings import exact_if
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
@@ -48,6 +49,25 @@ both of the input dtype), in MiB: ``CPSLICE_BLOCK_MIB`` changes it. 512 MiB hold
 ``16384 x 8192`` of each in bfloat16, every row at once at the benchmark's size."""
 ELEMENT_BYTES = 16 * 2**20
 """Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
+
+
+LINEAR_CHUNK_BYTES = 32 * 2**20
+"""The hidden path's rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
+about this many bytes; a block (``Blocks``) holds half as many elements. Larger than the
+logits path's chunks: each block runs a matmul, and a matmul of few rows is slow
+(measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
+matmul, 256-row chunks 1.2x)."""
+def default_hidden_chunk_rows(vocab: int) -> int:
+    """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
+    within ``LINEAR_CHUNK_BYTES``; at least one row."""
+    return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+def default_hidden_chunk(hidden: Tensor, vocab: int) -> int | None:
+    """``chunk_size`` when the caller gives none: ``default_hidden_chunk_rows`` on the CPU
+    (and any device but CUDA); None on CUDA, whose blocks the budget sizes
+    (``blocks.sizes``)."""
+    return None if hidden.device.type == "cuda" else default_hidden_chunk_rows(vocab)
 
 
 def spans(size: int, block: int) -> list[tuple[int, int]]:
@@ -81,7 +101,7 @@ class Blocks(NamedTuple):
     def shape(self, fixed: bool) -> Shape:
         """The blocks' GEMM shape: ``fixed`` (invariant mode), exactly this block's, zero
         rows padding both operands (a BLAS picks its kernel by shape, and a row's bits
-        with it; ``backends.gemm``); else each block's own (None)."""
+        with it; ``backends.interface.logits``); else each block's own (None)."""
         return (self.rows, self.columns) if fixed else None
 
     def blocks(self, vocab: int) -> list[tuple[int, int]]:
@@ -249,7 +269,7 @@ def dense_pass(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
         torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
-    with gemm.exact_if(options.invariant):  # invariant mode: GEMMs without reduced precision
+    with exact_if(options.invariant):  # invariant mode: GEMMs without reduced precision
         for at in pieces(rows, total, blocks.rows):
             if options.invariant:
                 running = _invariant_rows(run, dense, at)

@@ -50,10 +50,21 @@ from .._types import (
     compute_dtype,
 )
 from . import args, head, invariant, spec, topk
-from .backends import gemm
 from .backends.chunks import Workspace
-from .blocks import Blocks, block_grad, dense_pass, element_logits, element_rows, grid, in_block, spans
+from .backends.interface import product
+from .blocks import (
+    Blocks,
+    block_grad,
+    default_hidden_chunk,
+    dense_pass,
+    element_logits,
+    element_rows,
+    grid,
+    in_block,
+    spans,
+)
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
+from .gemm_settings import exact_if
 from .gradient import RowGrad
 from .rows import At, count, gather, holding, index_of, places
 from .set_elements import Elements, Split, element_grad, elements, set_stats
@@ -67,25 +78,6 @@ def _all_reduce(grad_h: Tensor, group: dist.ProcessGroup) -> None:
     if _probe.active is not None:
         _probe.active.collective("all_reduce", grad_h.numel())
     dist.all_reduce(grad_h, group=group)
-
-
-LINEAR_CHUNK_BYTES = 32 * 2**20
-"""Rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
-about this many bytes; a block (``Blocks``) holds half as many elements. Larger than the
-logits path's chunks: each block runs a matmul, and a matmul of few rows is slow
-(measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
-matmul, 256-row chunks 1.2x)."""
-def default_hidden_chunk_rows(vocab: int) -> int:
-    """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
-    within ``LINEAR_CHUNK_BYTES``; at least one row."""
-    return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
-
-
-def default_hidden_chunk(hidden: Tensor, vocab: int) -> int | None:
-    """``chunk_size`` when the caller gives none: ``default_hidden_chunk_rows`` on the CPU
-    (and any device but CUDA); None on CUDA, whose blocks the budget sizes
-    (``blocks.sizes``)."""
-    return None if hidden.device.type == "cuda" else default_hidden_chunk_rows(vocab)
 
 
 def forward(
@@ -279,11 +271,11 @@ class _Walk:
             acc_h.add_mm(at, g, w_b)
             return
         # a row's sum whatever the others (an index's rows: one add each, as add_)
-        product = gemm.product(g, w_b, self.grid.shape(True))
+        fixed = product(g, w_b, self.grid.shape(True))
         if isinstance(at, slice):
-            acc_h.acc[at].add_(product)
+            acc_h.acc[at].add_(fixed)
         else:
-            acc_h.acc.index_add_(0, at, product.to(acc_h.acc.dtype))
+            acc_h.acc.index_add_(0, at, fixed.to(acc_h.acc.dtype))
 
 
 def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
@@ -311,7 +303,7 @@ def backward(
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
     by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, blocks.columns)
-    with gemm.exact_if(opts.invariant):  # invariant mode: GEMMs without reduced precision
+    with exact_if(opts.invariant):  # invariant mode: GEMMs without reduced precision
         _walk_splits(walk, blocks, weight, valid, acc_h, grad_w, by_block)
     return None if acc_h is None else _full(acc_h.done(), opts.tp_group), grad_w
 

@@ -8,8 +8,7 @@ from torch import Tensor
 from . import args
 from .backends import selection
 from .backends.interface import Task
-from .blocks import sizes
-from .hidden import default_hidden_chunk
+from .blocks import default_hidden_chunk, sizes
 
 
 def backend_for(x: Tensor, weight: Tensor | None = None, *, invariant: bool = False) -> selection.Name:

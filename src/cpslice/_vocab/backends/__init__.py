@@ -3,16 +3,15 @@ gradient of a block of logits, and the hidden path's blocks of ``hidden @ weight
 module per backend, each implementing one interface.
 
 - ``interface``: that interface (``KernelBackend``: ``takes``, the logits path's row
-  kernels of both reductions, the hidden path's block kernels) and what a backend is
-  asked to take (``Task``);
+  kernels of both reductions, the hidden path's block kernels), what a backend is asked
+  to take (``Task``), and the block kernels' shared default (a torch GEMM, then the row
+  kernels), which every backend takes in one line;
 - ``selection``: the ordered registry of backend modules, which one computes a task
   (``chain``, ``run``: from the one ``CPSLICE_BACKEND`` names down, the first that takes
   it and computes; ``using`` changes the setting for a block) and all that the backends
   learn at run time;
 - ``chunks``: the rows per chunk of the eager and compiled kernels (``Chunks``,
   ``chunks_for``) and the eager loop's work buffers (``Workspace``);
-- ``gemm``: the hidden path's block kernels by a torch GEMM then the row kernels, the
-  shared default every backend takes in one line;
 - ``eager``: torch operations, chunk by chunk, of both reductions, and the kernel
   bodies that both the eager and the compiled backend run;
 - ``compiled``: everything ``torch.compile``: the compile machinery, the compiled

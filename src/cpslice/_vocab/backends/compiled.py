@@ -2,7 +2,7 @@
 (inductor) into one fused loop per chunk, the CPU's fast path, and the machinery that
 compiles them (``use_compiled``, ``_call``: one code object per variant, a failure in
 ``auto`` warned once and turned eager, ``selection.BackendState`` holding what it
-learns): ``interface.KernelBackend``, its block kernels ``backends.gemm``'s. It takes a
+learns): ``interface.KernelBackend``, its block kernels ``interface``'s shared default. It takes a
 task where ``use_compiled`` (invariant mode: ``compiled_ok``) allows; every kernel
 returns False where it did not finish (a compile failure in ``auto``, a compiled result
 found to differ, a soft cap invariant mode's compiled kernels do not take), and the
@@ -77,13 +77,13 @@ from ..softmax import (
 )
 from ..spec import FLOOR, TILE, exp, halve, tile_max, tiles
 from ..stats import RowStats, TileStats, write
-from . import gemm
+from . import interface
 from . import selection as backend
 from .chunks import Chunks, Workspace, compiled_chunk_rows
 from .eager import eager_rows, eager_tiles, grad_kernel, tiles_from, values
 from .interface import Merged, Task
 
-block_stats, block_grad = gemm.block_stats, gemm.block_grad  # the shared default block kernels
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
 NAME = "compiled"
 
 AUTO_MIN_ELEMENTS = 2**22

@@ -1,7 +1,7 @@
 """The eager backend: torch operations, chunk by chunk, of both reductions (any device,
 any float dtype): ``interface.KernelBackend``, taking every task (the last line of the
 registry). ``backends.compiled`` compiles the same arithmetic; the Triton kernels
-(``backends.triton``) give it by hand. Its block kernels are ``backends.gemm``'s.
+(``backends.triton``) give it by hand. Its block kernels are ``interface``'s shared default.
 
 The default reduction (``kernels``): ``stats`` and ``grad``, the loops over chunks of
 rows (``chunks.Chunks``'s ``eager`` rows each), a piece of rows that are not consecutive
@@ -34,11 +34,11 @@ from ..rows import At, gather, pieces, size
 from ..softmax import Softmax, Tau, capped_, divide_, reciprocals, slope_, tanh_, taus, times_cap
 from ..spec import FLOOR, TILE, exp, softcap, softcap_slope, tile_max, tiles, tree
 from ..stats import RowStats, TileStats, write
-from . import gemm
+from . import interface
 from .chunks import Chunks, Workspace
 from .interface import Merged, Task
 
-block_stats, block_grad = gemm.block_stats, gemm.block_grad  # the shared default block kernels
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
 NAME = "eager"
 
 

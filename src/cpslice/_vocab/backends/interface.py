@@ -21,14 +21,18 @@ Three kinds of kernels:
   ``invariant.picks``);
 - the hidden path's block kernels: ``block_stats`` (a block's logits by a GEMM, then
   their statistics) and ``block_grad`` (the block's logits recomputed, then its logit
-  gradient ``G`` in the input dtype). ``backends.gemm`` holds their shared default, a
-  torch GEMM then the row kernels of the backends of the chain, which each backend
-  takes in one line (``from .gemm import block_grad, block_stats``); a fused GEMM +
-  softmax backend would define its own.
+  gradient ``G`` in the input dtype). Their shared default is here, below the protocol
+  (``block_stats``, ``block_grad``): a torch GEMM in the input dtype (``logits``:
+  cuBLAS or the CPU's BLAS, float32 accumulation; in invariant mode of one fixed
+  ``Shape``, the block's rows and columns zero-padded to it), then the row kernels of
+  the backends of the chain, the first that computes. Each backend takes it in one line
+  (``block_stats, block_grad = interface.block_stats, interface.block_grad``); a fused
+  GEMM + softmax backend would define its own.
 
 Every row kernel takes ``rows``, the ascending int64 index of the rows to compute on
 the block's device (``_vocab.rows``; None: every row), and never reads or writes any
-other row.
+other row. This module imports only the engine's arithmetic and types, so a backend
+module is one import above them.
 """
 
 from collections.abc import Iterable
@@ -37,9 +41,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from ... import _probe
 from ..gradient import RowGrad
 from ..rows import count
-from ..softmax import Softmax, Tau
+from ..softmax import Softmax, Tau, reciprocals
 from ..stats import RowStats, Stats, TileStats
 from .chunks import Chunks, Workspace
 
@@ -149,3 +154,84 @@ class KernelBackend(Protocol):
         gradient (invariant mode: the dense part; the caller adds the picked ids'). Returns
         the recomputed logits."""
         ...
+
+
+# --- the block kernels' shared default: a torch GEMM, then the chain's row kernels
+
+
+ALIGN = 256
+"""On CUDA, the bytes a fixed-shape GEMM's operand is aligned to (else copied first):
+cuBLASLt's heuristics read each pointer's alignment, up to 256 bytes, and may pick
+another kernel for another one."""
+
+
+def _pad(t: Tensor, rows: int) -> Tensor:
+    """``t`` with zero rows appended up to ``rows``: ``t`` itself when it has them (on CUDA:
+    and its data is ``ALIGN``-byte aligned), else a new tensor."""
+    if t.shape[0] >= rows and (t.device.type != "cuda" or t.data_ptr() % ALIGN == 0):
+        return t
+    return torch.cat([t, t.new_zeros((max(0, rows - t.shape[0]), t.shape[1]))])
+
+
+def logits(h: Tensor, w: Tensor, shape: Shape) -> Tensor:
+    """``h @ w.T`` (``[n, H]`` rows, ``[v, H]`` columns), ``[n, v]``, by the ``block_gemm``
+    step (``torch.mm``); with ``shape``, by a GEMM of exactly that shape, zero rows padding
+    both (a BLAS picks its kernel, and a row's bits with it, by shape)."""
+    mm = _probe.step("block_gemm", torch.mm)
+    if shape is None:
+        return mm(h, w.t())
+    n, v = h.shape[0], w.shape[0]
+    return mm(_pad(h, shape[0]), _pad(w, shape[1]).t())[:n, :v]
+
+
+def product(g: Tensor, w: Tensor, shape: Shape) -> Tensor:
+    """``g @ w`` (``[n, v]`` logit gradients, ``[v, H]`` columns), ``[n, H]``; with
+    ``shape``, by a GEMM of that shape, as ``logits``."""
+    if shape is None:
+        return torch.mm(g, w)
+    n, v = g.shape
+    padded = g.new_zeros(shape)
+    padded[:n, :v] = g
+    return torch.mm(padded, _pad(w, shape[1]))[:n]
+
+
+def block_stats(
+    chain: Iterable[KernelBackend], h: Tensor, w: Tensor, softmax: Softmax, out: Stats, shape: Shape, first: int,
+    chunks: Chunks, work: Workspace,
+) -> Tensor:
+    """``KernelBackend.block_stats`` by one GEMM, then the first backend of ``chain`` whose
+    row kernel computes on the block's logits (their statistics: the default reduction's,
+    or invariant mode's per tile or merged). Returns the logits."""
+    x = logits(h, w, shape)
+    for backend in chain:
+        if not softmax.invariant:
+            assert not isinstance(out, TileStats), "per-tile statistics out of invariant mode"
+            done = backend.stats(x, softmax, out, None, chunks, work)
+        elif isinstance(out, TileStats):
+            done = backend.tile_stats(x, softmax, x.shape[1], out, None, x.shape[0], first)
+        else:
+            done = backend.merged_stats(x, softmax, out, None, x.shape[0])
+        if done:
+            return x
+    raise AssertionError("no backend computed the block (the eager backend takes every block)")
+
+
+def block_grad(
+    chain: Iterable[KernelBackend], h: Tensor, w: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax,
+    row: RowGrad, out: Tensor, shape: Shape, chunks: Chunks, work: Workspace,
+) -> Tensor:
+    """``KernelBackend.block_grad`` by the forward's GEMM, then the first backend of
+    ``chain`` whose gradient kernel computes on the recomputed logits (invariant mode:
+    the dense part, ``r = 1 / tau`` and ``a`` 0 without entropy). Returns the logits."""
+    x = logits(h, w, shape)
+    if softmax.invariant:
+        r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
+        a = torch.zeros_like(row.b) if row.a is None else row.a
+    for backend in chain:
+        if softmax.invariant:
+            done = backend.invariant_grad(x, None, r, big_m, log_s, a, row.b, softmax.cap, chunks, out)
+        else:
+            done = backend.grad(x, big_m, log_s, softmax, row, out, None, chunks, work)
+        if done:
+            return x
+    raise AssertionError("no backend computed the block (the eager backend takes every block)")

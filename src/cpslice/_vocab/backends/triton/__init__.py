@@ -1,7 +1,7 @@
 """The Triton backend: hand-written Triton kernels for CUDA tensors, and for CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``, the tests' way to run them without
 a GPU). This package is the backend's module (``interface.KernelBackend``: ``takes`` and
-the kernels below, its block kernels ``backends.gemm``'s); it imports ``triton`` only
+the kernels below, its block kernels the interface's shared default); it imports ``triton`` only
 when a kernel runs, in its kernel modules.
 
 Nothing of Triton is imported unless the Triton backend computes: ``triton`` comes with
@@ -20,12 +20,12 @@ from torch import Tensor
 from ...gradient import RowGrad
 from ...softmax import Softmax, Tau, reciprocals, taus
 from ...stats import RowStats, TileStats, write
-from .. import gemm, selection
+from .. import interface, selection
 from ..chunks import Chunks, Workspace
 from ..interface import Merged, Task
 from .interpreter import interpreted
 
-block_stats, block_grad = gemm.block_stats, gemm.block_grad  # the shared default block kernels
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
 NAME = "triton"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes of the default reduction's kernels (float32 arithmetic): float64 logits go
