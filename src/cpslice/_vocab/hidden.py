@@ -226,7 +226,7 @@ def _set_grads(
 class _Walk:
     """The backward's walk over the forward's blocks (``pieces`` of rows by each vocabulary
     block): each block's logits recomputed by the same matmul, turned into its logit
-    gradient ``G`` (``kernels.grad``, or invariant mode's) and multiplied out at once."""
+    gradient ``G`` (``blocks.block_grad``) and multiplied out at once."""
 
     def __init__(
         self, hidden: Hidden, ids: Tensor, saved: Saved, row: RowGrad, grid: Blocks, pieces: list[At]
