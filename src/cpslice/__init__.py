@@ -59,6 +59,7 @@ from ._vocab.logits import entropy as entropy
 from ._vocab.logits import log_probs_and_entropy as log_probs_and_entropy
 from ._vocab.logits import log_probs_at as log_probs_at
 from ._vocab.logits import topk_log_probs as topk_log_probs
+from ._vocab.which import backend_for as backend_for
 
 if _hook is not None:
     _hook.uninstall()
@@ -70,6 +71,7 @@ __all__ = [
     "Strategy",
     "Support",
     "attention_mask",
+    "backend_for",
     "clear_caches",
     "entropy",
     "entropy_from_hidden",

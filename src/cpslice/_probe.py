@@ -13,7 +13,10 @@ A stable private seam (docs/instrumentation.md), not part of the public API. Whi
   ``all_reduce``, ``reduce_scatter``, ``all_to_all_single``), with the elements this
   rank sends (``elements``);
 - ``host_read``: one read of a result the library computed back to the host (``tolist``,
-  ``item``, ``cpu``): a device-to-host synchronization on an accelerator.
+  ``item``, ``cpu``): a device-to-host synchronization on an accelerator;
+- ``save``: one forward that kept state for its backward (an autograd Function's saved
+  tensors and ``Saved`` record), by the Function's name, with the tensors it saved
+  (``elements``): a call where no gradient can flow keeps none.
 
 While a ``substitute(step, fn)`` block is open, the library runs ``fn`` where it would
 run the named step (``STEPS``): a planted bug, or a state that a test needs (a compiled
@@ -33,13 +36,13 @@ from typing import Any, Literal, TypeVar, get_args
 
 from torch import Tensor
 
-Kind = Literal["call", "launch", "collective", "host_read"]
+Kind = Literal["call", "launch", "collective", "host_read", "save"]
 """The events a watch counts."""
 Backend = Literal["eager", "compiled", "triton"]
 """Who ran a launch."""
 BACKENDS: tuple[Backend, ...] = ("eager", "compiled", "triton")
 Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp", "triton_tree", "triton_pad",
-               "triton_scratch_rows"]
+               "triton_scratch_rows", "block_sizes", "block_gemm"]
 """The steps a test may substitute:
 
 - ``merge_tiles``: invariant mode's merge of a row's tiles in global order
@@ -62,7 +65,15 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   substitute is a ``@triton.jit`` function, compiled into the kernels launched within the
   block;
 - ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
-  ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``)."""
+  ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``);
+- ``block_sizes``: the hidden-state path's blocks of a call, forward and backward alike,
+  ``(device, dtype, rows, vocab, chunk, invariant) -> Blocks`` (``blocks.sizes``, called
+  with the hidden states' device type): ``lambda device, *rest: sizes("cuda", *rest,
+  budget=...)`` walks CPU tensors in the blocks a GPU's budget gives;
+- ``block_gemm``: the GEMM of a hidden-state block's logits, forward and the backward's
+  recomputation, ``(a, b) -> a @ b`` (``torch.mm``, in ``backends.interface.logits``): a
+  substitute sees the settings it runs under (invariant mode's, ``gemm_settings.exact``) and
+  counts the GEMMs."""
 STEPS: tuple[Step, ...] = get_args(Step)
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,7 +83,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Event:
     """One recorded event: its ``kind`` and ``name``; a launch's ``backend``; a call's or a
     launch's mode (``invariant``) and ``rows``; a call's row ``index`` (None: every row);
-    a collective's ``elements`` sent."""
+    a collective's ``elements`` sent (a save's: the tensors kept)."""
 
     kind: Kind
     name: str
@@ -139,6 +150,10 @@ class Active:
     def host_read(self, name: str) -> None:
         """Record one host read ``name`` (``tolist``, ``item``, ``cpu``)."""
         self.record(Event("host_read", name))
+
+    def save(self, name: str, tensors: int) -> None:
+        """Record one forward ``name`` that kept ``tensors`` tensors for its backward."""
+        self.record(Event("save", name, elements=tensors))
 
     def step(self, name: Step, real: F) -> F:
         """The function to run for the step ``name``: its substitute, else ``real``."""

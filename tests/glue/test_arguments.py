@@ -201,6 +201,7 @@ def no_numbers(i: Any, r: Any) -> None:
     assert cpslice.sample_max(shares, masks, layout).shape == (2, 7)
     assert cpslice.sample_min([s[:, 0] for s in shares], masks, layout).shape == (2,)
     assert torch.equal(cpslice.unshard(values, layout), values)
+    assert cpslice.backend_for(values) in ("eager", "compiled", "triton")
     cpslice.clear_caches()
 
 
@@ -229,7 +230,7 @@ CALLS: dict[str, Callable[..., None]] = {
     "sum_of_tokens": reducer_kinds,
     **dict.fromkeys(
         ["redistribute", "gather_responses", "extraction_strategy", "sample_max", "sample_min", "clear_caches",
-         "unshard"],
+         "unshard", "backend_for"],
         no_numbers,
     ),
 }

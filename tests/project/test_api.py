@@ -11,7 +11,7 @@ PUBLIC = {
     "log_probs_and_entropy", "response_log_probs", "entropy", "entropy_from_hidden",
     "log_probs_and_entropy_from_hidden", "response_log_probs_from_hidden",
     "redistribute", "gather_responses", "sum_of_sample_means", "sum_of_tokens",
-    "clear_caches", "sample_means", "sample_max", "sample_min",
+    "clear_caches", "sample_means", "sample_max", "sample_min", "backend_for",
     "log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
     "topk_divergence", "response_distillation", "response_distillation_from_hidden",
     "response_topk_log_probs", "response_topk_log_probs_from_hidden", "unshard",

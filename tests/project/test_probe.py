@@ -75,7 +75,8 @@ def test_a_substitute_runs_in_its_block_and_the_step_is_restored() -> None:
 
 def test_the_steps_are_a_fixed_set() -> None:
     assert set(_probe.STEPS) == {"merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_exp",
-                                 "triton_tree", "triton_pad", "triton_scratch_rows"}
+                                 "triton_tree", "triton_pad", "triton_scratch_rows", "block_sizes",
+                                 "block_gemm"}
     # the debug wrappers' TypeError where the tests run them (the name is no Step), else the hook's
     with pytest.raises((ValueError, TypeError), match="tile_merge"):
         with _probe.substitute("tile_merge", spec.merge_tiles):  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ def test_compile_mode_of_each_backend() -> None:
 def _import_a_copy() -> ModuleType:
     """A fresh copy of the kernels module, imported beside it: the real one (whose classes
     the other modules' annotations hold) is left as it is."""
-    spec = importlib.util.spec_from_file_location("cpslice._vocab.backend_copy", _backend.__file__)
+    spec = importlib.util.spec_from_file_location("cpslice._vocab.backends.selection_copy", _backend.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -359,7 +359,7 @@ def test_default_chunk_rows() -> None:
 
 
 def test_default_linear_chunk_rows() -> None:
-    from cpslice._vocab.hidden import default_hidden_chunk_rows
+    from cpslice._vocab.blocks import default_hidden_chunk_rows
 
     assert default_hidden_chunk_rows(32768) == 256  # 256 rows x 128 KiB = 32 MiB
     assert default_hidden_chunk_rows(10**9) == 1

@@ -27,6 +27,8 @@ from typing import NamedTuple, cast
 
 import torch
 
+from .._vocab.backends import selection
+from .._vocab.which import backend_for
 from .args import EXIT_FAILURE, Subcommand, one_line
 
 # The repository root when cpslice runs from a source checkout (src/cpslice/_cli/bench.py).
@@ -80,6 +82,20 @@ def _bench_report(module: ModuleType, quick: bool) -> str:
     return text if isinstance(text, str) else printed.getvalue().rstrip("\n")
 
 
+def kernels_line() -> str:
+    """Which kernels the benchmarks' vocabulary calls run (``cpslice.backend_for``): a
+    float32 ``[4096, 32768]`` call on the CPU (and on CUDA, where there is one), default
+    and invariant, under ``CPSLICE_BACKEND``; a selection that cannot run there says why."""
+    parts = []
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        logits = torch.empty_strided((4096, 32768), (0, 1), device=device)  # one row of storage
+        try:
+            parts.append(f"{device} {backend_for(logits)} (invariant: {backend_for(logits, invariant=True)})")
+        except RuntimeError as error:
+            parts.append(f"{device}: {str(error).splitlines()[0]}")
+    return f"kernels (CPSLICE_BACKEND={selection.selected.name}) of a float32 [4096, 32768] call: {'; '.join(parts)}"
+
+
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="small sizes: a few minutes on two cores"
@@ -108,7 +124,7 @@ def _bench(args: argparse.Namespace) -> int:
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     sys.stdout.write(f"cpslice bench{' --quick' if quick else ''}: {len(benchmarks)} benchmarks "
-                     f"from {folder}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+                     f"from {folder}, torch {torch.__version__}, {os.cpu_count()} CPUs\n{kernels_line()}\n")
     failed = 0
     for name, title in benchmarks:
         sys.stdout.write(f"\n== {title} ({name}) ==\n")

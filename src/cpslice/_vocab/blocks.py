@@ -1,35 +1,73 @@
 """The matmul blocks of the hidden-state driver (``hidden``): ``[rows, V_block]`` blocks of
 ``hidden @ weight.T`` (``Blocks``), the pieces the support elements are multiplied out in,
-and the forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks
-merged as TP shards merge. The backward (``hidden.backward``) walks the same blocks.
-(A "tile" is invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
+the block kernels' interface (``block_stats``, ``block_grad``: the first backend of the
+selection's chain that takes the block, its ``KernelBackend`` block kernels) and the
+forward's dense pass over the blocks (``dense_pass``), its vocabulary blocks merged as
+TP shards merge. The backward (``hidden.backward``) walks the same blocks. (A "tile" is
+invariant mode's ``spec.TILE`` columns; a block in invariant mode holds
 ``invariant.BLOCK_TILES`` of them.)
 """
 
+import functools
 import math
 import operator
+import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .. import _probe
 from .._types import HeadWeight, Hidden
-from . import invariant, kernels, topk
-from .backends.chunks import Chunks, Workspace, compiled_chunk_rows
+from . import invariant, topk
+from .backends import selection
+from .backends.chunks import Chunks, Workspace, chunks_for, compiled_chunk_rows
+from .backends.interface import Shape, Task
 from .call import Options
+from .gemm_settings import exact_if
 from .gradient import RowGrad
 from .invariant import BLOCK_ROWS, BLOCK_TILES
 from .rows import At, gather, pieces, size
 from .set_elements import Elements
 from .shard import Shard
-from .softmax import Softmax
+from .softmax import Softmax, reciprocals
 from .spec import TILE, tiles
 from .stats import Parts, RowStats, Stats, merge
 
 MIN_BLOCK_ROWS = 2048
 """Blocks span at least this many rows (all rows if fewer): see ``Blocks``."""
+SPLIT = 8192
+"""On CUDA, a block's vocabulary columns (the last split of a shard fewer): a ``[T, H] x
+[H, 8192]`` GEMM is large enough for cuBLAS's full rate and its ``[T, 8192]`` logits and
+gradient small enough for a budget that holds all rows (docs/numbers.md)."""
+DEVICE_ROWS = 1024
+"""On CUDA in invariant mode, a block's rows: every GEMM is ``DEVICE_ROWS x SPLIT``
+(zero rows and columns padding the last), whatever the rows and the shard."""
+BLOCK_MIB = 512
+"""On CUDA, the default budget of a block's buffers (its logits and its logit gradient,
+both of the input dtype), in MiB: ``CPSLICE_BLOCK_MIB`` changes it. 512 MiB holds
+``16384 x 8192`` of each in bfloat16, every row at once at the benchmark's size."""
 ELEMENT_BYTES = 16 * 2**20
 """Support elements are multiplied out in pieces of one float32 ``[n, H]`` within this."""
+
+
+LINEAR_CHUNK_BYTES = 32 * 2**20
+"""The hidden path's rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
+about this many bytes; a block (``Blocks``) holds half as many elements. Larger than the
+logits path's chunks: each block runs a matmul, and a matmul of few rows is slow
+(measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
+matmul, 256-row chunks 1.2x)."""
+def default_hidden_chunk_rows(vocab: int) -> int:
+    """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
+    within ``LINEAR_CHUNK_BYTES``; at least one row."""
+    return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+def default_hidden_chunk(hidden: Tensor, vocab: int) -> int | None:
+    """``chunk_size`` when the caller gives none: ``default_hidden_chunk_rows`` on the CPU
+    (and any device but CUDA); None on CUDA, whose blocks the budget sizes
+    (``blocks.sizes``)."""
+    return None if hidden.device.type == "cuda" else default_hidden_chunk_rows(vocab)
 
 
 def spans(size: int, block: int) -> list[tuple[int, int]]:
@@ -46,6 +84,9 @@ class Blocks(NamedTuple):
 
     rows: int
     columns: int
+    device: bool = False
+    """Sized for the device (CUDA: ``sizes``): the eager loop in chunks of its own size,
+    and a split's weight gradient written by one GEMM when one block holds every row."""
 
     @classmethod
     def of(cls, rows: int, vocab: int, chunk: int, fixed: bool = False) -> "Blocks":
@@ -57,30 +98,11 @@ class Blocks(NamedTuple):
         block_rows = max(1, min(rows, max(chunk, MIN_BLOCK_ROWS)))
         return cls(block_rows, max(1, min(vocab, chunk * vocab // (2 * block_rows))))
 
-    def logits(self, hidden: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``hidden @ weight.T`` of one block (``[n, H]`` rows, ``[v, H]`` columns); ``fixed``:
-        by a matmul of exactly this block's shape, zero rows padding both (a BLAS picks
-        its kernel by shape, and a row's bits with it)."""
-        if not fixed:
-            return torch.mm(hidden, weight.t())
-        n, v = hidden.shape[0], weight.shape[0]
-        if n < self.rows:
-            hidden = torch.cat([hidden, hidden.new_zeros((self.rows - n, hidden.shape[1]))])
-        if v < self.columns:
-            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
-        return torch.mm(hidden, weight.t())[:n, :v]
-
-    def product(self, grad: Tensor, weight: Tensor, fixed: bool) -> Tensor:
-        """``grad @ weight`` of one block (``[n, v]`` logit gradients, ``[v, H]`` columns),
-        ``[n, H]``; ``fixed``: by a matmul of the block's shape, as ``logits``."""
-        if not fixed:
-            return torch.mm(grad, weight)
-        n, v = grad.shape
-        padded = grad.new_zeros((self.rows, self.columns))
-        padded[:n, :v] = grad
-        if v < self.columns:
-            weight = torch.cat([weight, weight.new_zeros((self.columns - v, weight.shape[1]))])
-        return torch.mm(padded, weight)[:n]
+    def shape(self, fixed: bool) -> Shape:
+        """The blocks' GEMM shape: ``fixed`` (invariant mode), exactly this block's, zero
+        rows padding both operands (a BLAS picks its kernel by shape, and a row's bits
+        with it; ``backends.interface.logits``); else each block's own (None)."""
+        return (self.rows, self.columns) if fixed else None
 
     def blocks(self, vocab: int) -> list[tuple[int, int]]:
         """The vocabulary blocks ``[v0, v1)``."""
@@ -88,8 +110,98 @@ class Blocks(NamedTuple):
 
     def chunks(self, rows: int, dtype: torch.dtype, device: torch.device) -> Chunks:
         """The kernels' chunks on one block of ``rows`` rows: the whole block at once
-        eagerly, the compiled kernels' rows for its width."""
+        eagerly (sized for the device: the eager loop's own chunks), the compiled
+        kernels' rows for its width."""
+        if self.device:
+            return chunks_for(None, self.columns, dtype, device)
         return Chunks(rows, compiled_chunk_rows(self.columns, dtype, device))
+
+
+def block_budget(value: str | None = None) -> int:
+    """``CPSLICE_BLOCK_MIB`` (or ``value``) in bytes: a whole number of MiB >= 1, unset or
+    empty meaning ``BLOCK_MIB``.
+
+    Raises:
+        ValueError: any other value; the message names the setting and says what it takes.
+    """
+    raw = os.environ.get("CPSLICE_BLOCK_MIB", "") if value is None else value
+    if not raw:
+        return BLOCK_MIB * 2**20
+    mib = int(raw) if raw.isdecimal() else 0
+    if mib < 1:
+        raise ValueError(f"CPSLICE_BLOCK_MIB={raw!r} is not valid; use a whole number of MiB >= 1 (the "
+                         f"hidden-state path's block buffers on CUDA; unset: {BLOCK_MIB})")
+    return mib * 2**20
+
+
+@functools.cache
+def _budget() -> int:
+    """``block_budget()``, read once, at the first block sized for CUDA."""
+    return block_budget()
+
+
+def sizes(
+    device: str, dtype: torch.dtype, rows: int, vocab: int, chunk: int | None, invariant: bool,
+    budget: int | None = None, split: int = SPLIT,
+) -> Blocks:
+    """The blocks of both passes over ``rows`` rows of a ``vocab``-column shard of ``dtype``
+    inputs on a ``device`` (its type): on CUDA, ``split`` columns (fewer for a smaller
+    shard) by as many rows as ``budget`` bytes (None: ``CPSLICE_BLOCK_MIB``) hold of a
+    block's logits and gradient, at most ``chunk`` (None: no other cap); in invariant
+    mode ``DEVICE_ROWS x split``, fixed. Elsewhere the CPU's tuned ``Blocks.of`` (which
+    needs ``chunk``)."""
+    if device != "cuda":
+        assert chunk is not None, "the CPU's blocks are sized from chunk_size"
+        return Blocks.of(rows, vocab, chunk, invariant)
+    if invariant:
+        return Blocks(DEVICE_ROWS, split, True)
+    columns = max(1, min(vocab, split))
+    per_row = 2 * columns * torch.empty((), dtype=dtype).element_size()
+    fit = max(1, (_budget() if budget is None else budget) // per_row)
+    return Blocks(max(1, min(rows, fit, fit if chunk is None else chunk)), columns, True)
+
+
+def grid(hidden: Tensor, vocab: int, options: Options) -> Blocks:
+    """The blocks of a call's forward and backward alike (the same shapes, so the
+    backward's recomputed logits are the forward's bits): ``sizes``, the ``block_sizes``
+    step (``_probe``)."""
+    size_of = _probe.step("block_sizes", sizes)
+    return size_of(hidden.device.type, hidden.dtype, hidden.shape[0], vocab, options.chunk_size, options.invariant)
+
+
+def block_stats(
+    h: Tensor, w: Tensor, softmax: Softmax, out: Stats, shape: Shape, first: int, chunks: Chunks, work: Workspace
+) -> Tensor:
+    """A block's statistics (``KernelBackend.block_stats``: its logits ``h @ w.T`` by a GEMM
+    of ``shape``, then reduced into ``out``) by the first backend of the selection's
+    chain that takes the block; its logits."""
+    n, v = h.shape[0], w.shape[0]
+    if _probe.active is not None:
+        _probe.active.call("stats", n, None, invariant=softmax.invariant)
+    task = Task(h.device, h.dtype, n, v, True, softmax.invariant)
+    return selection.block(task, lambda b, chain: b.block_stats(chain, h, w, softmax, out, shape, first, chunks,
+                                                                  work))
+
+
+def block_grad(
+    h: Tensor, w: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, shape: Shape,
+    chunks: Chunks, work: Workspace,
+) -> None:
+    """A block's logit gradient ``G`` into ``out`` (``KernelBackend.block_grad``: its logits
+    recomputed by the forward's GEMM, then the gradient) by the first backend of the
+    selection's chain that takes the block; in invariant mode the picked ids' entries
+    after (``invariant.picks``)."""
+    n, v = h.shape[0], w.shape[0]
+    if _probe.active is not None:
+        _probe.active.call("grad", n, None, invariant=softmax.invariant)
+    task = Task(h.device, h.dtype, n, v, True, softmax.invariant)
+    x = selection.block(task, lambda b, chain: b.block_grad(chain, h, w, big_m, log_s, softmax, row, out, shape,
+                                                              chunks, work))
+    if softmax.invariant:
+        r = reciprocals(softmax.tau, n, row.b.dtype, h.device)
+        a = torch.zeros_like(row.b) if row.a is None else row.a
+        invariant.picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, None,
+                        max(chunks.eager, chunks.compiled))
 
 
 def element_rows(width: int) -> int:
@@ -148,9 +260,8 @@ def dense_pass(
     ``hidden @ weight.T`` over the shard's valid columns; with ``best``, also return each
     row's ``best`` largest logits and their global ids, -inf padded to ``min(best, V_local)``
     (the other rows: -inf only)."""
-    assert options.chunk_size is not None
     total, vocab = hidden.shape[0], weight.shape[0]
-    blocks = Blocks.of(total, vocab, options.chunk_size, options.invariant)
+    blocks = grid(hidden, vocab, options)
     run = _Pass(hidden, weight, column, held, shard, options, blocks, blocks.blocks(shard.valid), best,
                 dense.max.dtype, Workspace())
     width = 0 if best is None else min(best, vocab)
@@ -158,15 +269,16 @@ def dense_pass(
         torch.full((total, width), -math.inf, dtype=run.cdt, device=hidden.device),
         torch.full((total, width), shard.total, dtype=torch.int64, device=hidden.device),
     )
-    for at in pieces(rows, total, blocks.rows):
-        if options.invariant:
-            running = _invariant_rows(run, dense, at)
-        else:
-            assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
-            running = _default_rows(run, dense, at)
-        if running is not None:
-            c = running.values.shape[1]
-            found.values[at, :c], found.ids[at, :c] = running
+    with exact_if(options.invariant):  # invariant mode: GEMMs without reduced precision
+        for at in pieces(rows, total, blocks.rows):
+            if options.invariant:
+                running = _invariant_rows(run, dense, at)
+            else:
+                assert isinstance(dense, RowStats), "per-tile statistics out of invariant mode"
+                running = _default_rows(run, dense, at)
+            if running is not None:
+                c = running.values.shape[1]
+                found.values[at, :c], found.ids[at, :c] = running
     return None if best is None else found
 
 
@@ -188,9 +300,8 @@ def _default_rows(run: _Pass, dense: RowStats, at: At) -> topk.Candidates | None
         # the same [rows, V_block] blocks, by the same matmuls, as backward: its
         # recomputed logits are these bit for bit, so the gradient's p and the
         # forward's max and sum agree (a row sure of its target gets exactly 0)
-        x = run.blocks.logits(h, run.weight[v0:v1], False)
         part = parts.part(min(b, 1))
-        kernels.stats(x, softmax, part, chunks=chunks, work=run.work)
+        x = block_stats(h, run.weight[v0:v1], softmax, part, None, 0, chunks, run.work)
         part.picked.copy_(_picked(run, x, at, v0, v1, softmax))
         running = _running_best(run, running, x, v0, False)
         del x
@@ -213,9 +324,9 @@ def _invariant_rows(run: _Pass, dense: Stats, at: At) -> topk.Candidates | None:
     else:  # these rows' own tiles (an index's rows: a copy of them, written back below)
         parts = dense.map(operator.itemgetter(at))
     running = None
+    chunks = run.blocks.chunks(n, run.hidden.dtype, run.hidden.device)
     for v0, v1 in run.spans:
-        x = run.blocks.logits(h, run.weight[v0:v1], True)
-        invariant.stats(x, softmax, v1 - v0, parts, None, n, first=v0 // TILE)
+        x = block_stats(h, run.weight[v0:v1], softmax, parts, run.blocks.shape(True), v0 // TILE, chunks, run.work)
         parts.picked.add_(_picked(run, x, at, v0, v1, softmax))  # placeholders hold 0; one block holds each id
         running = _running_best(run, running, x, v0, True)
         del x

@@ -7,7 +7,9 @@ hidden @ weight.T``, never built whole). Each driver writes its head's numerics
 here, over any head: the call's ``Options`` (``options``), the ``torch.autograd.Function``
 of the log-probs and of the top-k (the head's tensors are the Function's inputs, the head
 rebuilt from them inside), and the typed entries ``log_probs``, ``entropy`` and ``topk``
-that the public functions and the glue call.
+that the public functions and the glue call. A call whose head needs no gradient (under
+``torch.no_grad()``, or no tensor of it requiring one: old and reference log-probs) runs
+the driver's forward alone, one pass, and keeps nothing for a backward.
 """
 
 from collections.abc import Callable, Sequence
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import _probe
 from .._types import compute_dtype
 from . import args
 from . import topk as _topk
@@ -98,7 +101,10 @@ def options(
 
 
 def _keep(ctx: Any, kind: Any, saved: Saved, tensors: Sequence[Tensor | None]) -> None:
-    """A forward's state for its backward: ``tensors`` saved by autograd, the rest on ``ctx``."""
+    """A forward's state for its backward: ``tensors`` saved by autograd, the rest on ``ctx``
+    (a ``save`` event of ``_probe``)."""
+    if _probe.active is not None:
+        _probe.active.save(kind.__name__, sum(t is not None for t in tensors))
     ctx.save_for_backward(*tensors)
     ctx.kind, ctx.saved = kind, saved
     ctx.set_materialize_grads(False)
@@ -162,9 +168,19 @@ _apply = cast(Callable[..., tuple[Tensor, Tensor | None]], _LogProbs.apply)
 _apply_topk = cast(Callable[..., tuple[Tensor, Tensor]], _TopK.apply)
 
 
+def _forward_only(head: Head) -> bool:
+    """Whether no gradient can reach the head's tensors: grad mode off, or none requires one."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in head.tensors))
+
+
 def log_probs(head: Head, ids: Tensor, options: Options) -> tuple[Tensor, Tensor | None]:
     """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``) and the entropy (None
-    without it), differentiable w.r.t. the head's tensors."""
+    without it), differentiable w.r.t. the head's tensors; where none needs a gradient,
+    the driver's forward alone (the same values: the same blocks) and nothing kept."""
+    if _forward_only(head):
+        with torch.no_grad():  # as inside a Function's forward: a temperature tensor too
+            log_p, entropy, _ = head.forward(ids, options)
+        return log_p, entropy
     return _apply(type(head), ids, options, *head.tensors)
 
 
@@ -193,6 +209,10 @@ def check_topk(head: Head, k: int, options: Options) -> None:
 def topk(head: Head, k: int, options: Options) -> tuple[Tensor, Tensor]:
     """Each row's ``k`` largest log-probs, descending, and their global ids, after the
     check of ``k`` against the vocabulary (``check_topk``); differentiable like
-    ``torch.topk``."""
+    ``torch.topk`` (forward only where no tensor of the head needs a gradient)."""
     check_topk(head, k, options)
+    if _forward_only(head):
+        with torch.no_grad():
+            log_p, ids, _ = head.topk_forward(k, options)
+        return log_p, ids
     return _apply_topk(type(head), k, options, *head.tensors)

@@ -2,22 +2,26 @@
 and the LM-head weight, ``logits = hidden @ weight.T`` never built whole.
 
 Its blocks are ``[rows, V_block]`` matmul blocks (``blocks.Blocks``), walked the same way
-forward and backward. Forward (``blocks.dense_pass``) computes each block's logits,
-reduces them with ``kernels.stats``, merges a row's vocabulary blocks (``stats.merge``,
-as TP shards merge) and drops the logits; ``call.finish`` (one all-gather under TP) gives the global ``M``, ``log S``,
-log-probs and entropy, exactly as ``log_probs_and_entropy`` on the materialized logits.
-Backward walks the same blocks vocabulary block by vocabulary block: each block's logits
-are recomputed by the same matmul, so bit for bit those the statistics came from (a row
-sure of its target gets a gradient of exactly 0), turned into the block's logit gradient
-``G`` by ``kernels.grad`` and multiplied out at once:
+forward and backward: cache-sized on the CPU, on CUDA ``blocks.SPLIT`` columns by as many
+rows as a budget holds (``blocks.sizes``, ``CPSLICE_BLOCK_MIB``). Forward
+(``blocks.dense_pass``) computes each block's logits and statistics (``blocks.block_stats``:
+the selection's backend), merges a row's vocabulary blocks (``stats.merge``, as TP shards
+merge) and drops the logits; ``call.finish`` (one all-gather under TP) gives the global
+``M``, ``log S``, log-probs and entropy, exactly as ``log_probs_and_entropy`` on the
+materialized logits. Backward walks the same blocks vocabulary block by vocabulary block:
+each block's logits are recomputed by the same matmul, so bit for bit those the
+statistics came from (a row sure of its target gets a gradient of exactly 0), turned into
+the block's logit gradient ``G`` (``blocks.block_grad``) and multiplied out at once:
 
     d hidden += G @ weight[block]          (a [T, H] sum over blocks; over TP by one all-reduce)
     d weight[block] = sum over row blocks of G.T @ hidden[rows]   (written once per block)
 
 so the weight gradient is summed over the rows by matmuls (their own float32
 accumulation for bfloat16) and stored once: no float32 ``[V_local, H]`` accumulator
-(``_Sum``). Memory beyond the inputs and their gradients is ``O(T)`` statistics, the
-``[T, H]`` hidden-gradient sum (the gradient itself in float32) and a few blocks.
+(``_Sum``), and on CUDA, where one block holds every row, none at all (one GEMM per
+split, written straight into the weight's gradient). Memory beyond the inputs and their
+gradients is ``O(T)`` statistics, the ``[T, H]`` hidden-gradient sum (the gradient itself
+in float32) and a few blocks.
 
 A support restricts rows to their sets as on the logits path: each set element's logit
 is ``hidden[row] . weight[col]`` (``O(K H)``), rows with a set need no block unless the
@@ -45,12 +49,24 @@ from .._types import (
     TensorArg,
     compute_dtype,
 )
-from . import args, head, invariant, kernels, sequence, spec, topk
+from . import args, head, invariant, sequence, spec, topk
 from .backends.chunks import Workspace
-from .blocks import Blocks, dense_pass, element_logits, element_rows, in_block, spans
+from .backends.interface import product
+from .blocks import (
+    Blocks,
+    block_grad,
+    default_hidden_chunk,
+    dense_pass,
+    element_logits,
+    element_rows,
+    grid,
+    in_block,
+    spans,
+)
 from .call import Options, Saved, Sets, finish, row_terms, tile_count
+from .gemm_settings import exact_if
 from .gradient import RowGrad
-from .rows import At, count, gather, holding, index_of, places, size
+from .rows import At, count, gather, holding, index_of, places
 from .set_elements import Elements, Split, element_grad, elements, set_stats
 from .shard import Shard, shard_of
 from .stats import Stats, placeholders
@@ -64,24 +80,11 @@ def _all_reduce(grad_h: Tensor, group: dist.ProcessGroup) -> None:
     dist.all_reduce(grad_h, group=group)
 
 
-LINEAR_CHUNK_BYTES = 32 * 2**20
-"""Rows per chunk when chunk_size is None: one float32 ``[rows, V_local]`` block holds
-about this many bytes; a block (``Blocks``) holds half as many elements. Larger than the
-logits path's chunks: each block runs a matmul, and a matmul of few rows is slow
-(measured on the CPU, T=4096, H=1024, V=32768: 32-row chunks 3.1x the time of one whole
-matmul, 256-row chunks 1.2x)."""
-def default_hidden_chunk_rows(vocab: int) -> int:
-    """Rows per chunk when ``chunk_size`` is None: one float32 ``[rows, vocab]`` block
-    within ``LINEAR_CHUNK_BYTES``; at least one row."""
-    return max(1, LINEAR_CHUNK_BYTES // (4 * max(vocab, 1)))
-
-
 def forward(
     hidden: Hidden, weight: HeadWeight, ids: Tensor, options: Options
 ) -> tuple[Tensor, Tensor | None, Saved]:
     """The log-probs of ``ids`` (``[T]`` targets or ``[T, k]``), the entropy (None without
-    it) and what the backward needs; ``options.chunk_size`` is set."""
-    assert options.chunk_size is not None
+    it) and what the backward needs."""
     rows, vocab = hidden.shape[0], weight.shape[0]
     shard = shard_of(options.tp_group, vocab, options.vocab_size)
     cdt = compute_dtype(hidden.dtype)
@@ -224,7 +227,7 @@ def _set_grads(
 class _Walk:
     """The backward's walk over the forward's blocks (``pieces`` of rows by each vocabulary
     block): each block's logits recomputed by the same matmul, turned into its logit
-    gradient ``G`` (``kernels.grad``, or invariant mode's) and multiplied out at once."""
+    gradient ``G`` (``blocks.block_grad``) and multiplied out at once."""
 
     def __init__(
         self, hidden: Hidden, ids: Tensor, saved: Saved, row: RowGrad, grid: Blocks, pieces: list[At]
@@ -234,10 +237,13 @@ class _Walk:
         self.g_buf = torch.empty(grid.rows * grid.columns if pieces else 0, dtype=hidden.dtype, device=hidden.device)
         self.work = Workspace()
 
-    def block(self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None) -> None:
+    def block(
+        self, w_b: HeadWeight, v0: int, acc_h: _Sum | None, acc_w: _Sum | None, grad_w: Tensor | None = None
+    ) -> None:
         """Every row block of the vocabulary block ``w_b`` (its first column ``v0``): ``d hidden
         += G @ w_b`` into ``acc_h``, ``d w_b += G.T @ hidden[rows]`` into ``acc_w`` (each
-        where wanted)."""
+        where wanted), or ``d w_b = G.T @ hidden[rows]`` written into ``grad_w`` by one GEMM
+        (one row block of every row)."""
         row_b = in_block(self.row, self.held, v0, v0 + w_b.shape[0])
         for at in self.pieces:
             h = gather(self.hidden, at, None)
@@ -246,17 +252,18 @@ class _Walk:
                 self._add_hidden(acc_h, at, g, w_b)
             if acc_w is not None:
                 acc_w.add_mm(slice(0, w_b.shape[0]), g.t(), h)
+            if grad_w is not None:
+                torch.mm(g.t(), h, out=grad_w)
 
     def _grad(self, h: Tensor, w_b: HeadWeight, at: At, row_b: RowGrad) -> Tensor:
         """The block's logit gradient ``G`` (rows ``at``, in the reused buffer); its logits
-        recomputed, bit for bit those of the forward, and dropped."""
+        recomputed, bit for bit those of the forward, and dropped (``blocks.block_grad``)."""
         opts = self.saved.options
-        x = self.grid.logits(h, w_b, opts.invariant)
-        g = self.g_buf[: x.numel()].view(x.shape)
-        (invariant.grad if opts.invariant else kernels.grad)(
-            x, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
-            chunks=self.grid.chunks(size(at), self.hidden.dtype, self.hidden.device), work=self.work,
-        )
+        n, v = h.shape[0], w_b.shape[0]
+        g = self.g_buf[: n * v].view(n, v)
+        block_grad(h, w_b, self.saved.max[at], self.saved.log_sum[at], opts.softmax.rows(at), row_b.rows(at), g,
+                   self.grid.shape(opts.invariant), self.grid.chunks(n, self.hidden.dtype, self.hidden.device),
+                   self.work)
         return g
 
     def _add_hidden(self, acc_h: _Sum, at: At, g: Tensor, w_b: HeadWeight) -> None:
@@ -265,11 +272,11 @@ class _Walk:
             acc_h.add_mm(at, g, w_b)
             return
         # a row's sum whatever the others (an index's rows: one add each, as add_)
-        product = self.grid.product(g, w_b, fixed=True)
+        fixed = product(g, w_b, self.grid.shape(True))
         if isinstance(at, slice):
-            acc_h.acc[at].add_(product)
+            acc_h.acc[at].add_(fixed)
         else:
-            acc_h.acc.index_add_(0, at, product.to(acc_h.acc.dtype))
+            acc_h.acc.index_add_(0, at, fixed.to(acc_h.acc.dtype))
 
 
 def _full(grad_h: Tensor, tp_group: dist.ProcessGroup | None) -> Tensor:
@@ -288,25 +295,38 @@ def backward(
     ``hidden``'s the full one (one all-reduce under TP), or with ``all_reduce`` False
     this shard's part, which the caller sums (sequence parallelism's reduce-scatter)."""
     opts = saved.options
-    assert opts.chunk_size is not None
     rows, cdt, valid = hidden.shape[0], compute_dtype(hidden.dtype), saved.shard.valid
     row, parts = row_terms(saved, ids, entropy, g_lp, g_entropy)
-    grid = Blocks.of(rows, weight.shape[0], opts.chunk_size, opts.invariant)
-    pieces = _pieces(saved.dense_rows, parts.dense, rows, grid.rows, hidden.device)
-    walk = _Walk(hidden, ids, saved, row, grid, pieces)
+    blocks = grid(hidden, weight.shape[0], opts)
+    pieces = _pieces(saved.dense_rows, parts.dense, rows, blocks.rows, hidden.device)
+    walk = _Walk(hidden, ids, saved, row, blocks, pieces)
     acc_h = _Sum(torch.empty_like(hidden), cdt) if want_hidden else None
     grad_w = torch.empty_like(weight) if want_weight else None
     if grad_w is not None:
         grad_w[valid:].zero_()  # a padded vocabulary's rows: no ids of the distribution
-    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, grid.columns)
-    for i, (v0, v1) in enumerate(grid.blocks(valid)):
-        acc_w = None if grad_w is None else _Sum(grad_w[v0:v1], cdt)
-        walk.block(weight[v0:v1], v0, acc_h, acc_w)
+    by_block = _set_grads(saved, parts, hidden, weight, acc_h, want_weight, blocks.columns)
+    with exact_if(opts.invariant):  # invariant mode: GEMMs without reduced precision
+        _walk_splits(walk, blocks, weight, valid, acc_h, grad_w, by_block)
+    return None if acc_h is None else _full(acc_h.done(), opts.tp_group if all_reduce else None), grad_w
+
+
+def _walk_splits(
+    walk: _Walk, blocks: Blocks, weight: HeadWeight, valid: int, acc_h: _Sum | None, grad_w: Tensor | None,
+    by_block: _ByBlock | None,
+) -> None:
+    """The backward's walk, vocabulary split by split: ``d hidden`` into ``acc_h`` and each
+    split's weight gradient into ``grad_w`` (a support's elements added by ``by_block``)."""
+    cdt = compute_dtype(weight.dtype)
+    # one block of every row on a device: each split's weight gradient is one GEMM, written
+    # straight into it (no float32 [V_block, H] sum)
+    straight = blocks.device and len(walk.pieces) == 1 and by_block is None
+    for i, (v0, v1) in enumerate(blocks.blocks(valid)):
+        acc_w = None if grad_w is None or straight else _Sum(grad_w[v0:v1], cdt)
+        walk.block(weight[v0:v1], v0, acc_h, acc_w, None if grad_w is None or not straight else grad_w[v0:v1])
         if acc_w is not None:
             if by_block is not None:
-                by_block.add(acc_w, i, v0, hidden)
+                by_block.add(acc_w, i, v0, walk.hidden)
             acc_w.done()
-    return None if acc_h is None else _full(acc_h.done(), opts.tp_group if all_reduce else None), grad_w
 
 
 class HiddenHead:
@@ -325,7 +345,7 @@ class HiddenHead:
         self.weight = weight
         self.tensors = (hidden, weight)
         self.vocab_local = int(weight.shape[0])
-        self.default_chunk = default_hidden_chunk_rows(self.vocab_local)
+        self.default_chunk = default_hidden_chunk(hidden, self.vocab_local)
 
     def whole(self) -> "HiddenHead":
         """The head that computes every row: this one (a ``SequenceShards``' gathers them)."""
@@ -433,15 +453,19 @@ def log_probs_and_entropy_from_hidden(
             multiplied out and get zero gradient).
         invariant: as ``log_probs_and_entropy``: a row's log-prob and entropy are the
             same bits whatever the other rows and the TP size, its logits computed by
-            matmuls of one fixed shape (``invariant.BLOCK_ROWS`` rows, zero-padded, by
-            ``BLOCK_TILES * 128`` columns) whatever ``chunk_size``. The gradients w.r.t.
+            matmuls of one fixed shape per device whatever ``chunk_size`` (the CPU:
+            ``invariant.BLOCK_ROWS`` rows, zero-padded, by ``BLOCK_TILES * 128``
+            columns; CUDA: ``blocks.DEVICE_ROWS`` by ``blocks.SPLIT``). The gradients w.r.t.
             ``hidden`` and ``weight`` sum over the vocabulary and the rows (and the TP
             shards' all-reduce): not TP-invariant (docs/invariance.md).
         chunk_size: sizes the blocks, forward and backward: each holds half the
             elements of ``chunk_size`` rows of ``V_local`` columns, over at least
             ``blocks.MIN_BLOCK_ROWS`` rows (all rows if fewer). None picks
             ``default_hidden_chunk_rows(V_local)``: ``chunk_size`` rows of float32
-            within 32 MiB.
+            within 32 MiB. On CUDA a block is ``blocks.SPLIT`` (8192) columns by as
+            many rows as ``CPSLICE_BLOCK_MIB`` (512 MiB: every row of 16384 in
+            bfloat16) holds of its logits and gradient, at most ``chunk_size`` rows
+            (None: no other cap; docs/backends.md).
         sequence_parallel: Megatron's ``--sequence-parallel``: ``hidden`` is this TP
             rank's contiguous shard of the rows, ``[T / tp, H]`` (rank ``r`` of
             ``tp_group`` holds rows ``[r T / tp, (r + 1) T / tp)``, every rank as many), as
@@ -460,7 +484,8 @@ def log_probs_and_entropy_from_hidden(
         blocks (a block's logits and work buffers) in forward; in backward a few
         blocks, a float32 ``[T, H]`` sum of the hidden gradient (bfloat16/float16
         inputs) and one float32 ``[V_block, H]`` block of the weight gradient at a
-        time, never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
+        time (none on CUDA when one block holds every row: each block of the weight
+        gradient is one GEMM), never a float32 ``[V_local, H]`` copy; with a support ``O(K + T)``
         more and ``[n, H]`` pieces of its elements. Backward recomputes the logits
         (one more matmul).
 

@@ -9,10 +9,10 @@ FLOOR)`` with ``r = 1 / tau`` (one division per row), ``e = spec.exp(d)`` and th
 ``spec.tree`` sums of ``e`` and ``e * d`` (``backends.eager.eager_tiles``); the tiles, in global order,
 merged by ``spec.merge_tiles``; ``log p_t = (y_t - M) / tau - log S``, ``H = log S - A /
 S``. This module is invariant mode's interface, the one the drivers call: each run goes
-to the Triton kernels (``backends.triton.invariant``) where ``CPSLICE_BACKEND`` chooses
-them for the block (``backends.selection``), else to the compiled kernels
-(``backends.compiled``) where they may run (``compiled_ok``), else to the eager ones
-(``backends.eager``); the backends' code is theirs.
+to the first backend of the selection's chain that takes the block and computes
+(``backends.selection``): the Triton kernels (``backends.triton.invariant``), the
+compiled kernels (``backends.compiled``) where they may run (``compiled_ok``), the eager
+ones (``backends.eager``); the backends' code is theirs.
 
 Under TP a shard's statistics are per tile (``TileStats``, fields ``[T, n_local]``,
 written here), every shard's tiles travel in the one all-gather (``stats.combine``), and every
@@ -34,13 +34,13 @@ from torch import Tensor
 from .. import _probe
 from .._errors import LayoutError
 from . import stats as _stats
-from .backends import compiled, eager
-from .backends import selection as backend
+from .backends import eager, selection
 from .backends.chunks import Chunks, Workspace
+from .backends.interface import Merged, Task
 from .gradient import RowGrad
 from .rows import At, count, numbers, pieces, size
 from .shard import Shard
-from .softmax import Softmax, Tau, reciprocals, taus
+from .softmax import Softmax, Tau, reciprocals
 from .spec import TILE, tiles
 from .stats import RowStats, Stats, TileStats, write
 
@@ -94,23 +94,19 @@ def tile_placeholders(
     )
 
 
-def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged:
     """``spec.merge_tiles`` (``[n, R]`` tiles in global order to ``[R]`` fields) by the
-    backend of the tiles: the Triton kernel's where it computes (the same bits), else
-    torch's. ``stats.combine``'s merger in invariant mode."""
-    if isinstance(tau, Tensor) and backend.triton_for(m, invariant=True):
-        from .backends.triton import invariant as tri
-
-        return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
-    return eager.merge_step(m, s, a, tau)
+    first backend of the tiles that merges them: the Triton kernel's where it computes
+    (the same bits), else torch's. ``stats.combine``'s merger in invariant mode."""
+    return selection.first(Task.of(m.t(), None, True), lambda b: b.merge_tiles(m, s, a, tau))
 
 
 def merge_into(out: RowStats, at: At, parts: TileStats, tau: Tau) -> None:
     """Rows ``at`` of the merged ``[T]`` statistics ``out`` from ``parts``, those rows'
     statistics per tile (``[rows, n]``, all of the distribution's tiles), merged in the
-    spec's order (``spec.merge_tiles``); their picked logits added."""
-    write(out, at, *eager.merge_step(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(),
-                                  tau))
+    spec's order (``merge_tiles``: the Triton kernel where it takes them); their picked
+    logits added."""
+    write(out, at, *merge_tiles(parts.max.t(), parts.sum.t(), None if parts.ent is None else parts.ent.t(), tau))
     out.picked[at] += parts.picked
 
 
@@ -133,52 +129,22 @@ def stats(
         rows = rows.to(x.device)
     if _probe.active is not None:
         _probe.active.call("stats", count(rows, x.shape[0]), rows, invariant=True)
-    if backend.triton_for(x, invariant=True):
-        _triton_stats(x, softmax, valid, out, rows, first)
-        return
     if isinstance(out, RowStats):
         assert first == 0, "merged statistics of a block of columns"
         merged_stats(x[:, :valid], softmax, out, rows, chunk)
         return
-    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
-    whole = valid // TILE * TILE if softmax.cap is None else 0
-    part = x[:, :whole]
-    ran = whole and compiled.compiled_ok(part, rows) and compiled.tile_stats(part, rows, r, out, first)
-    start = whole if ran else 0
-    eager.tile_stats(x, softmax.cap, r, valid, out, rows, chunk, first, start, tiles(x.shape[1]))
-
-
-def _triton_stats(x: Tensor, softmax: Softmax, valid: int, out: Stats, rows: Tensor | None, first: int) -> None:
-    """``stats`` by the Triton backend's invariant kernels (the same bits): per tile into
-    ``TileStats``, or each row's tiles merged into ``RowStats``."""
-    from .backends.triton import invariant as tri
-
-    cdt = out.sum.dtype
-    if isinstance(out, TileStats):
-        tri.tile_stats(x, rows, reciprocals(softmax.tau, x.shape[0], cdt, x.device), softmax.cap, valid,
-                       out.max, out.sum, out.ent, first)
-        return
-    assert first == 0, "merged statistics of a block of columns"
-    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    r = reciprocals(tau, x.shape[0], cdt, x.device)
-    big, total, ent = tri.merged_stats(x, rows, r, tau, softmax.cap, valid, out.ent is not None)
-    at = slice(None) if rows is None else rows
-    write(out, at, big, total, ent)
+    tiled = out
+    selection.run(Task.of(x, rows, True), lambda b: b.tile_stats(x, softmax, valid, tiled, rows, chunk, first))
 
 
 def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunk: int) -> None:
     """Each row's ``(M, S, A)`` over all of ``x``'s columns (``[n, V]``, the distribution's),
     for the ``rows`` of ``x`` (None: all), into ``out``'s ``[T]`` fields: a chunk's tiles
     (the last one -inf padded) are merged as soon as they are computed
-    (``spec.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``. Uncapped
-    logits by the compiled ``row_kernel`` where ``compiled_ok``, else eagerly
-    (``eager_rows``) ``chunk`` rows at a time."""
-    cdt = out.sum.dtype
-    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
-    r = reciprocals(tau, x.shape[0], cdt, x.device)
-    if softmax.cap is None and compiled.compiled_ok(x, rows) and compiled.merged_stats(x, rows, r, tau, out):
-        return
-    eager.merged_stats(x, softmax.cap, r, tau, out, rows, chunk)
+    (``spec.merge_tiles``), so the work is a chunk's, never ``[T, tiles]``: by the Triton
+    kernels where they take the block, uncapped logits by the compiled ``row_kernel``
+    where ``compiled_ok``, else eagerly (``eager_rows``) ``chunk`` rows at a time."""
+    selection.run(Task.of(x, rows, True), lambda b: b.merged_stats(x, softmax, out, rows, chunk))
 
 
 def grad(
@@ -195,17 +161,9 @@ def grad(
         _probe.active.call("grad", count(rows, x.shape[0]), rows, invariant=True)
     r = reciprocals(softmax.tau, x.shape[0], row.b.dtype, x.device)
     a = torch.zeros_like(row.b) if row.a is None else row.a
-    chunk = max(chunks.eager, chunks.compiled)
-    if backend.triton_for(x, invariant=True):
-        from .backends.triton import invariant as tri
-
-        tri.grad(x, rows, r, big_m, log_s, row.a, row.b, softmax.cap, out)
-        picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
-        return
-    if not (softmax.cap is None and compiled.compiled_ok(x, rows)
-            and compiled.invariant_grad(x, rows, r, big_m, log_s, a, row.b, out)):
-        eager.invariant_grad(x, rows, r, big_m, log_s, a, row.b, softmax.cap, chunks.eager, out)
-    picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, chunk)
+    selection.run(Task.of(x, rows, True),
+                  lambda b: b.invariant_grad(x, rows, r, big_m, log_s, a, row.b, softmax.cap, chunks, out))
+    picks(x, r, big_m, log_s, softmax.cap, row._replace(a=a), out, rows, max(chunks.eager, chunks.compiled))
 
 
 def picks(x: Tensor, r: Tensor, big_m: Tensor, log_s: Tensor, cap: float | None, row: RowGrad, out: Tensor,

@@ -7,21 +7,22 @@ logits at the picked ids, one gather);
 ``grad`` writes each row's gradient ``p * (a log p + b)`` plus the one-hot terms of its
 picked ids (``gradient.RowGrad``) into ``out``, rounded once to ``out``'s dtype. Both take
 the rows to compute as an index (``rows``, see ``_vocab.rows``; None: every row) and
-never read or write another row. Both always do their job, by the backend that
-``CPSLICE_BACKEND`` chooses for the block (``backends.selection``): the Triton kernels
-(``backends.triton.default``), else the compiled kernels (``backends.compiled``) where
-the selection and the block allow, else the eager loop (``backends.eager``), chunk by
-chunk (``backends.chunks.Chunks``), a piece of rows that are not consecutive gathered
-into its work buffers. This module is the default reduction's interface, the one the
-drivers call; the backends' code is theirs.
+never read or write another row. Both always do their job, by the first backend of
+the selection's chain (``backends.selection.run``: from the one ``CPSLICE_BACKEND``
+chooses down, the first that takes the block and computes): the Triton kernels
+(``backends.triton``), the compiled kernels (``backends.compiled``) where the selection
+and the block allow, the eager loop (``backends.eager``), chunk by chunk
+(``backends.chunks.Chunks``), a piece of rows that are not consecutive gathered into its
+work buffers. This module is the default reduction's interface, the one the drivers
+call; the backends' code is theirs.
 """
 
 from torch import Tensor
 
 from .. import _probe
-from .backends import compiled, eager
-from .backends import selection as backend
+from .backends import selection
 from .backends.chunks import Chunks, Workspace
+from .backends.interface import Task
 from .gradient import RowGrad
 from .rows import count
 from .softmax import Softmax
@@ -41,14 +42,8 @@ def stats(
     kernels run on full chunks of the selected rows, whatever their runs."""
     if _probe.active is not None:
         _probe.active.call("stats", count(rows, x.shape[0]), rows)
-    if backend.triton_for(x):
-        from .backends.triton import default as tri
-
-        tri.row_stats(x, softmax, out, rows)
-        return
-    if not (compiled.use_compiled(x, rows)
-            and compiled.stats(x, rows, softmax, chunks.compiled, out)):
-        eager.stats(x, softmax, chunks.eager, rows, work or Workspace(), out)
+    buffers = work or Workspace()
+    selection.run(Task.of(x, rows), lambda b: b.stats(x, softmax, out, rows, chunks, buffers))
 
 
 def grad(
@@ -62,11 +57,5 @@ def grad(
     through the cap's ``tanh``."""
     if _probe.active is not None:
         _probe.active.call("grad", count(rows, x.shape[0]), rows)
-    if backend.triton_for(x):
-        from .backends.triton import default as tri
-
-        tri.row_grad(x, big_m, log_s, softmax, row, out, rows)
-        return
-    if not (compiled.use_compiled(x, rows)
-            and compiled.grad(x, rows, big_m, log_s, softmax, row, chunks.compiled, out)):
-        eager.grad(x, rows, big_m, log_s, softmax, row, chunks.eager, work or Workspace(), out)
+    buffers = work or Workspace()
+    selection.run(Task.of(x, rows), lambda b: b.grad(x, big_m, log_s, softmax, row, out, rows, chunks, buffers))

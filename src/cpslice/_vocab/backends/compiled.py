@@ -1,10 +1,13 @@
 """The compiled backend: the kernels of both reductions compiled by ``torch.compile``
 (inductor) into one fused loop per chunk, the CPU's fast path, and the machinery that
 compiles them (``use_compiled``, ``_call``: one code object per variant, a failure in
-``auto`` warned once and turned eager, ``selection.Selection`` holding what it learns).
-Every run returns False where it did not finish (a compile failure in ``auto``, a
-compiled result found to differ), and the engine's interface (``kernels``,
-``invariant``) then runs the eager backend (``backends.eager``) on the same rows.
+``auto`` warned once and turned eager, ``selection.BackendState`` holding what it
+learns): ``interface.KernelBackend``, its block kernels ``interface``'s shared default. It takes a
+task where ``use_compiled`` (invariant mode: ``compiled_ok``) allows; every kernel
+returns False where it did not finish (a compile failure in ``auto``, a compiled result
+found to differ, a soft cap invariant mode's compiled kernels do not take), and the
+selection then runs the next backend, the eager one (``backends.eager``), on the same
+rows.
 
 The default reduction's compiled kernels are two pure functions of one chunk, compiled by ``torch.compile``
 into one fused loop each (one read of the logits forward, one read and one write
@@ -62,18 +65,26 @@ from ..memory import buffer
 from ..rows import At, chunk_starts, chunked, count, gather, numbers, size
 from ..softmax import (
     Softmax,
+    Tau,
     complement_slope,
     exp_capped,
     exp_complement,
     exp_constants,
     from_complement,
     reciprocal,
+    reciprocals,
+    taus,
 )
 from ..spec import FLOOR, TILE, exp, halve, tile_max, tiles
 from ..stats import RowStats, TileStats, write
+from . import interface
 from . import selection as backend
-from .chunks import compiled_chunk_rows
-from .eager import eager_rows, eager_tiles, grad_kernel, values
+from .chunks import Chunks, Workspace, compiled_chunk_rows
+from .eager import eager_rows, eager_tiles, grad_kernel, tiles_from, values
+from .interface import Merged, Task
+
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
+NAME = "compiled"
 
 AUTO_MIN_ELEMENTS = 2**22
 """In ``auto``, the compiled kernels run only for blocks of at least this many elements
@@ -176,21 +187,31 @@ def chunk_grad_capped_at(x, at, inv_tau, m, log_s, a, b, cap, two_over_cap, out)
 
 def use_compiled(x: Tensor, rows: Tensor | None = None) -> bool:
     """Whether ``stats``/``grad`` run the compiled kernels on the ``rows`` of this block
-    (None: all): always in mode ``1``; never in ``0``; in ``auto`` when no compile has
-    failed, the block's rows are contiguous (a padded vocabulary's valid columns are a
-    view of them) and its rows to compute hold at least ``AUTO_MIN_ELEMENTS`` elements."""
+    (None: all): ``pays`` of its task."""
+    return pays(Task.of(x, rows))
+
+
+def pays(task: Task) -> bool:
+    """Whether the compiled kernels run on ``task``: always in mode ``1``; never in ``0``;
+    in ``auto`` when no compile has failed, the block's rows are contiguous (a padded
+    vocabulary's valid columns are a view of them) and its rows to compute hold at least
+    ``AUTO_MIN_ELEMENTS`` elements."""
     mode = backend.compile_mode()
-    n = count(rows, x.shape[0])
-    if mode == "0" or n == 0 or x.shape[1] == 0:
+    if mode == "0" or task.rows == 0 or task.columns == 0:
         return False
     if mode == "1":
         return True
     return (
         backend.selected.broken is None
-        and x.stride(-1) == 1
-        and n * x.shape[1] >= AUTO_MIN_ELEMENTS
+        and task.contiguous
+        and task.rows * task.columns >= AUTO_MIN_ELEMENTS
         and not torch.compiler.is_compiling()
     )
+
+
+def takes(task: Task) -> bool:
+    """The default reduction's tasks where ``pays``, invariant mode's where ``compiled_ok``."""
+    return _exact(task) if task.invariant else pays(task)
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -286,10 +307,14 @@ def _capped(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple
     return tuple(torch.full((), v, dtype=dtype, device=device) for v in exp_constants(softmax.cap))
 
 
-def stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int, out: RowStats) -> bool:
+def stats(
+    x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunks: Chunks, work: Workspace
+) -> bool:
     """``m``, ``S``, ``A`` of the ``rows`` of ``x`` into ``out`` by the compiled
-    ``chunk_stats`` (or ``chunk_stats_capped``; their ``_at`` forms for an index); False
-    (``out`` not fully written) if it failed to compile (in ``auto``)."""
+    ``chunk_stats`` (or ``chunk_stats_capped``; their ``_at`` forms for an index),
+    ``chunks.compiled`` rows each; False (``out`` not fully written) if it failed to
+    compile (in ``auto``). ``work`` is the eager loop's: the compiled kernels take none."""
+    chunk = chunks.compiled
     cdt = out.max.dtype
     inv_tau = _inv_tau(softmax, cdt, x.device)
     cap = _capped(softmax, cdt, x.device)
@@ -310,12 +335,14 @@ def stats(x: Tensor, rows: Tensor | None, softmax: Softmax, chunk: int, out: Row
 
 
 def grad(
-    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
-    out: Tensor,
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, rows: Tensor | None,
+    chunks: Chunks, work: Workspace,
 ) -> bool:
     """``chunk_grad`` (or ``chunk_grad_capped``; their ``_at`` forms for an index) of the
-    ``rows`` of ``x`` into ``out``, then the picked ids' entries; False (``out`` not fully
-    written) if the kernel failed to compile (in ``auto``)."""
+    ``rows`` of ``x`` into ``out``, ``chunks.compiled`` rows each, then the picked ids'
+    entries; False (``out`` not fully written) if the kernel failed to compile (in
+    ``auto``)."""
+    chunk = chunks.compiled
     vocab = x.shape[1]
     cdt = row.b.dtype
     inv_tau = _inv_tau(softmax, cdt, x.device)
@@ -393,11 +420,17 @@ def pairs_kernel(v, r, m, log_s, a, b, out):
 
 def compiled_ok(part: Tensor, rows: Tensor | None = None) -> bool:
     """Whether invariant mode may run its compiled kernels on the ``rows`` of ``part``
-    (None: all): the default kernels' conditions (``use_compiled``), on the CPU only (inductor's C++ with
-    no contraction of ``a * b + c``: its Triton kernels contract, so an accelerator runs
-    the eager kernels), inductor's floating-point contraction and unsafe-math flags off,
-    and no compiled result ever found to differ from the eager one."""
-    if backend.selected.disagree is not None or part.device.type != "cpu" or not use_compiled(part, rows):
+    (None: all): ``_exact`` of its task."""
+    return _exact(Task.of(part, rows, True))
+
+
+def _exact(task: Task) -> bool:
+    """Whether invariant mode's compiled kernels give the eager bits on ``task``: the
+    default kernels' conditions (``pays``), on the CPU only (inductor's C++ with no
+    contraction of ``a * b + c``: its Triton kernels contract, so an accelerator runs the
+    eager kernels), inductor's floating-point contraction and unsafe-math flags off, and
+    no compiled result ever found to differ from the eager one."""
+    if backend.selected.disagree is not None or task.device.type != "cpu" or not pays(task):
         return False
     from torch._inductor import config  # imported by torch.compile anyway
 
@@ -417,7 +450,24 @@ def _checked(name: str, got: Sequence[Tensor], want: Sequence[Tensor], key: tupl
     return True
 
 
-def tile_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first: int) -> bool:
+def tile_stats(
+    x: Tensor, softmax: Softmax, valid: int, out: TileStats, rows: Tensor | None, chunk: int, first: int
+) -> bool:
+    """Invariant mode's per-tile statistics of the ``rows`` of ``x`` (columns ``>= valid``
+    -inf) into tiles ``first`` on of ``out``: the whole tiles of uncapped logits by the
+    compiled ``tile_kernel`` where ``compiled_ok``, the rest (a partial last tile) by the
+    eager backend's loop (``eager.tiles_from``), ``chunk`` rows at a time; False (the
+    eager backend then computes every tile) where the compiled kernels do not run."""
+    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
+    whole = valid // TILE * TILE if softmax.cap is None else 0
+    part = x[:, :whole]
+    if not (whole and compiled_ok(part, rows) and _tile_chunks(part, rows, r, out, first)):
+        return False
+    tiles_from(x, softmax.cap, r, valid, out, rows, chunk, first, whole, tiles(x.shape[1]))
+    return True
+
+
+def _tile_chunks(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first: int) -> bool:
     """``tile_kernel`` over the ``rows`` of ``x`` (whole tiles) into tiles ``first`` on of
     ``out``, in chunks of a fixed number of rows (``rows.chunk_starts``); False if
     it failed to compile (auto) or disagreed with the eager kernel."""
@@ -438,11 +488,17 @@ def tile_stats(x: Tensor, rows: Tensor | None, r: Tensor, out: TileStats, first:
     return True
 
 
-def merged_stats(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: RowStats) -> bool:
-    """``row_kernel`` over the ``rows`` of ``x`` into ``out`` (``[T]`` fields), in chunks of
-    a fixed number of rows (``rows.chunk_starts``), each compiled shape's first
+def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunk: int) -> bool:
+    """``row_kernel`` over the ``rows`` of ``x`` (uncapped: False for capped logits) into
+    ``out`` (``[T]`` fields), in chunks of a fixed number of rows
+    (``rows.chunk_starts``; ``chunk`` is the eager loop's), each compiled shape's first
     result checked against ``eager_rows``; False if it failed to compile (auto) or
     disagreed."""
+    if softmax.cap is not None:
+        return False
+    cdt = out.sum.dtype
+    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
     width = x.shape[1]
     chunks, buf = chunked(x, rows, stats_chunk_rows(width))
     for at in chunks:
@@ -462,28 +518,38 @@ def merged_stats(x: Tensor, rows: Tensor | None, r: Tensor, tau: Tensor, out: Ro
     return True
 
 
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged | None:
+    """None: no compiled merge (the next backend's, the eager one, merges)."""
+    return None
+
+
 def invariant_grad(
-    x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor, out: Tensor,
+    x: Tensor, rows: Tensor | None, r: Tensor, m: Tensor, log_s: Tensor, a: Tensor, b: Tensor,
+    cap: float | None, chunks: Chunks, out: Tensor,
 ) -> bool:
-    """``grad_kernel`` compiled over the ``rows`` of ``x`` in chunks of a fixed number of
-    rows (as ``kernels``: a chunk whose rows are not consecutive gathered into a buffer,
-    its gradient written back at its rows), its first call checked against the eager
-    one; False if it failed to compile (auto) or disagreed. bfloat16 logits go two
+    """``grad_kernel`` compiled over the ``rows`` of ``x`` (uncapped: False for capped
+    logits) in chunks of a fixed number of rows (as ``kernels``: a chunk whose rows are
+    not consecutive gathered into a buffer, its gradient written back at its rows), its
+    first call checked against the eager one; False if it failed to compile (auto) or
+    disagreed. ``chunks`` is the eager loop's: the compiled chunks are a fixed number of
+    rows of the width. bfloat16 logits go two
     columns at a time (``pairs_kernel``) where ``x`` and ``out`` allow it (``bits.pairs``);
     other logits narrower than the compute dtype are widened chunk by chunk into one
     buffer first (exactly). Either way the compiled loop runs on 32-bit lanes: one that
     reads bfloat16 runs at twice the lanes, where inductor builds the exp's ``2^n`` from
     its bits one element at a time (measured at T=4096, V=32768: the gradient 1.5x
     slower than with pairs)."""
+    if cap is not None:
+        return False
     width = x.shape[1]
     pairs = bits.pairs(x) is not None and bits.pairs(out) is not None
     widen = x.dtype != r.dtype and not pairs
     chunk = stats_chunk_rows(width) if widen else compiled_chunk_rows(width, x.dtype, x.device)
-    chunks, buf = chunked(x, rows, chunk)
-    most = max((size(at) for at in chunks), default=0)
-    wide = torch.empty((most, width), dtype=r.dtype, device=x.device) if widen and chunks else None
+    parts, buf = chunked(x, rows, chunk)
+    most = max((size(at) for at in parts), default=0)
+    wide = torch.empty((most, width), dtype=r.dtype, device=x.device) if widen and parts else None
     into = None if buf is None else buffer((buf.shape[0], width), out.dtype, out.device, zero=False)
-    for at in chunks:
+    for at in parts:
         c = size(at)
         src, dst = gather(x, at, buf), out[at] if into is None or isinstance(at, slice) else into[:c]
         terms = (r[at], m[at], log_s[at], a[at], b[at])

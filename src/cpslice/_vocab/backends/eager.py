@@ -1,6 +1,7 @@
 """The eager backend: torch operations, chunk by chunk, of both reductions (any device,
-any float dtype). ``backends.compiled`` compiles the same arithmetic; the Triton kernels
-(``backends.triton``) give it by hand.
+any float dtype): ``interface.KernelBackend``, taking every task (the last line of the
+registry). ``backends.compiled`` compiles the same arithmetic; the Triton kernels
+(``backends.triton``) give it by hand. Its block kernels are ``interface``'s shared default.
 
 The default reduction (``kernels``): ``stats`` and ``grad``, the loops over chunks of
 rows (``chunks.Chunks``'s ``eager`` rows each), a piece of rows that are not consecutive
@@ -30,17 +31,27 @@ from ... import _probe
 from .. import spec as _spec
 from ..gradient import RowGrad
 from ..rows import At, gather, pieces, size
-from ..softmax import Softmax, Tau, capped_, divide_, slope_, tanh_, times_cap
+from ..softmax import Softmax, Tau, capped_, divide_, reciprocals, slope_, tanh_, taus, times_cap
 from ..spec import FLOOR, TILE, exp, softcap, softcap_slope, tile_max, tiles, tree
 from ..stats import RowStats, TileStats, write
-from .chunks import Workspace
+from . import interface
+from .chunks import Chunks, Workspace
+from .interface import Merged, Task
+
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
+NAME = "eager"
+
+
+def takes(task: Task) -> bool:
+    """Every task: any device, any float dtype, both modes."""
+    return True
 
 
 def stats(
-    x: Tensor, softmax: Softmax, chunk: int, rows: Tensor | None, work: Workspace, out: RowStats
-) -> None:
+    x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunks: Chunks, work: Workspace
+) -> bool:
     """``kernels.stats`` eagerly: ``m``, ``S`` and (``out.ent``) ``A`` of the ``rows`` of
-    ``x`` (None: all) into ``out``, ``chunk`` rows at a time in ``work``'s buffers."""
+    ``x`` (None: all) into ``out``, ``chunks.eager`` rows at a time in ``work``'s buffers."""
     vocab = x.shape[1]
     m, s, a = out.max, out.sum, out.ent
     if vocab == 0:  # a shard of padded ids only: no mass, nothing to merge wrong
@@ -48,8 +59,8 @@ def stats(
         m[every], s[every] = -math.inf, 0.0
         if a is not None:
             a[every] = 0.0
-        return
-    for at in pieces(rows, x.shape[0], chunk):
+        return True
+    for at in pieces(rows, x.shape[0], chunks.eager):
         if _probe.active is not None:
             _probe.active.launch("eager", "stats", size(at))
         buf, expd = work.take((size(at), vocab), m.dtype, x.device)
@@ -70,19 +81,20 @@ def stats(
         s[at] = p.sum(1)
         if a is not None:
             a[at] = p.mul_(d).sum(1)
+    return True
 
 
 def grad(
-    x: Tensor, rows: Tensor | None, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, chunk: int,
-    work: Workspace, out: Tensor,
-) -> None:
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, rows: Tensor | None,
+    chunks: Chunks, work: Workspace,
+) -> bool:
     """``kernels.grad`` eagerly: the gradient of the ``rows`` of ``x`` (None: all) with
-    the one-hot terms of ``row`` into ``out``, ``chunk`` rows at a time in ``work``'s
-    buffers, rounded once to ``out``'s dtype."""
+    the one-hot terms of ``row`` into ``out``, ``chunks.eager`` rows at a time in
+    ``work``'s buffers, rounded once to ``out``'s dtype."""
     vocab = x.shape[1]
     cdt = row.b.dtype
     capped = softmax.cap is not None
-    for at in pieces(rows, x.shape[0], chunk) if vocab else []:
+    for at in pieces(rows, x.shape[0], chunks.eager) if vocab else []:
         if _probe.active is not None:
             _probe.active.launch("eager", "grad", size(at))
         bufs = work.take((size(at), vocab), cdt, x.device, 3 if capped else 2)
@@ -114,9 +126,10 @@ def grad(
             out[at].copy_(p)
         elif not isinstance(at, slice):
             out.index_copy_(0, at, p.to(out.dtype))
+    return True
 
 
-def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> tuple[Tensor, Tensor, Tensor | None]:
+def merge_step(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged:
     """``spec.merge_tiles`` with torch, or the step substituted for it
     (``_probe.substitute("merge_tiles", fn)``, a planted reduction order)."""
     merge = _probe.step("merge_tiles", _spec.merge_tiles)
@@ -168,11 +181,28 @@ def _buffers(pieces: list[At], width: int, dtype: torch.dtype, device: torch.dev
         yield at, work[: size(at) * width].view(size(at), width)
 
 
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged:
+    """``merge_step``: the interface's merge of ``[n, R]`` tiles, by torch."""
+    return merge_step(m, s, a, tau)
+
+
 def tile_stats(
+    x: Tensor, softmax: Softmax, valid: int, out: TileStats, rows: Tensor | None, chunk: int, first: int
+) -> bool:
+    """Invariant mode's per-tile statistics of the ``rows`` of ``x`` (columns ``>= valid``
+    -inf) into tiles ``first`` on of ``out``, ``chunk`` rows at a time (``tiles_from``
+    column 0)."""
+    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
+    tiles_from(x, softmax.cap, r, valid, out, rows, chunk, first, 0, tiles(x.shape[1]))
+    return True
+
+
+def tiles_from(
     x: Tensor, cap: float | None, r: Tensor, valid: int, out: TileStats, rows: Tensor | None,
     chunk: int, first: int, start: int, n_tiles: int,
 ) -> None:
-    """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x``."""
+    """``eager_tiles`` of columns ``start`` (a tile edge) on of the ``rows`` of ``x`` (the
+    compiled backend's whole tiles before ``start``)."""
     n = n_tiles - start // TILE
     if n == 0:
         return
@@ -182,15 +212,16 @@ def tile_stats(
         write(out, (at, cols), *padded_tiles(part, cap, r[at], buf, out.ent is not None))
 
 
-def merged_stats(
-    x: Tensor, cap: float | None, r: Tensor, tau: Tensor, out: RowStats, rows: Tensor | None, chunk: int
-) -> None:
+def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunk: int) -> bool:
     """Each row's ``(M, S, A)`` of the ``rows`` of ``x`` (None: all) into ``out``'s ``[T]``
     fields, ``chunk`` rows at a time: ``eager_rows``, a chunk's tiles merged as soon as
     they are computed."""
     cdt = out.sum.dtype
+    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
     for at, buf in _buffers(pieces(rows, x.shape[0], chunk), tiles(x.shape[1]) * TILE, cdt, x.device):
-        write(out, at, *eager_rows(gather(x, at, None), cap, r[at], tau[at], buf, out.ent is not None))
+        write(out, at, *eager_rows(gather(x, at, None), softmax.cap, r[at], tau[at], buf, out.ent is not None))
+    return True
 
 
 @no_type_check
@@ -216,15 +247,16 @@ def grad_kernel(x, r, m, log_s, a, b, out, cap=None):
 
 def invariant_grad(
     x: Tensor, rows: Tensor | None, r: Tensor, big_m: Tensor, log_s: Tensor, a: Tensor, b: Tensor,
-    cap: float | None, chunk: int, out: Tensor,
-) -> None:
+    cap: float | None, chunks: Chunks, out: Tensor,
+) -> bool:
     """``grad_kernel`` over every column of the ``rows`` of ``x`` (None: all) into ``out``,
-    ``chunk`` rows at a time (a piece of rows that are not consecutive gathered, its
+    ``chunks.eager`` rows at a time (a piece of rows that are not consecutive gathered, its
     gradient written back at its rows); the row terms ``[T]``."""
-    for at in pieces(rows, x.shape[0], chunk):
+    for at in pieces(rows, x.shape[0], chunks.eager):
         if _probe.active is not None:
             _probe.active.launch("eager", "grad", size(at), invariant=True)
         dst = out[at] if isinstance(at, slice) else out.new_empty((size(at), out.shape[1]))
         grad_kernel(gather(x, at, None), r[at], big_m[at], log_s[at], a[at], b[at], dst, cap)
         if not isinstance(at, slice):
             out.index_copy_(0, at, dst)
+    return True

@@ -1,6 +1,8 @@
 """Which kernels compute the vocabulary engine's row statistics and gradients: the backend.
 
-Three backends, each with the default reduction and invariant mode's:
+Three backends, each one module implementing the one interface
+(``interface.KernelBackend``: the logits path's row kernels of both reductions and the
+hidden path's block kernels):
 
 - ``eager``: torch operations, chunk by chunk (any device, any float dtype;
   ``backends.eager``);
@@ -11,30 +13,47 @@ Three backends, each with the default reduction and invariant mode's:
   take float32, bfloat16 and float16 logits; float64 logits fall back to ``compiled``
   / ``eager`` (the interpreter and a GPU's float64 rate make no sense for them).
 
-``CPSLICE_BACKEND`` chooses, read once at import: ``auto`` (unset or empty too) takes
-``triton`` for CUDA tensors when Triton imports, else ``compiled`` where it pays (the
-work is large enough and the compiler works) and ``eager`` otherwise; ``eager``,
-``compiled`` and ``triton`` force one (``compiled``: a compile failure is an error;
-``triton``: a tensor it cannot run on, a CPU tensor without the interpreter, is an
-error). Any other value (one with spaces around it too) is refused where a backend is
-first needed (``current``: a one-line ``ValueError``), not at import, so that what needs
-no backend (a ``Layout``, ``cpslice plan``) still works. The selection lives in one
-object, ``selected``; ``using`` changes it for a block (tests and benchmarks)."""
+They sit in ``REGISTRY`` in order, one line each (a name and its module, imported by
+name when first reached, so that no backend is imported before it is asked). For each
+call ``chain`` walks the registry from the selected backend down and yields those whose
+``takes`` accepts the task (device, dtype, size, mode); the first computes, and one that
+declines at run time (a kernel returning False) hands the task to the next.
+
+``CPSLICE_BACKEND`` chooses, read once at import: ``auto`` (unset or empty too) starts at
+the top, so ``triton`` for CUDA tensors when Triton imports, else ``compiled`` where it
+pays (the work is large enough and the compiler works) and ``eager`` otherwise;
+``eager``, ``compiled`` and ``triton`` start at their own line (``compiled``: a compile
+failure is an error; ``triton``: a tensor it cannot run on, a CPU tensor without the
+interpreter, is an error, and float64 logits go on to ``compiled`` / ``eager``). Any
+other value (one with spaces around it too) is refused where a backend is first needed
+(``current``: a one-line ``ValueError``), not at import, so that what needs no backend (a
+``Layout``, ``cpslice plan``) still works. The selection's state lives in one object,
+``selected``; ``using`` changes it for a block (tests and benchmarks). No other module
+names a backend to choose it."""
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar, cast
 
-import torch
-from torch import Tensor
+from ..._cache import boundary
+from .interface import KernelBackend, Task
 
-NAMES = ("auto", "eager", "compiled", "triton")
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
+Name = Literal["eager", "compiled", "triton"]
+"""A backend's name."""
+REGISTRY: tuple[tuple[Name, str], ...] = (
+    ("triton", "cpslice._vocab.backends.triton"),
+    ("compiled", "cpslice._vocab.backends.compiled"),
+    ("eager", "cpslice._vocab.backends.eager"),
+)
+"""The backends, in the order ``auto`` tries them: each a name and the module that
+implements ``interface.KernelBackend``. Adding a backend is a module and a line here."""
+NAMES = ("auto", *(name for name, _ in REGISTRY))
+R = TypeVar("R")
 
 
 def setting(value: str | None = None) -> str:
@@ -56,7 +75,7 @@ def setting(value: str | None = None) -> str:
 
 
 @dataclass
-class Selection:
+class BackendState:
     """The chosen backend (``name``, one of ``NAMES``; ``refused``: why ``CPSLICE_BACKEND``
     was refused at import, raised by ``current``) and all that the backends learn at
     run time, in one place: whether Triton imports (None: not asked yet); the compiled
@@ -82,13 +101,13 @@ class Selection:
         return self.triton_imports
 
 
-def _at_import() -> Selection:
+def _at_import() -> BackendState:
     """The selection ``CPSLICE_BACKEND`` makes at import: a value ``setting`` refuses is kept
     as ``refused``, for ``current`` to raise where a backend is first needed."""
     try:
-        return Selection(setting())
+        return BackendState(setting())
     except ValueError as bad:
-        return Selection("auto", refused=str(bad))
+        return BackendState("auto", refused=str(bad))
 
 
 selected = _at_import()
@@ -110,7 +129,7 @@ def current() -> str:
 @contextlib.contextmanager
 def using(
     name: str, *, compiler: str | Callable[..., Any] | None = None, fresh: bool = False
-) -> Iterator[Selection]:
+) -> Iterator[BackendState]:
     """Select the backend ``name`` (one of ``NAMES``) inside the block, then restore the
     selection as it was. ``compiler``: the compiled backend's ``torch.compile`` backend
     for the block; ``fresh``: start the block with no compiled kernel run yet (its first
@@ -126,40 +145,8 @@ def using(
     try:
         yield selected
     finally:
-        for f in dataclasses.fields(Selection):
+        for f in dataclasses.fields(BackendState):
             setattr(selected, f.name, getattr(before, f.name))
-
-
-def triton_for(x: Tensor, invariant: bool = False) -> bool:
-    """Whether the Triton kernels compute on the block ``x``: with ``triton`` selected for
-    every tensor of a dtype they take (a CUDA tensor, or a CPU tensor under the
-    interpreter), with ``auto`` for a CUDA one of such a dtype when Triton imports.
-    Invariant mode's kernels take float32 and bfloat16 (``INVARIANT_DTYPES``): float16
-    and float64 logits fall back there.
-
-    Raises:
-        RuntimeError: ``triton`` selected for a tensor it cannot run on (a CPU tensor
-            without ``TRITON_INTERPRET=1``, another device, Triton missing).
-        ValueError: ``CPSLICE_BACKEND`` was refused (``current``).
-    """
-    name = current()
-    if name in ("eager", "compiled") or x.dtype not in (INVARIANT_DTYPES if invariant else TRITON_DTYPES):
-        return False
-    if name == "auto":
-        return x.device.type == "cuda" and selected.has_triton()
-    where = x.device.type
-    if not selected.has_triton():
-        raise RuntimeError("CPSLICE_BACKEND=triton but triton does not import; install it (CUDA builds of "
-                           "torch bring it) or choose another backend (auto, eager, compiled)")
-    from .triton import interpreted  # the package only: Triton itself is not imported
-
-    if where == "cuda" or (where == "cpu" and interpreted()):
-        return True
-    raise RuntimeError(
-        f"CPSLICE_BACKEND=triton runs on CUDA tensors (and on CPU tensors only under Triton's "
-        f"interpreter, TRITON_INTERPRET=1), but the logits are on {where}; choose another backend "
-        "(auto, eager, compiled) for them"
-    )
 
 
 def compile_mode() -> str:
@@ -170,3 +157,60 @@ def compile_mode() -> str:
         ValueError: ``CPSLICE_BACKEND`` was refused (``current``).
     """
     return {"compiled": "1", "eager": "0"}.get(current(), "auto")
+
+
+_LOADED: dict[str, KernelBackend] = {}
+"""The registry's modules imported so far, by name."""
+
+
+def backend(name: Name) -> KernelBackend:
+    """The backend module of ``name``: imported on first use (``_load``)."""
+    found = _LOADED.get(name)
+    return _load(name) if found is None else found
+
+
+@boundary  # a compiled caller's first call imports eagerly (dynamo does not trace an import)
+def _load(name: Name) -> KernelBackend:
+    """Import the backend module of ``name`` (``REGISTRY``) and keep it in ``_LOADED``."""
+    module = cast(KernelBackend, importlib.import_module(dict(REGISTRY)[name]))
+    _LOADED[name] = module
+    return module
+
+
+def chain(task: Task) -> list[KernelBackend]:
+    """The backends that take ``task``, in the registry's order from the selected one down
+    (``auto``: from the top).
+
+    Raises:
+        RuntimeError: the selected backend cannot run on the task's tensors (its ``takes``).
+        ValueError: ``CPSLICE_BACKEND`` was refused (``current``).
+    """
+    names = [name for name, _ in REGISTRY]
+    name = current()
+    start = 0 if name == "auto" else names.index(cast(Name, name))
+    return [found for found in map(backend, names[start:]) if found.takes(task)]
+
+
+def run(task: Task, kernel: Callable[[KernelBackend], bool]) -> None:
+    """``kernel`` of the first backend of ``chain(task)`` that computes (returns True)."""
+    for found in chain(task):
+        if kernel(found):
+            return
+    raise AssertionError(f"no backend computed {task} (the eager backend takes every task)")
+
+
+def first(task: Task, kernel: Callable[[KernelBackend], R | None]) -> R:
+    """The result of ``kernel`` of the first backend of ``chain(task)`` that computes
+    (returns something other than None)."""
+    for found in chain(task):
+        got = kernel(found)
+        if got is not None:
+            return got
+    raise AssertionError(f"no backend computed {task} (the eager backend takes every task)")
+
+
+def block(task: Task, kernel: Callable[[KernelBackend, Sequence[KernelBackend]], R]) -> R:
+    """``kernel`` (a block kernel) of the first backend of ``chain(task)``, given the chain
+    (that backend first)."""
+    backends = chain(task)
+    return kernel(backends[0], backends)

@@ -1,9 +1,11 @@
-"""The Triton backend's kernels: hand-written Triton for CUDA tensors, and for CPU tensors
+"""The Triton backend: hand-written Triton kernels for CUDA tensors, and for CPU tensors
 through Triton's interpreter (``TRITON_INTERPRET=1``, the tests' way to run them without
-a GPU).
+a GPU). This package is the backend's module (``interface.KernelBackend``: ``takes`` and
+the kernels below, its block kernels the interface's shared default); it imports ``triton`` only
+when a kernel runs, in its kernel modules.
 
-Nothing here is imported unless the Triton backend is chosen: ``triton`` comes with the
-CUDA builds of torch and is no dependency of cpslice. ``default`` holds the default
+Nothing of Triton is imported unless the Triton backend computes: ``triton`` comes with
+the CUDA builds of torch and is no dependency of cpslice. ``default`` holds the default
 reduction's kernels (online statistics forward, one read; the gradient backward, one read
 and one write), ``invariant`` invariant mode's (the spec of docs/invariance.md: 128-column
 tiles, the spec's ``exp``, pairwise-halving sums, no contraction, correctly rounded
@@ -12,28 +14,114 @@ divisions). Every launch is a ``launch`` event of ``cpslice._probe`` (backend
 fallback to another backend shows as no launch.
 """
 
-import os
+import torch
+from torch import Tensor
+
+from ...gradient import RowGrad
+from ...softmax import Softmax, Tau, reciprocals, taus
+from ...stats import RowStats, TileStats, write
+from .. import interface, selection
+from ..chunks import Chunks, Workspace
+from ..interface import Merged, Task
+from .interpreter import interpreted
+
+block_stats, block_grad = interface.block_stats, interface.block_grad  # the shared default block kernels
+NAME = "triton"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes of the default reduction's kernels (float32 arithmetic): float64 logits go
+on to the next backend (a GPU's float64 rate makes no Triton kernel worth having)."""
+INVARIANT_DTYPES = (torch.float32, torch.bfloat16)
+"""Invariant mode's kernels' dtypes: its spec's (float16 and float64 go on)."""
 
 
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: numpy on
-    the CPU, one program at a time), read at each call as Triton reads it."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def check_interpreter() -> None:
-    """Refuse to run a kernel on the CPU when Triton was imported before
-    ``TRITON_INTERPRET=1`` was set: its language functions are then compiled ones, and
-    the interpreter cannot call them (Triton reads the setting when it is imported).
+def takes(task: Task) -> bool:
+    """Whether the Triton kernels compute on the task: with ``triton`` selected for every
+    tensor of a dtype they take (a CUDA tensor, or a CPU tensor under the interpreter),
+    with ``auto`` for a CUDA one of such a dtype when Triton imports.
 
     Raises:
-        RuntimeError: the message says to set it before the process starts.
+        RuntimeError: ``triton`` selected for a tensor it cannot run on (a CPU tensor
+            without ``TRITON_INTERPRET=1``, another device, Triton missing).
     """
-    import triton.language as tl
+    state = selection.selected
+    if state.name in ("eager", "compiled") or task.dtype not in (INVARIANT_DTYPES if task.invariant else DTYPES):
+        return False
+    if state.name == "auto":
+        return task.device.type == "cuda" and state.has_triton()
+    where = task.device.type
+    if not state.has_triton():
+        raise RuntimeError("CPSLICE_BACKEND=triton but triton does not import; install it (CUDA builds of "
+                           "torch bring it) or choose another backend (auto, eager, compiled)")
+    if where == "cuda" or (where == "cpu" and interpreted()):
+        return True
+    raise RuntimeError(
+        f"CPSLICE_BACKEND=triton runs on CUDA tensors (and on CPU tensors only under Triton's "
+        f"interpreter, TRITON_INTERPRET=1), but the logits are on {where}; choose another backend "
+        "(auto, eager, compiled) for them"
+    )
 
-    if type(tl.standard.max).__name__ != "InterpretedFunction":
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after Triton was imported, so its interpreter cannot run "
-            "cpslice's kernels on CPU tensors; set it in the environment before the process starts "
-            "(`make test` does)"
-        )
+
+def stats(
+    x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunks: Chunks, work: Workspace
+) -> bool:
+    """``default.row_stats``: one program per row (``chunks`` and ``work`` are the other
+    backends')."""
+    from .default import row_stats
+
+    row_stats(x, softmax, out, rows)
+    return True
+
+
+def grad(
+    x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, row: RowGrad, out: Tensor, rows: Tensor | None,
+    chunks: Chunks, work: Workspace,
+) -> bool:
+    """``default.row_grad``, then the picked ids' entries."""
+    from .default import row_grad
+
+    row_grad(x, big_m, log_s, softmax, row, out, rows)
+    return True
+
+
+def tile_stats(
+    x: Tensor, softmax: Softmax, valid: int, out: TileStats, rows: Tensor | None, chunk: int, first: int
+) -> bool:
+    """``invariant.tile_stats``: the per-tile statistics (``chunk`` is the eager loop's)."""
+    from . import invariant as tri
+
+    r = reciprocals(softmax.tau, x.shape[0], out.sum.dtype, x.device)
+    tri.tile_stats(x, rows, r, softmax.cap, valid, out.max, out.sum, out.ent, first)
+    return True
+
+
+def merged_stats(x: Tensor, softmax: Softmax, out: RowStats, rows: Tensor | None, chunk: int) -> bool:
+    """``invariant.merged_stats``: each row's tiles merged (``chunk`` is the eager loop's)."""
+    from . import invariant as tri
+
+    cdt = out.sum.dtype
+    tau = taus(softmax.tau, x.shape[0], cdt, x.device)
+    r = reciprocals(tau, x.shape[0], cdt, x.device)
+    big, total, ent = tri.merged_stats(x, rows, r, tau, softmax.cap, x.shape[1], out.ent is not None)
+    write(out, slice(None) if rows is None else rows, big, total, ent)
+    return True
+
+
+def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: Tau) -> Merged | None:
+    """``invariant.merge`` of ``[n, R]`` tiles (the kernel takes them ``[R, n]``) with a
+    ``[R]`` temperature; None (the next backend merges, the same bits) with a number."""
+    if not isinstance(tau, Tensor):
+        return None
+    from . import invariant as tri
+
+    return tri.merge(m.t(), s.t(), None if a is None else a.t(), tau)
+
+
+def invariant_grad(
+    x: Tensor, rows: Tensor | None, r: Tensor, big_m: Tensor, log_s: Tensor, a: Tensor, b: Tensor,
+    cap: float | None, chunks: Chunks, out: Tensor,
+) -> bool:
+    """``invariant.grad``: the dense gradient, every column (``chunks`` is the others')."""
+    from . import invariant as tri
+
+    tri.grad(x, rows, r, big_m, log_s, a, b, cap, out)
+    return True

@@ -145,7 +145,7 @@ def _launch(rows: Tensor | None, count_rows: int) -> tuple[tuple[int], Tensor | 
 
 
 def _config(block: int, warps: int, stages: int) -> dict[str, int]:
-    from . import check_interpreter, interpreted
+    from .interpreter import check_interpreter, interpreted
 
     if interpreted():
         check_interpreter()
