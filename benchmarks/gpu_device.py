@@ -91,8 +91,10 @@ class Device:
         return torch.cuda.get_device_properties(self.where).total_memory if self.cuda else 0
 
 
-class OverBudget(Exception):
-    """Raised inside a ``Deadline.limit`` block that runs past its seconds."""
+class OverBudget(BaseException):
+    """Raised inside a ``Deadline.limit`` block that runs past its seconds: a
+    ``BaseException``, as ``KeyboardInterrupt`` is, so that no ``except Exception`` of a
+    method that fails (a peer's, a check's) takes it for a failure and goes on."""
 
 
 class Deadline:
@@ -120,7 +122,7 @@ class Deadline:
         allowed = max(0.001, min(seconds, self.left()))
 
         def stop(signum: int, frame: FrameType | None) -> None:
-            raise OverBudget(f"past its {allowed:.0f} s")
+            raise OverBudget(f"past its {allowed:.3g} s")
 
         before = signal.signal(signal.SIGALRM, stop)
         signal.setitimer(signal.ITIMER_REAL, allowed)

@@ -312,7 +312,7 @@ def _err(value: float | None) -> str:
 
 
 HEADER = ("| method | ms | x floor | peak beyond inputs + grads | log-prob err | entropy err | d hidden err "
-          "| d weight err | Triton launches (one step) | note |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| d weight err | cpslice Triton launches (one step) | note |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 def line(row: Row) -> str:
