@@ -1,4 +1,4 @@
-"""The one prepared GPU command: every CUDA test and the GPU benchmarks, in one process,
+"""The one prepared GPU command: every CUDA test and the GPU benchmarks, in one command,
 within a budget (default 450 s: under 8 minutes on an H200, compiles included), its
 output ready to paste into docs/numbers.md.
 
@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     deadline = Deadline(args.budget)
     if not args.smoke and not torch.cuda.is_available():
         say("gpu_check: no CUDA device here, nothing measured (--smoke runs every stage on the CPU at tiny sizes)")
+        return 2
+    if not args.smoke and interpreted():
+        say("gpu_check: TRITON_INTERPRET=1 would run the Triton kernels in the interpreter, a program at a time: "
+            "unset it (or set it to 0) to measure the GPU")
         return 2
     if args.smoke:  # numpy inside Triton's interpreter, on the -inf lanes the kernels mask
         warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
