@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: install typecheck lint test demo bench clean
+.PHONY: install typecheck lint test demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -49,6 +49,14 @@ demo: install
 
 bench: install
 	$(BIN)/cpslice bench
+
+# On a CUDA machine, from the repository's root, with the python3 that holds its CUDA torch
+# (no .venv: cpslice runs from src/): every CUDA test natively and the GPU benchmarks, in
+# under 8 minutes on an H200 (docs/numbers.md, "On a GPU"). GPU_CHECK passes options:
+# `make gpu-check GPU_CHECK=--only=hidden`; without a GPU, `TRITON_INTERPRET=1 make gpu-check
+# PYTHON=.venv/bin/python GPU_CHECK=--smoke` runs every stage on the CPU at tiny sizes.
+gpu-check:
+	PYTHONUNBUFFERED=1 PYTHONPATH=src:. $(PYTHON) -m benchmarks.gpu_check $(GPU_CHECK)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache src/*.egg-info

@@ -1,9 +1,9 @@
 """On a CUDA machine, one process, side by side: ``log_probs_and_entropy`` forward +
 backward with every backend (``triton``, ``compiled``, ``eager``) in the default and the
 invariant mode, bfloat16 and float32 logits, at T = 16384 rows with V = 151936 (Qwen's
-vocabulary) and 151936 / 4 (a TP 4 shard); log-prob only for the Triton default; the
-peers that import (torch.compile of the naive recipe; Liger's cross-entropy where
-installed).
+vocabulary) and 151936 / 4 (a TP 4 shard); log-prob only and ``softcap=30`` for the
+Triton default; the peers that import (the naive recipe, eager and through
+torch.compile; Liger's cross-entropy where installed).
 
 Each method's time (median of ``--repeat`` CUDA-event timed steps after a warm-up that
 includes its compiles) is set against the bandwidth floor: one read of the logits
@@ -13,16 +13,19 @@ float64 on the first 256 rows (log-prob, entropy and the logits' gradient); and 
 Triton kernels one step launched (``cpslice._probe``'s launch events of the warm-up step:
 a fallback shows as none). The script prints its own elapsed time.
 
-Run: ``PYTHONPATH=src python3 -m benchmarks.gpu_bench`` (torch with CUDA and Triton,
+Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_bench`` (torch with CUDA and Triton,
 jaxtyping; no megatron). ``--quick`` runs only the bfloat16 V = 151936 case.
+``benchmarks/gpu_check.py``, the one prepared GPU command, runs ``table`` for that case
+with the Triton methods (the hidden-state path is its own benchmark there); every
+measurement goes through ``gpu_device.Device``, so that its smoke run (``--smoke``)
+runs this code on the CPU too.
 """
 
 import argparse
-import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,10 +36,15 @@ from cpslice import _probe
 from cpslice._vocab.backends import selection as backend
 from cpslice._vocab.backends.triton import default as triton_default
 
+from .gpu_device import Device
+
 T = 16384
 VOCABS = (151936, 151936 // 4)
 REF_ROWS = 256
 Step = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+QUICK = ("triton default", "triton log-prob only", "triton softcap 30", "triton invariant", "torch.compile naive",
+         "liger cross-entropy")
+"""The methods of ``--quick``, and of ``gpu_check``'s logits stage."""
 
 
 class Row(NamedTuple):
@@ -52,16 +60,14 @@ class Row(NamedTuple):
     kernels: str
 
 
-def _event() -> "torch.cuda.Event":
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-
-
-def bandwidth() -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+def bandwidth(device: Device) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted; 1 MiB
+    on the CPU)."""
+    size = 2**30 if device.cuda else 2**20
+    src = torch.empty(size, dtype=torch.uint8, device=device.where)
     dst = torch.empty_like(src)
-    ms = _time(lambda: dst.copy_(src), 10, warmup=3)
-    return 2 * 2**30 / (ms / 1e3)
+    ms = device.median_ms(lambda: dst.copy_(src), 10, warmup=3)
+    return 2 * size / (ms / 1e3)
 
 
 def reference(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -75,21 +81,32 @@ def reference(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return lp.detach(), h.detach(), x64.grad
 
 
-def cpslice_step(invariant: bool, with_entropy: bool = True) -> Step:
+def cpslice_step(invariant: bool, with_entropy: bool = True, softcap: float | None = None) -> Step:
     def step(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
-        lp, h = cpslice.log_probs_and_entropy(x, targets, with_entropy=with_entropy, invariant=invariant)
+        lp, h = cpslice.log_probs_and_entropy(x, targets, with_entropy=with_entropy, invariant=invariant,
+                                              softcap=softcap)
         return lp, h
 
     return step
 
 
-def naive_step() -> Step:
-    @torch.compile(dynamic=False)
-    def f(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        logp = torch.log_softmax(x.float(), -1)
-        return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(1)
+def naive(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The naive recipe: ``log_softmax`` in float32, the target's log-prob, the entropy."""
+    logp = torch.log_softmax(x.float(), -1)
+    return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(1)
 
-    return f
+
+def naive_step() -> Step:
+    """``naive`` compiled by ``torch.compile`` (at its first call: building the method list
+    imports no compiler)."""
+    compiled: list[Step] = []
+
+    def step(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        if not compiled:
+            compiled.append(torch.compile(naive, dynamic=False))
+        return compiled[0](x, targets)
+
+    return step
 
 
 def liger_step() -> Step | None:
@@ -99,15 +116,14 @@ def liger_step() -> Step | None:
         return None
 
     def f(x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
-        return -liger_cross_entropy(x, targets, reduction="none"), None
+        return -liger_cross_entropy(x, targets, reduction="none"), None  # its sum's gradient is right
 
     return f
 
 
 def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tensor, Tensor, Tensor],
-            floor: float, repeat: int) -> Row:
+            floor: float, repeat: int, device: Device) -> Row:
     x = x0.detach().requires_grad_()
-    base = torch.cuda.memory_allocated()
 
     def once() -> tuple[Tensor, Tensor | None]:
         x.grad = None
@@ -118,17 +134,16 @@ def measure(name: str, step: Step, x0: Tensor, targets: Tensor, ref: tuple[Tenso
 
     with _probe.watch() as seen:  # the one step watched (the timed ones are not)
         lp, h = once()  # warm-up: compiles
-    torch.cuda.synchronize()
+    device.sync()
     assert x.grad is not None
-    lp_err = float((lp[:REF_ROWS].double() - ref[0]).abs().max())
-    h_err = float("nan") if h is None else float((h[:REF_ROWS].double() - ref[1]).abs().max())
+    lp_err = float((lp.detach()[:REF_ROWS].double() - ref[0]).abs().max())
+    h_err = float("nan") if h is None else float((h.detach()[:REF_ROWS].double() - ref[1]).abs().max())
     g_err = float("nan") if h is None else float((x.grad[:REF_ROWS].double() - ref[2]).abs().max())
     del lp, h
     x.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = _time(once, repeat, warmup=0)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = device.peak_growth(once) / 2**30
+    x.grad = None
+    ms = device.median_ms(once, repeat, warmup=0)
     x.grad = None
     ran = Counter(e.name for e in seen.of("launch", backend="triton"))
     kernels = ",".join(f"{k}x{v}" for k, v in sorted(ran.items())) or "-"
@@ -141,24 +156,7 @@ def show(row: Row) -> None:
           f"{row.peak_gib:6.2f} | {row.lp_err:.1e} | {row.h_err:.1e} | {row.g_err:.1e} | {row.kernels} |", flush=True)
 
 
-def _time(fn: Callable[[], object], repeat: int = 5, warmup: int = 2) -> float:
-    """Median milliseconds of ``repeat`` CUDA-event timed calls of ``fn`` after ``warmup``
-    untimed ones."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = _event(), _event()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(statistics.median(times))
-
-
-def sweep(x: Tensor, bw: float) -> None:
+def sweep(x: Tensor, bw: float, device: Device) -> None:
     """Each Triton default kernel alone at several (BLOCK, warps), against its own floor
     (statistics: one read; gradient: one read, one write); the fastest become the
     module's constants for the rest of the run (the evidence for their defaults)."""
@@ -175,9 +173,9 @@ def sweep(x: Tensor, bw: float) -> None:
                 for stages in (1, 3):
                     _set(kernel, block, warps, stages)
                     if kernel == "stats":
-                        ms = _time(lambda: triton_default.stats(x, 1.0, None, m, s, a))
+                        ms = device.median_ms(lambda: triton_default.stats(x, 1.0, None, m, s, a), 5, warmup=2)
                     else:
-                        ms = _time(lambda: triton_default.grad(x, 1.0, None, m, s, a, b, out))
+                        ms = device.median_ms(lambda: triton_default.grad(x, 1.0, None, m, s, a, b, out), 5, warmup=2)
                     print(f"sweep {kernel} BLOCK={block} warps={warps} stages={stages}: {ms:.3f} ms "
                           f"({ms / floor:.2f}x its floor)", flush=True)
                     if kernel not in best or ms < best[kernel][0]:
@@ -195,61 +193,55 @@ def _set(kernel: str, block: int, warps: int, stages: int) -> None:
     setattr(triton_default, f"{name}_STAGES", stages)
 
 
-def hidden_path(repeat: int) -> None:
-    """The hidden-state path at T = 16384, H = 4096, V = 151936, bfloat16: forward +
-    backward against the three matmuls' floor (6 T H V flops at the measured bf16 matmul
-    rate) and the materialized recipe."""
-    t, h, v = T, 4096, VOCABS[0]
-    rate = _matmul_rate()
-    floor = 6 * t * h * v / rate * 1e3
-    print(f"hidden path: bf16 matmul {rate / 1e12:.0f} TFLOP/s, three-matmul floor {floor:.1f} ms")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    hidden0 = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    weight0 = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5).to(torch.bfloat16)
-    targets = torch.randint(0, v, (t,), device="cuda", generator=gen)
+def methods(names: Sequence[str] | None) -> list[tuple[str, str, Step]]:
+    """The methods of the table (``names``: those alone), each with the backend it runs
+    under."""
+    every: list[tuple[str, str, Step]] = [
+        ("triton default", "triton", cpslice_step(False)),
+        ("triton log-prob only", "triton", cpslice_step(False, with_entropy=False)),
+        ("triton softcap 30", "triton", cpslice_step(False, softcap=30.0)),
+        ("triton invariant", "triton", cpslice_step(True)),
+        ("compiled default", "compiled", cpslice_step(False)),
+        ("compiled invariant", "compiled", cpslice_step(True)),
+        ("eager default", "eager", cpslice_step(False)),
+        ("eager invariant", "eager", cpslice_step(True)),
+        ("naive", "eager", naive),
+        ("torch.compile naive", "eager", naive_step()),
+    ]
+    liger = liger_step()
+    if liger is not None:
+        every.append(("liger cross-entropy", "eager", liger))
+    return [m for m in every if names is None or m[0] in names]
 
-    def cps(with_entropy: bool) -> Callable[[Tensor, Tensor], Tensor]:
-        def f(x: Tensor, w: Tensor) -> Tensor:
-            lp, ent = cpslice.log_probs_and_entropy_from_hidden(x, w, targets, with_entropy=with_entropy)
-            return lp.sum() + (0 if ent is None else ent.sum())
-        return f
 
-    def materialized(x: Tensor, w: Tensor) -> Tensor:
-        logp = torch.log_softmax((x @ w.t()).float(), -1)
-        return logp.gather(1, targets[:, None]).sum() - (logp.exp() * logp).sum()
-
-    for name, fn in (("cpslice hidden, lp + entropy", cps(True)), ("cpslice hidden, lp only", cps(False)),
-                     ("torch materialized, lp + entropy", materialized)):
+def table(device: Device, t: int, vocab: int, dtype: torch.dtype, bw: float, repeat: int,
+          chosen: list[tuple[str, str, Step]], skip: Collection[str] = ()) -> list[Row]:
+    """The markdown table's lines of ``chosen`` methods on ``[t, vocab]`` logits of ``dtype``
+    (its header printed first), each printed as it is measured; a method that fails is
+    a line that says so. Returns the rows."""
+    gen = torch.Generator(device=device.where).manual_seed(0)
+    x0 = (3 * torch.randn(t, vocab, device=device.where, generator=gen)).to(dtype)
+    targets = torch.randint(0, vocab, (t,), device=device.where, generator=gen)
+    ref = reference(x0, targets)
+    size = x0.element_size() * x0.numel()
+    floor = 3 * size / bw * 1e3
+    print("| method | dtype | V | ms | x floor | peak GiB past logits | lp err | H err | grad err "
+          "| Triton launches a step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"|  floor (3 passes over the logits) | {str(dtype)[6:]} | {vocab} | {floor:.2f} | 1.00x | "
+          f"{size / 2**30:.2f} (one gradient) | | | | |", flush=True)
+    rows = []
+    for name, which, step in chosen:
+        if name in skip:
+            continue
         try:
-            ms, peak = _hidden_step(fn, hidden0, weight0, repeat)
-            print(f"| {name} | {ms:.1f} ms | {ms / floor:.2f}x floor | peak {peak:.2f} GiB beyond inputs |",
-                  flush=True)
-        except Exception as error:
-            print(f"| {name} | failed: {type(error).__name__}: {error} |", flush=True)
-        torch.cuda.empty_cache()
-
-
-def _matmul_rate() -> float:
-    """FLOP/s of an 8192^3 bfloat16 matmul on random data."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / (_time(lambda: a @ a) / 1e3)
-
-
-def _hidden_step(fn: Callable[[Tensor, Tensor], Tensor], hidden0: Tensor, weight0: Tensor,
-                 repeat: int) -> tuple[float, float]:
-    """Median ms of ``fn``'s forward + backward and its peak GiB beyond the inputs."""
-    x, w = hidden0.detach().requires_grad_(), weight0.detach().requires_grad_()
-    base = torch.cuda.memory_allocated()
-
-    def step() -> None:
-        x.grad, w.grad = None, None
-        fn(x, w).backward()  # type: ignore[no-untyped-call]
-
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = _time(step, repeat)
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+            with backend.using(which):
+                rows.append(measure(name, step, x0, targets, ref, floor, repeat, device))
+            show(rows[-1])
+        except Exception as error:  # a peer or backend that fails is reported, not fatal
+            print(f"| {name} | {dtype} | {vocab} | failed: {type(error).__name__}: {error} |", flush=True)
+        device.release()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,59 +249,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the Triton default at several BLOCK, WARPS")
-    parser.add_argument("--no-hidden", action="store_true", help="leave the hidden-state path out")
     parser.add_argument("--skip", default="", help="comma-separated method names to leave out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device; nothing measured")
         return 0
     began = time.perf_counter()
-    bw = bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}")
+    device = Device("cuda")
+    bw = bandwidth(device)
+    print(f"{device.name()}: copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}")
     skip = set(filter(None, args.skip.split(",")))
-    liger = liger_step()
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
     vocabs = VOCABS[:1] if args.quick else VOCABS
-    print("| method | dtype | V | ms | x floor | peak GiB past logits | lp err | H err | grad err "
-          "| Triton launches a step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    chosen = methods(QUICK if args.quick else None)
     for dtype in dtypes:
         for vocab in vocabs:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            x0 = (3 * torch.randn(T, vocab, device="cuda", generator=gen)).to(dtype)
-            targets = torch.randint(0, vocab, (T,), device="cuda", generator=gen)
-            ref = reference(x0, targets)
-            size = x0.element_size() * x0.numel()
-            floor = 3 * size / bw * 1e3
-            print(f"|  floor (3 passes over the logits) | {str(dtype)[6:]} | {vocab} | {floor:.2f} | 1.00x | "
-                  f"{size / 2**30:.2f} (one gradient) | | | | |", flush=True)
             if args.sweep and dtype == torch.bfloat16 and vocab == VOCABS[0]:
-                sweep(x0, bw)
-            methods: list[tuple[str, str, Step]] = [
-                ("triton default", "triton", cpslice_step(False)),
-                ("triton log-prob only", "triton", cpslice_step(False, with_entropy=False)),
-                ("triton invariant", "triton", cpslice_step(True)),
-                ("compiled default", "compiled", cpslice_step(False)),
-                ("compiled invariant", "compiled", cpslice_step(True)),
-                ("eager default", "eager", cpslice_step(False)),
-                ("eager invariant", "eager", cpslice_step(True)),
-                ("torch.compile naive", "eager", naive_step()),
-            ]
-            if liger is not None:
-                methods.append(("liger cross-entropy", "eager", liger))
-            for name, which, step in methods:
-                if name in skip:
-                    continue
-                try:
-                    with backend.using(which):
-                        show(measure(name, step, x0, targets, ref, floor, args.repeat))
-                except Exception as error:  # a peer or backend that fails is reported, not fatal
-                    print(f"| {name} | {dtype} | {vocab} | failed: {type(error).__name__}: {error} |", flush=True)
-                torch.cuda.empty_cache()
-            del x0, targets, ref
-            torch.cuda.empty_cache()
-    if not args.no_hidden:
-        hidden_path(args.repeat)
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                sweep((3 * torch.randn(T, vocab, device="cuda", generator=gen)).to(dtype), bw, device)
+                device.release()
+            table(device, T, vocab, dtype, bw, args.repeat, chosen, skip)
     print(f"elapsed {time.perf_counter() - began:.0f} s")
     return 0
 

@@ -1,267 +1,446 @@
-"""On a CUDA machine: the single-process paths on the GPU against a float64 CPU
-reference, then extraction speed and log-prob memory measured there, ``log_probs_at`` and
-``topk_log_probs`` against float64, ``response_log_probs`` on the response rows alone
-(rows outside them never read; a quarter of each sample against all rows), and the
-eager and compiled kernels of
-``log_probs_and_entropy``, ``log_probs_at`` and ``log_probs_and_entropy(..., softcap=30)``
-against the bandwidth floor (T = 32768, V = 151936 / tp, tp 1 and 4).
+"""The one prepared GPU command: every CUDA test and the GPU benchmarks, in one command,
+within a budget (default 450 s: under 8 minutes on an H200, compiles included), its
+output ready to paste into docs/numbers.md.
 
-Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` (needs torch with CUDA and
-jaxtyping; no megatron, no process groups).
+Run: ``make gpu-check``, or ``PYTHONPATH=src:. python3 -m benchmarks.gpu_check`` from the
+repository's root (torch with CUDA and Triton, jaxtyping, pytest; no megatron-core, no
+process groups, nothing to install: cpslice runs from ``src``). Stages, in order:
+
+1. **The machine**: the device, torch, Triton, CUDA, the settings read
+   (``CPSLICE_BACKEND``, ``CPSLICE_BLOCK_MIB``).
+2. **Every CUDA test** (``CUDA_TESTS``), natively: pytest in a child process with
+   ``TRITON_INTERPRET=0`` (the suite's conftest.py would otherwise set the interpreter,
+   and the CUDA modules skip under it), at most ``--tests-limit`` seconds. A skip is a
+   miss: on a GPU every one of them must run.
+3. **The hidden-state path's benchmark** (``gpu_hidden``): cpslice in the default and
+   invariant modes, log-prob only, with entropy and forward-only, against the peers that
+   import (Liger's fused-linear cross-entropy, cut-cross-entropy, torch's materialized
+   recipe, verl's chunked recipe), at T = 16384, H = 4096, V = 151936, bfloat16: time
+   against the four-GEMM floor at the matmul rate measured first, peak memory beyond
+   the inputs and their gradients, error against float64, the Triton kernels launched.
+4. **The logits path's checks** (``gpu_logits``, ``gpu_triton_invariant.check``,
+   ``gpu_bench.table``), while the budget allows (at least ``LOGITS_MIN`` seconds left).
+5. **The summary**: the issue's goals, each PASS or MISS (a goal's time scaled by the
+   matmul rate measured against the 800 TFLOP/s the goals were set at, on a device
+   other than an H200), the tests, the correctness checks, and the elapsed time.
+
+A stage or a method past its share of the budget stops, saying so on its line (never
+silently past the deadline); a figure not measured says "unmeasured". ``--only``
+reruns some stages. Exit status 1: a CUDA test failed or did not run, or cpslice
+computed a wrong value or ran no Triton kernel; the goals' MISS is a measurement, not a
+failure.
+
+``--smoke`` runs every stage on the CPU at tiny sizes (with ``TRITON_INTERPRET=1``, the
+Triton kernels through the interpreter), so that the command cannot rot on a machine
+without a GPU (``tests/project/test_gpu_check.py`` runs it): its figures mean nothing.
 """
 
-import math
-import random
-import time
+import argparse
+import importlib.util
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import warnings
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-import cpslice
-from cpslice import Layout, pack, response_log_probs, shard_responses
-from cpslice._types import CpMode, QkvFormat
+from cpslice._vocab.backends.triton.interpreter import interpreted
 
-from . import bench_extract
+from . import gpu_bench, gpu_hidden, gpu_logits, gpu_triton_invariant
+from .gpu_device import Deadline, Device, OverBudget
+from .gpu_peers import DEFAULT, FORWARD, INVARIANT
 
-
-def _check_layouts(device: str) -> None:
-    rng = random.Random(0)
-    vocab, temp = 257, 0.9
-    total = [rng.choice([1, 2, 3, rng.randint(4, 300)]) for _ in range(64)]
-    response = [rng.randint(0, t - 1) for t in total]
-    gen = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, vocab, (t,), generator=gen) for t in total]
-    logits = [4 * torch.randn(t, vocab, generator=gen) for t in total]
-    ref_lp, ref_grad = [], []
-    for t, r, tok, lg in zip(total, response, tokens, logits):
-        x64 = lg.double().requires_grad_()
-        lp64 = torch.log_softmax(x64 / temp, -1)[t - r - 1 : t - 1].gather(1, tok[t - r :, None])
-        ref_lp.append(lp64[:, 0].detach())
-        ref_grad.append(torch.autograd.grad(lp64.sum(), x64)[0])
-    cases: list[tuple[str, CpMode, QkvFormat, int, int]] = [
-             ("none-thd", "none", "thd", 1, 0), ("none-bshd", "none", "bshd", 1, 0),
-             ("zigzag-thd cp4 r1", "zigzag", "thd", 4, 1),
-             ("zigzag-bshd cp4 r3", "zigzag", "bshd", 4, 3),
-             ("allgather cp4 r2", "allgather", "thd", 4, 2)]
-    for name, mode, fmt, cp, rank in cases:
-        layout = Layout(total, response, qkv_format=fmt,
-                        max_seq_len=max(total) if fmt == "bshd" else None,
-                        cp_mode=mode, cp_rank=rank, cp_size=cp)
-        local = pack(logits, layout)
-        layout = layout.with_local_length(local.shape[0])
-        x = local.to(device).requires_grad_()
-        lp, _ = response_log_probs(x, [t.to(device) for t in tokens], layout, temperature=temp)
-        assert all(s.device.type == device for s in lp)
-        err = max((float((a.detach().cpu().double() - b).abs().max()) for a, b in
-                   zip(lp, shard_responses(ref_lp, layout)) if a.numel()), default=0.0)
-        torch.autograd.backward(sum((s.sum() for s in lp), x.sum() * 0))
-        assert x.grad is not None
-        gerr = float((x.grad.cpu().double() - pack(ref_grad, layout)).abs().max())
-        print(f"{name:<20} log-prob err {err:.1e}  grad err {gerr:.1e}  "
-              f"{'pass' if max(err, gerr) < 1e-4 else 'FAIL'}")
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_TESTS = (
+    "tests/vocabulary/test_hidden_cuda.py",
+    "tests/vocabulary/test_triton_cuda.py",
+    "tests/layout/test_padded.py::test_from_cu_seqlens_reads_a_device_tensor_once[cuda]",
+    "tests/layout/test_row_offsets.py::test_from_attention_mask_reads_a_device_tensor_once[cuda]",
+)
+"""Every test that runs on CUDA alone (``tests/project/test_gpu_check.py`` keeps the list
+whole): the modules skipped without a GPU, and the CUDA cases of the host-read tests."""
+STAGES = ("tests", "hidden", "logits")
+BUDGET = 450.0
+"""Seconds the command may take by default: 7.5 minutes, under the 8 an H200's run has."""
+LOGITS_MIN = 60.0
+"""Seconds the logits path's stage needs left to start."""
+RESERVE = 10.0
+"""Seconds kept for the summary."""
+REFERENCE_RATE = 800e12
+"""The matmul rate the goals' times were set at (an H200's bfloat16, measured)."""
+GRAD_TOLERANCE = 3e-2
+"""A bfloat16 gradient's error, relative to its largest entry (the tests' ``TOLERANCE``)."""
 
 
-def _logprob_memory(device: str) -> None:
-    t, v = 4096, 32768
-    torch.manual_seed(0)
-    targets = torch.randint(0, v, (t,), device=device)
-    buf = t * v * 4
-    for name in ("cpslice", "naive"):
-        logits = torch.randn(t, v, device=device, requires_grad=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        for _ in range(5):
-            logits.grad = None
-            if name == "cpslice":
-                lp, ent = cpslice.log_probs_and_entropy(logits, targets, with_entropy=True)
-            else:
-                logp = torch.log_softmax(logits, -1)
-                lp = logp.gather(1, targets[:, None])[:, 0]
-                ent = -(logp.exp() * logp).sum(-1)
-            torch.autograd.backward(lp.sum() + ent.sum())
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - start) / 5 * 1e3
-        peak = (torch.cuda.max_memory_allocated() - base) / buf
-        print(f"log-probs+entropy T={t} V={v} {name:<8} peak beyond logits {peak:.2f}x "
-              f"[T,V] f32, {ms:.2f} ms fwd+bwd")
-        del logits
+class Goal(NamedTuple):
+    """One line of the summary."""
+
+    what: str
+    measured: str
+    target: str
+    verdict: str
 
 
-def _bandwidth(device: str) -> float:
-    """Bytes per second of a large device-to-device copy (one read + one write)."""
-    x = torch.empty(2**30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+@dataclass
+class Tests:
+    """The CUDA tests' outcome."""
+
+    ran: bool = False
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    reasons: list[str] = field(default_factory=list)
 
 
-def _entropy_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    lp, ent = cpslice.log_probs_and_entropy(logits, targets, with_entropy=True, temperature=0.9)
-    torch.autograd.backward(lp.sum() + ent.sum())
-    return lp, ent
+@dataclass
+class Report:
+    """What the stages found, for the summary and the exit status."""
+
+    smoke: bool
+    tests: Tests = field(default_factory=Tests)
+    hidden: dict[str, gpu_hidden.Row] = field(default_factory=dict)
+    rate: float | None = None
+    tolerance: float = 0.0
+    """What cpslice's values may be off by (``Reference.value_tolerance``)."""
+    logits_ok: bool | None = None
+    logits_note: str = "unmeasured: not run"
+    broken: list[str] = field(default_factory=list)
+    """The stages that failed as a whole."""
 
 
-def _softcap_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    lp, ent = cpslice.log_probs_and_entropy(logits, targets, with_entropy=True, temperature=0.9, softcap=30.0)
-    torch.autograd.backward(lp.sum() + ent.sum())
-    return lp, ent
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
-def _at_step(logits: torch.Tensor, targets: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    lp = cpslice.log_probs_at(logits, ids, temperature=0.9)
-    torch.autograd.backward(lp.sum())
-    return (lp,)
+def machine(device: Device, args: argparse.Namespace) -> None:
+    """Stage 1: what the run ran on."""
+    triton = "not installed"
+    if importlib.util.find_spec("triton") is not None:
+        import triton as tr
+
+        triton = tr.__version__
+    say(f"### gpu_check on {device.name()}{' (smoke: tiny sizes on the CPU)' if args.smoke else ''}")
+    say(f"torch {torch.__version__} (CUDA {torch.version.cuda}), Triton {triton}, Python {platform.python_version()}; "
+        f"memory {device.total_bytes() / 2**30:.0f} GiB")
+    setting = {name: os.environ.get(name, "") for name in ("CPSLICE_BACKEND", "CPSLICE_BLOCK_MIB", "TRITON_INTERPRET")}
+    say("settings: " + ", ".join(f"{k}={v!r}" for k, v in setting.items()) + f"; budget {args.budget:.0f} s; "
+        f"stages {','.join(args.only)}")
 
 
-def _kernel_floor(device: str, name: str, step: Callable[..., tuple[torch.Tensor, ...]]) -> None:
-    """Eager and compiled kernels of one path against the bandwidth floor: one read of
-    the logits in forward, one read and one gradient write in backward, at T = 32768,
-    V = 151936 / tp (``log_probs_at``: k = 64 ids per row)."""
-    from cpslice._vocab.backends import selection as _backend
-
-    bw = _bandwidth(device)
-    print(f"{name}: device copy bandwidth {bw / 1e9:.0f} GB/s")
-    t = 32768
-    for tp in (1, 4):
-        v = 151936 // tp
-        for dtype in (torch.bfloat16, torch.float32):
-            torch.manual_seed(0)
-            logits = (4 * torch.randn(t, v, device=device)).to(dtype).requires_grad_(True)
-            targets = torch.randint(0, v, (t,), device=device)
-            ids = torch.randint(0, v, (t, 64), device=device)
-            floor = 3 * logits.numel() * logits.element_size() / bw
-            got = {}
-            for mode in ("0", "1"):
-                _backend.selected.name = "compiled" if mode == "1" else "eager"
-                times = []
-                for i in range(6):
-                    logits.grad = None
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    outputs = step(logits, targets, ids)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                    if i == 0 and mode == "1":
-                        print(f"  compiled first call (compile included) {times[0]:.1f} s")
-                assert logits.grad is not None
-                got[mode] = (*(o.detach() for o in outputs), logits.grad)
-                ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2]
-                print(f"tp {tp} V_local {v} {str(dtype):<15} {'compiled' if mode == '1' else 'eager':<8} "
-                      f"{ms:8.2f} ms fwd+bwd, {ms / 1e3 / floor:5.2f}x the floor ({floor * 1e3:.2f} ms)")
-            diff = [float((a.float() - b.float()).abs().max()) for a, b in zip(got["0"], got["1"])]
-            print("  compiled vs eager max |diff|: " + ", ".join(f"{d:.1e}" for d in diff))
-            del logits, got
-            torch.cuda.empty_cache()
-    _backend.selected.name = _backend.setting()
+def _pytest_argv(xml: Path) -> list[str]:
+    """pytest on ``CUDA_TESTS`` with the project's options less its jaxtyping hook where
+    beartype (the hook's checker) does not import (a GPU machine's image may lack it)."""
+    argv = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfEs",
+            "--tb=short", f"--junitxml={xml}"]
+    if importlib.util.find_spec("beartype") is not None:
+        argv.append("--jaxtyping-packages=cpslice,beartype.beartype")
+    return [*argv, *CUDA_TESTS]
 
 
-def _check_log_probs_at(device: str) -> None:
-    """``log_probs_at`` and ``topk_log_probs`` on the GPU against float64 on the CPU."""
-    gen = torch.Generator().manual_seed(3)
-    full = 4 * torch.randn(300, 1000, generator=gen, dtype=torch.float64)
-    ids = torch.randint(0, 1000, (300, 64), generator=gen)
-    x = full.float().to(device).requires_grad_(True)
-    lp = cpslice.log_probs_at(x, ids.to(device), temperature=0.9)
-    torch.autograd.backward(lp.sum())
-    x64 = full.clone().requires_grad_(True)
-    want = torch.log_softmax(x64 / 0.9, -1).gather(1, ids)
-    torch.autograd.backward(want.sum())
-    assert x.grad is not None and x64.grad is not None
-    err = float((lp.detach().cpu().double() - want.detach()).abs().max())
-    gerr = float((x.grad.cpu().double() - x64.grad).abs().max())
-    values, top = cpslice.topk_log_probs(x.detach(), 64, temperature=0.9)
-    ref_v, ref_ids = torch.topk(torch.log_softmax(full / 0.9, -1), 64)
-    terr = float((values.cpu().double() - ref_v).abs().max())
-    same = bool((top.cpu() == ref_ids).all())
-    ok = max(err, gerr, terr) < 1e-4 and same
-    print(f"log_probs_at err {err:.1e} grad err {gerr:.1e}; topk err {terr:.1e} ids "
-          f"{'equal' if same else 'DIFFER'}  {'pass' if ok else 'FAIL'}")
+def _outcome(xml: Path) -> Tests:
+    """Counts and skip reasons of a junit XML report."""
+    tests = Tests(ran=True)
+    root = ElementTree.parse(xml).getroot()
+    for case in root.iter("testcase"):
+        outcome = {child.tag for child in case}
+        tests.seconds += float(case.get("time", "0"))
+        if outcome & {"failure", "error"}:
+            tests.failed += 1
+        elif "skipped" in outcome:
+            tests.skipped += 1
+            reason = next(c.get("message", "") for c in case if c.tag == "skipped")
+            if reason not in tests.reasons:
+                tests.reasons.append(reason)
+        else:
+            tests.passed += 1
+    return tests
 
 
-def _response_rows(device: str) -> None:
-    """``response_log_probs`` on the GPU computes the response rows alone (the kernels take
-    them as an index): rows outside the responses hold NaN or -inf and change neither the
-    values nor the gradient, whose rows there are 0, eager and compiled, default and
-    invariant; then a quarter of each sample as the response (8, 16, 64 samples) against
-    all rows, T = 4096, V = 32768 float32, forward + backward, time and peak memory."""
-    from cpslice._vocab.backends import selection as _backend
-
-    gen = torch.Generator().manual_seed(4)
-    layout = Layout([7, 5, 6], [3, 2, 2], padded_lengths=[9, 8, 8])
-    tokens = [torch.randint(0, 40, (t,), generator=gen).to(device) for t in (7, 5, 6)]
-    outside = [r for r in range(25) if r not in (3, 4, 5, 11, 12, 20, 21)]
-    clean = torch.randn(25, 40, generator=gen) * 3
-    bad = clean.clone()
-    bad[outside[::2]], bad[outside[1::2]] = math.nan, -math.inf
-    for mode in ("0", "1"):
-        _backend.selected.name = "compiled" if mode == "1" else "eager"
-        for invariant in (False, True):
-            got = []
-            for logits in (clean, bad):
-                x = logits.to(device).requires_grad_(True)
-                lp, ent = response_log_probs(x, tokens, layout, with_entropy=True, invariant=invariant)
-                out = torch.cat(lp + ent)
-                torch.autograd.backward(out.sum())
-                assert x.grad is not None
-                got.append((out.detach().cpu(), x.grad.cpu()))
-            ok = all(torch.equal(a, b) for a, b in zip(*got)) and bool(got[1][1][outside].eq(0).all())
-            print(f"rows outside the responses: compile={mode} invariant={invariant} {'pass' if ok else 'FAIL'}")
-    t, v = 4096, 32768
-    logits = torch.randn(t, v, device=device).requires_grad_(True)
-    for mode in ("1", "0"):
-        _backend.selected.name = "compiled" if mode == "1" else "eager"
-        base = 0.0
-        for samples, share in ((8, 1.0), (8, 0.25), (16, 0.25), (64, 0.25)):
-            length = t // samples
-            response = [length - 1 if share == 1.0 else length // 4] * samples
-            lay = Layout([length] * samples, response)
-            toks = [torch.randint(0, v, (length,), device=device) for _ in range(samples)]
-
-            def step(lay: Layout = lay, toks: list[torch.Tensor] = toks) -> None:
-                lp, ent = response_log_probs(logits, toks, lay, with_entropy=True)
-                torch.autograd.backward(sum((a.sum() + 0.01 * h.sum() for a, h in zip(lp, ent)), logits.sum() * 0))
-                logits.grad = None
-
-            step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            ms = 1e3 * sorted(times)[2]
-            base = ms if share == 1.0 else base
-            peak = (torch.cuda.max_memory_allocated() - before) / (t * v * 4)
-            print(f"response rows compile={mode} {samples:>2} samples, {'all' if share == 1.0 else 'a quarter':<9}"
-                  f" {ms:7.2f} ms ({ms / base:.2f}x all), peak {peak:.2f} [T,V]")
-    _backend.selected.name = _backend.setting()
+def cuda_tests(deadline: Deadline, limit: float) -> Tests:
+    """Stage 2: ``CUDA_TESTS`` in a child pytest, Triton compiled (``TRITON_INTERPRET=0``)."""
+    seconds = min(limit, deadline.left() - RESERVE)
+    say(f"\n### CUDA tests (pytest, TRITON_INTERPRET=0, at most {seconds:.0f} s)")
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
+    began = deadline.elapsed()
+    with tempfile.TemporaryDirectory() as folder:
+        xml = Path(folder) / "cuda-tests.xml"
+        try:
+            done = subprocess.run(_pytest_argv(xml), cwd=ROOT, env=env, timeout=max(seconds, 1.0), check=False)
+        except subprocess.TimeoutExpired:
+            return Tests(ran=False, note=f"unfinished: stopped past its {seconds:.0f} s (the output above)")
+        if not xml.exists():
+            return Tests(ran=False, note=f"pytest exited {done.returncode} before reporting (the output above)")
+        tests = _outcome(xml)
+    tests.note = f"pytest exit status {done.returncode}"
+    say(f"CUDA tests: {tests.passed} passed, {tests.failed} failed, {tests.skipped} skipped in "
+        f"{deadline.elapsed() - began:.0f} s (the tests themselves {tests.seconds:.0f} s)")
+    for reason in tests.reasons:
+        say(f"  skipped: {reason}")
+    return tests
 
 
-def main() -> int:
-    device = "cuda"
-    print(torch.__version__, torch.cuda.get_device_name())
-    _check_layouts(device)
-    print(bench_extract.report(bench_extract.run(False, device)))
-    _logprob_memory(device)
-    _check_log_probs_at(device)
-    _response_rows(device)
-    _kernel_floor(device, "log_probs_and_entropy", _entropy_step)
-    _kernel_floor(device, "log_probs_at (k = 64)", _at_step)
-    # softcap's target, at most 1.15x the uncapped compiled time: the line above's
-    # "log_probs_and_entropy" compiled against this one's
-    _kernel_floor(device, "log_probs_and_entropy, softcap=30", _softcap_step)
-    return 0
+def tests_stage(deadline: Deadline, limit: float, report: Report) -> None:
+    report.tests = cuda_tests(deadline, limit)
+
+
+def hidden_stage(device: Device, sizes: gpu_hidden.Sizes, deadline: Deadline, report: Report) -> None:
+    """Stage 3: the hidden-state path's table, a line per method as it is measured (the
+    stage may use the budget up to the summary's reserve: the logits path runs only in
+    what it leaves)."""
+    say(f"\n### The hidden-state path: T = {sizes.t}, H = {sizes.h}, V = {sizes.v}, bfloat16")
+    say("forward + backward unless forward-only; x floor: against four GEMMs (8 T H V) forward + backward, one "
+        "(2 T H V) forward-only, at the matmul rate measured here; errors against float64 (values: absolute; "
+        "gradients: relative to their largest entry)")
+    bench = gpu_hidden.setup(device, sizes, say)
+    report.rate, report.tolerance = bench.floor.rate(), bench.ref.value_tolerance()
+    say(gpu_hidden.HEADER)
+    for row in gpu_hidden.rows(bench, device, sizes, deadline, deadline.end - RESERVE):
+        say(gpu_hidden.line(row))
+        report.hidden[row.method.name] = row
+    del bench
+    device.release()
+
+
+def _timed(deadline: Deadline, what: str, check: Callable[[], bool]) -> bool | None:
+    """``check()`` within what is left of the budget (less the summary's reserve): its
+    verdict; False (and a line saying so) when it failed; None when it ran past the
+    budget."""
+    try:
+        with deadline.limit(deadline.left() - RESERVE):
+            return check()
+    except OverBudget as late:
+        say(f"{what}: stopped, {late} (the budget's end)")
+    except Exception as error:  # a check that breaks is a failed check, and the command goes on
+        say(f"{what}: failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
+        return False
+    return None
+
+
+def logits_checks(device: Device, smoke: bool) -> list[tuple[str, Callable[[], bool]]]:
+    """The logits path's checks, in order, at the device's sizes or the smoke run's."""
+    where = device.where.type
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    caps: tuple[float | None, ...]
+    quick: tuple[str, ...]
+    if smoke:
+        shape, dtypes, caps, (t, v, repeat) = (10, 300, 290), (torch.bfloat16,), (30.0,), (8, 300, 1)
+        quick = ("triton default", "triton invariant", "naive")
+    else:
+        shape, dtypes, caps = gpu_triton_invariant.SHAPE, (torch.float32, torch.bfloat16), (None, 30.0, 5.0)
+        t, v, repeat, quick = gpu_bench.T, gpu_bench.VOCABS[0], 5, gpu_bench.QUICK
+
+    def bench() -> bool:
+        bw = gpu_bench.bandwidth(device)
+        say(f"logits path against the bandwidth floor: copy bandwidth {bw / 1e12:.3g} TB/s")
+        gpu_bench.table(device, t, v, torch.bfloat16, bw, repeat, gpu_bench.methods(quick))
+        return True
+
+    return [
+        ("layouts", lambda: gpu_logits.layouts(device, 8 if smoke else 64)),
+        ("log_probs_at", lambda: gpu_logits.log_probs_at(device)),
+        ("response rows", lambda: gpu_logits.response_rows(device, *((64, 300, 1) if smoke else (4096, 32768, 5)))),
+        ("memory", lambda: gpu_logits.memory(device, *((16, 300, 1) if smoke else (4096, 32768, 5)))),
+        ("invariant kernels' bits", lambda: gpu_triton_invariant.check(where, shape, dtypes, caps)),
+        ("logits-path timing", bench),
+    ]
+
+
+def logits_stage(device: Device, smoke: bool, deadline: Deadline, report: Report) -> None:
+    """Stage 4: the logits path's checks while the budget allows, each stopped at its end."""
+    if deadline.left() < LOGITS_MIN + RESERVE:
+        report.logits_note = f"unmeasured: {deadline.left():.0f} s left, under the {LOGITS_MIN:.0f} s it needs"
+        say(f"\n### The logits path: {report.logits_note}")
+        return
+    say("\n### The logits path")
+    ok, done = True, []
+    checks = logits_checks(device, smoke)
+    for what, check in checks:
+        if deadline.left() < RESERVE + 5:
+            say(f"{what}: unmeasured: the budget was spent")
+            continue
+        verdict = _timed(deadline, what, check)
+        device.release()
+        if verdict is not None:
+            ok &= verdict
+            done.append(what)
+    report.logits_ok = ok
+    report.logits_note = f"{len(done)} of {len(checks)} checks ran" + ("" if ok else ", one FAILED (above)")
+
+
+def _row_ms(report: Report, name: str) -> float | None:
+    row = report.hidden.get(name)
+    return None if row is None else row.ms
+
+
+def _verdict(ok: bool | None, smoke: bool) -> str:
+    if ok is None:
+        return "unmeasured"
+    word = "PASS" if ok else "MISS"
+    return f"{word} (smoke: not the goal's device or size)" if smoke else word
+
+
+def _time_goal(report: Report, what: str, name: str, goal_ms: float, scale: float) -> Goal:
+    ms = _row_ms(report, name)
+    here = "" if scale == 1.0 else f"; {goal_ms * scale:.1f} ms at this matmul rate (x{scale:.3g})"
+    target = f"<= {goal_ms:g} ms on an H200{here}"
+    return Goal(what, "unmeasured" if ms is None else f"{ms:.1f} ms", target,
+                _verdict(None if ms is None else ms <= goal_ms * scale, report.smoke))
+
+
+def _tests_goal(report: Report) -> Goal:
+    """Every CUDA test passed, none skipped (the smoke run: skipped without CUDA, the
+    CPU-only ones passed)."""
+    t = report.tests
+    if not t.ran:
+        return Goal("every CUDA test, natively", t.note or "unmeasured: not run", "all pass, none skipped",
+                    "MISS" if t.note else "unmeasured")
+    ok = t.failed == 0 and t.passed > 0 and (t.skipped == 0 or report.smoke)
+    verdict = ("PASS" if ok else "MISS") + (" (smoke: skipped without CUDA)" if report.smoke else "")
+    return Goal("every CUDA test, natively", f"{t.passed} passed, {t.failed} failed, {t.skipped} skipped",
+                "all pass, none skipped", verdict)
+
+
+def _cpslice_rows(report: Report) -> list[gpu_hidden.Row]:
+    return [row for row in report.hidden.values() if row.method.cpslice and row.ms is not None]
+
+
+def _correct(row: gpu_hidden.Row, tolerance: float) -> bool:
+    e = row.errors
+    if e is None:
+        return False
+    values = [v for v in (e.lp, e.ent) if v is not None]
+    grads = [v for v in (e.d_hidden, e.d_weight) if v is not None]
+    return all(v <= tolerance for v in values) and all(g <= GRAD_TOLERANCE for g in grads)
+
+
+def _kernels_ran(row: gpu_hidden.Row) -> bool:
+    prefix = "invariant_" if row.method.invariant else "default."
+    want = {prefix + ("tiles" if row.method.invariant else "stats")}
+    if row.method.grad:
+        want.add(prefix + "grad")
+    return all(name in row.kernels for name in want)
+
+
+def goals(report: Report, device: Device) -> list[Goal]:
+    """The issue's goals and the checks, each measured or "unmeasured"."""
+    h200 = "H200" in device.name()
+    scale = 1.0 if h200 or report.smoke or report.rate is None else REFERENCE_RATE / report.rate
+    found = [
+        _time_goal(report, "log-prob + entropy, forward + backward", DEFAULT, 115.0, scale),
+        _time_goal(report, "forward-only (log-prob + entropy)", FORWARD, 30.0, scale),
+    ]
+    ours = _cpslice_rows(report)
+    peaks = [(row.peak, row.method.name) for row in ours if row.peak is not None]
+    peak, peak_row = max(peaks) if peaks else (None, "")
+    found.append(Goal("peak beyond the inputs and their gradients", "unmeasured" if peak is None else
+                      f"{peak / 2**30:.3f} GiB ({peak_row})", "<= 1 GiB",
+                      _verdict(None if peak is None else peak <= 2**30, report.smoke)))
+    default, inv = _row_ms(report, DEFAULT), _row_ms(report, INVARIANT)
+    ratio = None if default is None or inv is None else inv / default
+    found.append(Goal("invariant mode against the default", "unmeasured" if ratio is None else f"{ratio:.2f}x",
+                      "<= 1.3x", _verdict(None if ratio is None else ratio <= 1.3, report.smoke)))
+    found.append(_tests_goal(report))
+    tolerance = report.tolerance
+    wrong = [row.method.name for row in ours if not _correct(row, tolerance)]
+    wrong += [f"{row.method.name} failed" for row in report.hidden.values()
+              if row.method.cpslice and row.note.startswith("failed")]
+    found.append(Goal("cpslice's values and gradients against float64", "unmeasured" if not ours and not wrong else
+                      f"{len(ours) - len(wrong)} of {len(ours)} rows within" + (f" (not: {'; '.join(wrong)})"
+                                                                               if wrong else ""),
+                      f"values <= {tolerance:.1e}, gradients <= {GRAD_TOLERANCE:g} relative",
+                      "unmeasured" if not ours and not wrong else "PASS" if not wrong else "FAIL"))
+    missing = [row.method.name for row in ours if not _kernels_ran(row)]
+    found.append(Goal("cpslice's Triton kernels ran", "unmeasured" if not ours else "in every row" if not missing
+                      else f"not in: {'; '.join(missing)}",
+                      "stats and grad kernels, default and invariant", "unmeasured" if not ours else
+                      "PASS" if not missing else "FAIL"))
+    found.append(Goal("the logits path's checks", report.logits_note, "every check passes",
+                      "unmeasured" if report.logits_ok is None else "PASS" if report.logits_ok else "FAIL"))
+    return found
+
+
+def summary(report: Report, device: Device, deadline: Deadline) -> int:
+    """Stage 5: the goals' table and the elapsed time; the exit status."""
+    found = goals(report, device)
+    say("\n### Summary (issue 50's goals: H200, bf16, T = 16384, H = 4096, V = 151936)")
+    say("| goal | measured | target | verdict |\n|---|---|---|---|")
+    for goal in found:
+        say(f"| {goal.what} | {goal.measured} | {goal.target} | {goal.verdict} |")
+    failed = [g.what for g in found if g.verdict == "FAIL" or g.what.startswith("every CUDA")
+              and g.verdict.startswith("MISS")] + [f"the {name} stage broke" for name in report.broken]
+    unmeasured = sum(g.verdict == "unmeasured" for g in found)
+    say(f"gpu_check: elapsed {deadline.elapsed():.0f} s of a {deadline.seconds:.0f} s budget; "
+        + ("no check failed" if not failed else "FAILED: " + "; ".join(failed))
+        + (f" ({unmeasured} of {len(found)} lines unmeasured)" if unmeasured else ""))
+    return 1 if failed else 0
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="every stage on the CPU at tiny sizes (no GPU needed)")
+    parser.add_argument("--budget", type=float, default=BUDGET, help=f"seconds in all (default {BUDGET:.0f})")
+    parser.add_argument("--tests-limit", type=float, default=210.0, help="seconds for the CUDA tests (default 210)")
+    parser.add_argument("--only", default=",".join(STAGES), help=f"the stages to run, of {','.join(STAGES)}")
+    args = parser.parse_args(argv)
+    args.only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(args.only) - set(STAGES))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: not a stage (the stages: {','.join(STAGES)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    deadline = Deadline(args.budget)
+    if not args.smoke and not torch.cuda.is_available():
+        say("gpu_check: no CUDA device here, nothing measured (--smoke runs every stage on the CPU at tiny sizes)")
+        return 2
+    if not args.smoke and interpreted():
+        say("gpu_check: TRITON_INTERPRET=1 would run the Triton kernels in the interpreter, a program at a time: "
+            "unset it (or set it to 0) to measure the GPU")
+        return 2
+    if args.smoke:  # numpy inside Triton's interpreter, on the -inf lanes the kernels mask
+        warnings.filterwarnings("ignore", "invalid value encountered", RuntimeWarning)
+    device = Device("cpu" if args.smoke else "cuda")
+    sizes = gpu_hidden.SMOKE if args.smoke else gpu_hidden.GPU
+    report = Report(args.smoke)
+    machine(device, args)
+    if args.smoke and not interpreted():
+        say("smoke: TRITON_INTERPRET is not 1, so the cpslice rows run the CPU's kernels, not Triton's")
+    stages: dict[str, Callable[[], None]] = {
+        "tests": lambda: tests_stage(deadline, args.tests_limit, report),
+        "hidden": lambda: hidden_stage(device, sizes, deadline, report),
+        "logits": lambda: logits_stage(device, args.smoke, deadline, report),
+    }
+    for name in STAGES:
+        if name in args.only:
+            _stage(name, stages[name], device, report)
+    return summary(report, device, deadline)
+
+
+def _stage(name: str, run: Callable[[], None], device: Device, report: Report) -> None:
+    """Run a stage; one that breaks says how on a line, counts as a failure, and the
+    command goes on to the next (its figures stay unmeasured)."""
+    try:
+        run()
+    except OverBudget as late:
+        say(f"stage {name}: stopped, {late}")
+    except Exception as error:  # the summary and the other stages still run
+        say(f"stage {name}: failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
+        report.broken.append(name)
+    device.release()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -9,7 +9,8 @@ the kernels' time at T 4096, V 32768 (information). Prints one line per case and
 
 Run: ``PYTHONPATH=src:. python3 -m benchmarks.gpu_triton_invariant`` (needs torch with
 CUDA and triton). ``DEV=cpu TRITON_INTERPRET=1 SHAPE=12,700,690`` runs it through
-Triton's interpreter instead (a dry run, small).
+Triton's interpreter instead (a dry run, small). ``benchmarks/gpu_check.py`` runs
+``check`` as one of its stages.
 """
 
 import math
@@ -29,7 +30,8 @@ from cpslice._vocab.backends.triton import invariant as tri
 from cpslice._vocab.softmax import Softmax
 
 DEV = os.environ.get("DEV", "cuda")
-T, V, VALID = (int(v) for v in os.environ.get("SHAPE", "96,20000,19950").split(","))
+SHAPE = tuple(int(v) for v in os.environ.get("SHAPE", "96,20000,19950").split(","))
+"""The logits' rows, columns and valid columns (``vocab_size``)."""
 
 
 def _same(a: Tensor | None, b: Tensor | None) -> bool:
@@ -44,10 +46,10 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
                 and torch.equal(a.contiguous().view(bits)[~nan], b.contiguous().view(bits)[~nan]))
 
 
-def _logits(dtype: torch.dtype, gen: torch.Generator) -> Tensor:
-    x = torch.randn(T, V, generator=gen) * 6
+def _logits(dtype: torch.dtype, gen: torch.Generator, t: int, v: int) -> Tensor:
+    x = torch.randn(t, v, generator=gen) * 6
     x[1, 7] = -math.inf
-    x[2, : V // 3] = -math.inf
+    x[2, : v // 3] = -math.inf
     x[3] = x[3, 0]
     x[4, 100] += 80.0
     x[5] *= 40
@@ -57,9 +59,10 @@ def _logits(dtype: torch.dtype, gen: torch.Generator) -> Tensor:
     return x.to(dtype)
 
 
-def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
-    cpu, dev = torch.device("cpu"), torch.device(DEV)
-    x = _logits(dtype, gen)
+def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator, where: str, shape: tuple[int, ...]) -> bool:
+    T, V, VALID = shape
+    cpu, dev = torch.device("cpu"), torch.device(where)
+    x = _logits(dtype, gen, T, V)
     tau = torch.rand(T, generator=gen) + 0.5
     r = 1.0 / tau
     n = spec.tiles(V)
@@ -90,16 +93,16 @@ def _case(dtype: torch.dtype, cap: float | None, gen: torch.Generator) -> bool:
     tri.grad(xd[:, :VALID], None, rd, full.max.to(dev), log_s.to(dev), a.to(dev), b.to(dev), cap, grad_got)
     good = all(tiles + merged + part) and _same(grad_want, grad_got)
     print(f"{dtype} cap={cap}: triton tiles {tiles} merge {merged} merged rows {part} "
-          f"grad {_same(grad_want, grad_got)} | eager on {DEV}: tiles {aten_tiles}", flush=True)
+          f"grad {_same(grad_want, grad_got)} | eager on {where}: tiles {aten_tiles}", flush=True)
     return good
 
 
-def _timing() -> None:
+def _timing(where: str) -> None:
     import triton
 
     t, v = 4096, 32768
-    x = torch.randn(t, v, device=DEV).to(torch.bfloat16)
-    tau = torch.rand(t, device=DEV) + 0.5
+    x = torch.randn(t, v, device=where).to(torch.bfloat16)
+    tau = torch.rand(t, device=where) + 0.5
     r = 1.0 / tau
     big, total, _ = tri.merged_stats(x, None, r, tau, None, v)
     out, log_s, a, b = torch.empty_like(x), torch.log(total), torch.zeros_like(total), torch.ones_like(total)
@@ -109,22 +112,31 @@ def _timing() -> None:
           f"(one read of the logits: {2 * t * v / 4.0e9:.3f} ms at 4 TB/s)")
 
 
-def main() -> int:
-    print("torch", torch.__version__, "device", DEV, flush=True)
+def check(where: str, shape: tuple[int, ...] = SHAPE, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+          caps: tuple[float | None, ...] = (None, 30.0, 5.0)) -> bool:
+    """Each case of ``dtypes`` and ``caps`` on the device ``where`` (``cuda``; ``cpu`` under
+    the interpreter) at ``shape`` (rows, columns, valid columns): whether every kernel gave
+    the CPU's bits."""
     gen = torch.Generator().manual_seed(0)
     ok = True
     with _probe.watch() as seen:
-        for dtype in (torch.float32, torch.bfloat16):
-            for cap in (None, 30.0, 5.0):
+        for dtype in dtypes:
+            for cap in caps:
                 try:
-                    ok &= _case(dtype, cap, gen)
+                    ok &= _case(dtype, cap, gen, where, shape)
                 except Exception:
                     ok = False
                     traceback.print_exc()
     launches = Counter(e.name for e in seen.of("launch", backend="triton"))
     print("ALL TRITON == CPU EAGER:", ok, dict(launches), flush=True)
+    return ok
+
+
+def main() -> int:
+    print("torch", torch.__version__, "device", DEV, flush=True)
+    ok = check(DEV)
     if DEV == "cuda":
-        _timing()
+        _timing(DEV)
     return 0 if ok else 1
 
 

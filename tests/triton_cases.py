@@ -6,12 +6,26 @@ launches seen."""
 import math
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor
 
 from cpslice._probe import Seen
+from cpslice._vocab.backends.triton.interpreter import interpreted
 
 from .reference import grad_close, value_atol
+
+
+def on_cuda(cpu_proof: str) -> pytest.MarkDecorator:
+    """Skip, saying why, unless the Triton kernels run natively on a CUDA device here: not
+    without one (``cpu_proof``: where the CPU proves the same), and not under Triton's
+    interpreter (``TRITON_INTERPRET=1``, which tests/conftest.py sets by default), which
+    would run them a program at a time on the host, far too slowly at a GPU's sizes."""
+    if not torch.cuda.is_available():
+        return pytest.mark.skipif(True, reason=f"no CUDA device: {cpu_proof}")
+    return pytest.mark.skipif(interpreted(), reason=(
+        "TRITON_INTERPRET=1 (the suite's default) would run the Triton kernels in the interpreter: run the "
+        "CUDA tests natively with `make gpu-check` (or TRITON_INTERPRET=0 pytest <this module>)"))
 
 
 def launched(seen: Seen, since: int = 0) -> set[str]:

@@ -5,7 +5,8 @@ default and invariant, with the Triton kernels asserted; invariant mode's bits a
 batches, row orders and other partitions of the rows into 1024-row blocks; the GEMM
 settings it fixes. Skipped, saying so, where no GPU exists (``make test`` runs on CPUs:
 tests/vocabulary/test_hidden_triton.py and test_hidden_blocks.py prove the same through
-Triton's interpreter, in a GPU's blocks)."""
+Triton's interpreter, in a GPU's blocks) and under the interpreter (``make gpu-check``
+runs this module natively, ``TRITON_INTERPRET=0``)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -19,11 +20,10 @@ from cpslice._vocab import blocks
 from cpslice._vocab.backends import selection
 from cpslice._vocab.blocks import Blocks, sizes
 
-from ..triton_cases import EXACT, Settings, close, gemm_settings, head, hidden_reference, launched, options
+from ..triton_cases import EXACT, Settings, close, gemm_settings, head, hidden_reference, launched, on_cuda, options
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the hidden path's GPU "
-                                "blocks ran on the CPU only, through Triton's interpreter "
-                                "(tests/vocabulary/test_hidden_triton.py, test_hidden_blocks.py)")
+pytestmark = on_cuda("the hidden path's GPU blocks ran on the CPU only, through Triton's interpreter "
+                     "(tests/vocabulary/test_hidden_triton.py, test_hidden_blocks.py)")
 
 T, H, V = 3000, 256, 40000  # 5 splits of 8192 columns, the last 7232
 

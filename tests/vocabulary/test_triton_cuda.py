@@ -2,9 +2,9 @@
 GPU's sizes (several blocks of the compiled kernels' width) against float64, with the
 ``auto`` selection taking Triton for CUDA tensors; and what only a GPU's arithmetic can
 show, the invariant merge's correctly rounded division. Skipped, saying so, where no GPU
-exists (``make test`` runs on CPUs; benchmarks/gpu_bench.py and this module run on a
-GPU machine, alone and with ``TRITON_INTERPRET=0``: ``TRITON_INTERPRET=0 pytest
-tests/vocabulary/test_triton_cuda.py``)."""
+exists (``make test`` runs on CPUs) and under the interpreter: ``make gpu-check`` runs
+this module natively on a GPU machine, with ``TRITON_INTERPRET=0``. The near-midpoint
+quotients the division test divides are checked on the CPU too."""
 
 import random
 from typing import Any
@@ -17,12 +17,12 @@ from cpslice import _probe, log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab import spec as _spec
 from cpslice._vocab.backends import selection as backend
 
-from ..triton_cases import OPTIONS, launched, logits, reference
+from ..triton_cases import OPTIONS, launched, logits, on_cuda, reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the Triton kernels ran "
-                                "under the interpreter only (tests/vocabulary/test_triton.py)")
+native = on_cuda("the Triton kernels ran under the interpreter only (tests/vocabulary/test_triton.py)")
 
 
+@native
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 def test_cuda_against_float64(seen: _probe.Seen, dtype: torch.dtype, options: dict[str, Any]) -> None:
@@ -55,6 +55,7 @@ def test_cuda_against_float64(seen: _probe.Seen, dtype: torch.dtype, options: di
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=rel, atol=rel * float(ref_grad.abs().max()))
 
 
+@native
 def test_cuda_log_probs_at_and_topk(seen: _probe.Seen) -> None:
     t, v = 32, 20000
     x0 = logits(t, v, torch.bfloat16, 4).cuda()
@@ -62,10 +63,11 @@ def test_cuda_log_probs_at_and_topk(seen: _probe.Seen) -> None:
     ids[:, 1] = ids[:, 0]
     x = x0.clone().requires_grad_()
     before = len(seen.events)
-    lp = log_probs_at(x, ids, temperature=0.8)
-    g = torch.randn(t, 3, device="cuda")
-    (lp * g).sum().backward()  # type: ignore[no-untyped-call]
-    top, top_ids = topk_log_probs(x0, 5)
+    with backend.using("auto"):  # whatever CPSLICE_BACKEND says: auto takes Triton for CUDA tensors
+        lp = log_probs_at(x, ids, temperature=0.8)
+        g = torch.randn(t, 3, device="cuda")
+        (lp * g).sum().backward()  # type: ignore[no-untyped-call]
+        top, top_ids = topk_log_probs(x0, 5)
     assert {"default.stats", "default.grad"} <= launched(seen, before)
     ref_lp, _, ref_grad = reference(x0, ids, 0.8, None, None, g, torch.zeros(t, device="cuda"))
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-5)
@@ -126,6 +128,7 @@ def test_near_midpoints_are_rounding_sensitive() -> None:
     assert bool((off < 2**-23).all()) and bool((q < -0.25).all()) and bool((q >= -8).all())
 
 
+@native
 def test_cuda_invariant_merge_divides_correctly_rounded() -> None:
     """The merge's ``delta`` by ``tl.math.div_rn``, not ``/``: on a GPU ``/`` is the
     approximate ``div.full.f32``, which rounds some quotients a hair from a midpoint the
