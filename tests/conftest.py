@@ -45,7 +45,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from . import background
 
     background.start_for([item.nodeid for item in session.items])
-    if "tests._dist" in sys.modules:  # a collected test runs on the gloo worlds
+    if "tests._dist" in sys.modules and any(map(_calls_run_distributed, session.items)):
         from . import _dist
 
         _dist.start_fork_server()
+
+
+def _calls_run_distributed(item: pytest.Item) -> bool:
+    """Whether the test's own function runs a task on a gloo world (most that do, do it
+    there; one that does it further in starts the fork server itself, at its world)."""
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return code is not None and "run_distributed" in code.co_names
