@@ -1,9 +1,12 @@
 """Real torch.distributed gloo worlds for the tests, one per size, shared by the session.
 
-Starting a world is the slow part of a distributed test here (every rank imports torch,
-megatron-core and cpslice in debug mode: many seconds on 2 cores), so each size has one
-persistent world, started on first use: spawned processes that meet at a store the
-parent serves on a port it holds (port 0: no race for a free port). ``run_distributed``
+Starting a world is the slow part of a distributed test here (a rank needs torch,
+megatron-core and cpslice in debug mode: seconds of CPU each on 2 cores), so each size has
+one persistent world, started on first use: processes that meet at a store the parent
+serves on a port it holds (port 0: no race for a free port). Their imports are done once:
+multiprocessing's fork server, started with the ranks' environment, imports them
+(``_PRELOAD``) and forks every rank, a fresh process that never ran a task (its RNGs
+reseeded, as a spawned one's are), in a fraction of a second. ``run_distributed``
 runs one task on every rank of it, with a timeout so that a hang fails the test instead
 of blocking CI. After each task every rank puts back what a task may have changed for
 the whole process (``_Baseline``), so the next task sees what a fresh world would show
@@ -42,7 +45,16 @@ GRACE = 10.0
 """Seconds the other ranks get to finish a task once a rank raised in it (they may be
 waiting in a collective it skipped; then the world is killed)."""
 
-_CTX = mp.get_context("spawn")
+POLL = 0.1
+"""Seconds between looks at the ranks while a task runs: how soon a dead one is noticed."""
+
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["tests._dist", "cpslice", "hypothesis", "megatron.core.parallel_state"]
+"""What the fork server imports once, before it forks any rank (with the ranks'
+environment: cpslice in debug mode), instead of every rank importing it: torch and
+torch.distributed (this module), cpslice, and what most tasks' modules import. It runs
+nothing else: a fork of it is single-threaded, with no OpenMP pool or process group."""
+_CTX.set_forkserver_preload(_PRELOAD)
 _MISSING = object()
 
 
@@ -119,17 +131,52 @@ class _Baseline:
         return None
 
 
+def start_fork_server() -> None:
+    """Start the fork server now, in the ranks' environment: its imports take seconds of
+    CPU, which the session's first world would otherwise wait for (conftest.py calls it
+    once the tests are collected, where one of them runs on a world). Its output, and
+    every rank's, goes nowhere: outside a test, the session's own would show it (started
+    by a world, it goes where that test's went, captured)."""
+    from multiprocessing import forkserver
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in (1, 2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        with _rank_environment():
+            forkserver.ensure_running()
+    finally:
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        os.close(null)
+
+
+def _reseed() -> None:
+    """Seed torch's and numpy's global RNGs at random, as a spawned process finds them: a
+    fork has the fork server's, the same in every rank (Python's ``random`` reseeds itself
+    at a fork)."""
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _serve(rank: int, size: int, port: int, inbox: Any, outbox: Any) -> None:
     """One rank of a world: join it, then run tasks until told to stop (``None``) or
     the session's process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's to handle: it kills us
+    _reseed()
     # one intra-op thread: a world's ranks outnumber the machine's cores, and idle
     # OpenMP workers spinning between a rank's small ops would take them from the others
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     baseline = _Baseline()
-    parent = os.getppid()
+    parent = os.getppid()  # the fork server, which exits when the session does
     while True:
         try:
             message = inbox.get(timeout=1.0)
@@ -158,7 +205,7 @@ def _serve(rank: int, size: int, port: int, inbox: Any, outbox: Any) -> None:
 
 
 class _World:
-    """``size`` spawned gloo ranks, each serving the tasks of its own inbox."""
+    """``size`` gloo ranks, each serving the tasks of its own inbox."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -167,6 +214,8 @@ class _World:
         self.inboxes = [_CTX.Queue() for _ in range(size)]
         self.outbox = _CTX.Queue()
         self.tasks = 0
+        # the fork server starts at the session's first rank, in this environment, and
+        # forks every rank of every world from it
         with _rank_environment():
             self.procs = [
                 _CTX.Process(target=_serve, args=(r, size, self.store.port, self.inboxes[r], self.outbox),
@@ -194,7 +243,7 @@ class _World:
             if left <= 0:
                 raise _unfinished(self.size - len(reports), self.size, timeout, reports)
             try:
-                task, rank, ok, value, groups[rank] = self.outbox.get(timeout=min(left, 1.0))
+                task, rank, ok, value, groups[rank] = self.outbox.get(timeout=min(left, POLL))
             except queue.Empty:
                 dead = [p for p in self.procs if p.exitcode is not None]
                 if dead:

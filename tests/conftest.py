@@ -1,9 +1,11 @@
 """Starts the background jobs (``background.py``) that the session's tests wait for, as
 soon as they are collected: the planted ``cpslice verify`` runs, the unchecked rerun of
 the error tests and the compiled steps take many seconds of CPU each, and run, niced,
-beside the tests instead of in line with them. The tests that wait for them run last,
-so that the jobs have the whole session to finish in; before them, the tests marked
-``discards_world``, which kill a shared gloo world that later tests would start anew."""
+beside the tests instead of in line with them; and the fork server of the gloo worlds'
+ranks (``_dist.py``), whose imports would otherwise hold up the first distributed
+test. The tests that wait for the jobs run last, so that the jobs have the whole session
+to finish in; before them, the tests marked ``discards_world``, which kill a shared gloo
+world that later tests would start anew."""
 
 import pytest
 
@@ -38,6 +40,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
+    import sys
+
     from . import background
 
     background.start_for([item.nodeid for item in session.items])
+    if "tests._dist" in sys.modules and any(map(_calls_run_distributed, session.items)):
+        from . import _dist
+
+        _dist.start_fork_server()
+
+
+def _calls_run_distributed(item: pytest.Item) -> bool:
+    """Whether the test's own function runs a task on a gloo world (most that do, do it
+    there; one that does it further in starts the fork server itself, at its world)."""
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    return code is not None and "run_distributed" in code.co_names

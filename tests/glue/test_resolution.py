@@ -15,7 +15,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -30,6 +30,22 @@ PACKAGE = Path(cpslice.__file__).parent
 # the functions themselves, under debug mode's wrappers (which share one code object)
 RESOLVE = inspect.unwrap(_plan._resolve_length).__code__
 BUILD = inspect.unwrap(Layout.__init__).__code__
+_FILES: dict[tuple[CodeType, str], str | None] = {}
+
+
+def _followed_file(code: CodeType) -> str | None:
+    """The file, under the package, of a function whose calls the trip follows; None
+    outside the package and for the Layout's own methods, which read the record (a
+    property, a cache's __eq__): no trip. Read once per code object (the profile
+    hook sees every call of the traced step)."""
+    key = (code, code.co_filename)  # code objects of equal content compare equal whatever their file
+    if key not in _FILES:
+        path = Path(code.co_filename)
+        own = path.name == "layout.py" and path.parent.name == "_layout" and code.co_qualname.startswith("Layout.")
+        _FILES[key] = str(path.relative_to(PACKAGE)) if PACKAGE in path.parents and not own else None
+    return _FILES[key]
+
+
 class Trace:
     """What one call did with ``layout``: resolutions, Layouts built, and the files of
     the cpslice functions that received the layout, its resolved record, or one of the
@@ -46,8 +62,9 @@ class Trace:
 
     def _carries(self, frame: FrameType) -> bool:
         code = frame.f_code
+        local = frame.f_locals  # a new dict at each read
         for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
-            value = frame.f_locals.get(name)
+            value = local.get(name)
             if value is self.layout or (isinstance(value, _plan.Local) and value.layout is self.layout):
                 return True
             if any(value is t for t in self._read_off):
@@ -62,11 +79,8 @@ class Trace:
             self.resolutions += 1
         if code is BUILD:
             self.built += 1
-        path = Path(code.co_filename)
-        # the Layout's own methods read the record (a property, a cache's __eq__): no trip
-        own = path.name == "layout.py" and path.parent.name == "_layout" and code.co_qualname.startswith("Layout.")
-        if PACKAGE in path.parents and not own and self._carries(frame):
-            file = str(path.relative_to(PACKAGE))
+        file = _followed_file(code)
+        if file is not None and self._carries(frame):
             if not self.files or self.files[-1] != file:
                 self.files.append(file)
 
