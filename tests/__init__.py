@@ -1,8 +1,8 @@
 # Before any test module imports cpslice: under the jaxtyping import hook (pytest's
 # --jaxtyping-packages), the modules that cpslice's own imports load would otherwise be
 # compiled from source (see cpslice/__init__.py). Only there: a process without the hook
-# (a spawned `cpslice verify` rank running tests/_verify_ranks.py, the unchecked rerun of
-# checked.py) would spend seconds on torch._dynamo for nothing.
+# (a spawned `cpslice verify` rank running tests/support/_verify_ranks.py, the unchecked
+# rerun of tests/support/checked.py) would spend seconds on torch._dynamo for nothing.
 import sys
 
 if any(type(finder).__module__.startswith("jaxtyping") for finder in sys.meta_path):

@@ -11,7 +11,7 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # one intra-op thread, as each gloo rank has (tests/_dist.py): the session's small
+    # one intra-op thread, as each gloo rank has (tests/support/_dist.py): the session's small
     # ops gain nothing from a second one, whose OpenMP worker would spin between them on
     # the core the ranks and the background jobs need
     import os
@@ -29,7 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # imported here, after collection: they import cpslice, which the jaxtyping plugin's
     # hook must see first (so that the session runs checked)
-    from . import background, checked, compile_job, planted  # noqa: F401  (they register jobs)
+    from .support import background, checked, compile_job, planted  # noqa: F401  (they register jobs)
 
     # stable: the tests that discard a shared world after every other (the next user of
     # that world would start a new one), then those that wait for background jobs
@@ -42,11 +42,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     import sys
 
-    from . import background
+    from .support import background
 
     background.start_for([item.nodeid for item in session.items])
-    if "tests._dist" in sys.modules and any(map(_calls_run_distributed, session.items)):
-        from . import _dist
+    if "tests.support._dist" in sys.modules and any(map(_calls_run_distributed, session.items)):
+        from .support import _dist
 
         _dist.start_fork_server()
 

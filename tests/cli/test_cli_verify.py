@@ -4,7 +4,7 @@ measure's NaN (the planted bugs verify must catch: test_verify_planted.py), a ra
 layout FAIL, the rest not run), the start-up timeout apart from a hang, Ctrl-C, a
 missing megatron-core, and bench's discovery of benchmarks/, its adapters, its
 source-checkout check and its target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
-from tests/_verify_ranks.py: the library carries none."""
+from tests/support/_verify_ranks.py: the library carries none."""
 
 import importlib.util
 import math
@@ -30,7 +30,7 @@ from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult, progress_line
 from cpslice._verify.runner import host_store, verify_main
 
-from .. import _verify_ranks, planted
+from ..support import _verify_ranks, planted
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -23,7 +23,7 @@ import pytest
 import cpslice
 from cpslice import _cli
 
-from .._docs import DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
+from ..support._docs import DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
 
 PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
 README = ROOT / "README.md"

@@ -1,6 +1,7 @@
 """The suite's own shape, kept by a test: test files live in the folders of their half
-(layout, vocabulary, glue, distributed, cli, project), shared helpers in helper modules
-(files of tests/ not named ``test_*``, or conftest.py), so no test file imports another test file;
+(layout, vocabulary, glue, distributed, cli, project), shared helpers in the helper package
+tests/support/ (and nowhere else: a module of tests/ outside it is a ``test_*.py``, a
+conftest.py or an ``__init__.py``), so no test file imports another test file;
 every test file holds tests; and only the verifier's own tests import the verifier
 (``cpslice._verify*``, which may move), so the rest of the suite never depends on it; and
 no test sets an attribute of cpslice's own modules (docs/instrumentation.md)."""
@@ -10,6 +11,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 FOLDERS = {"layout", "vocabulary", "glue", "distributed", "cli", "project"}
+SUPPORT = TESTS / "support"
+"""The helper package: every module of the suite that is not a test file, a conftest.py or
+a package's ``__init__.py``."""
 VERIFIER_TESTS = {"test_cli_verify.py", "_verify_ranks.py", "test_verify_oracle.py"}
 
 
@@ -57,6 +61,32 @@ def test_every_test_file_sits_in_a_folder_of_its_half() -> None:
     assert loose == [], "move these into a folder of tests/: " + ", ".join(loose)
     folders = {path.parent.name for path in TESTS.rglob("test_*.py")}
     assert folders == FOLDERS, sorted(folders ^ FOLDERS)
+
+
+def loose_helpers(tests: Path) -> list[str]:
+    """The modules under ``tests`` (a folder laid out as tests/) that are neither a test
+    file, a conftest.py nor an ``__init__.py``, outside its support/ package."""
+    return sorted(path.relative_to(tests).as_posix() for path in tests.rglob("*.py")
+                  if not path.is_relative_to(tests / "support")
+                  and not path.name.startswith("test_")
+                  and path.name not in ("conftest.py", "__init__.py"))
+
+
+def test_the_helper_reader_sees_every_loose_helper(tmp_path: Path) -> None:
+    for name in ("__init__.py", "conftest.py", "test_a.py", "helper.py", "layout/__init__.py",
+                 "layout/test_b.py", "layout/cases.py", "support/__init__.py", "support/oracle.py",
+                 "support/deep/reference.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert loose_helpers(tmp_path) == ["helper.py", "layout/cases.py"]
+
+
+def test_every_helper_module_lives_in_the_support_package() -> None:
+    """A module the tests share goes to tests/support/ (``from ..support.name import
+    ...``), not beside the tests, so that tests/ and its folders hold tests alone."""
+    loose = loose_helpers(TESTS)
+    assert loose == [], "move these helpers into tests/support/ (git mv): " + ", ".join(loose)
+    assert not list(SUPPORT.rglob("test_*.py")), "tests/support/ holds helpers, not tests"
 
 
 def test_no_test_file_imports_another_test_file() -> None:

@@ -40,10 +40,10 @@ from cpslice._vocab import stats as _stats
 from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 
-from .._dist import run_distributed
-from ..invariant_cases import decode, edge_rows, peaked, shard_first, spec, topk_ties_worker, worker
-from ..reference import grad_close, reference, tolerance, value_atol
-from ..supports import csr
+from ..support._dist import run_distributed
+from ..support.invariant_cases import decode, edge_rows, peaked, shard_first, spec, topk_ties_worker, worker
+from ..support.reference import grad_close, reference, tolerance, value_atol
+from ..support.token_sets import csr
 
 T, V = 20, 700  # 6 tiles, the last one partial
 DTYPES = (torch.float32, torch.bfloat16)

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
 
