@@ -231,6 +231,7 @@ def test_the_shared_batches_share_their_prompts_and_their_first_sets(cp: int) ->
                 assert (held > 0) == (rank == 0), (rank, held)
 
 
+@pytest.mark.distributed  # cpslice verify's 2 gloo ranks, through the command line
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     # in line, not in the background: its start-up needs the cores the session holds
     code, out, err = run(["verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4"],
@@ -374,6 +375,7 @@ def _spawned_ranks(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.distributed  # cpslice verify's ranks, spawned by a command line
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_during_start_up_stops_the_ranks_quietly() -> None:
     # a terminal's Ctrl-C goes to the whole process group: the parent and its ranks.
