@@ -26,6 +26,9 @@ from cpslice import _cli
 from ..support._docs import DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
 
 PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
+_HEAVY = re.compile(r"^\s*(?:from|import) (?:megatron|transformers)\b", re.M)
+"""A block that imports megatron-core or transformers: seconds of CPU for the import alone,
+so ``slow`` (``make test-fast`` runs the others)."""
 README = ROOT / "README.md"
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -41,8 +44,9 @@ def test_the_pages_have_examples() -> None:
     assert {page.name for page, _, _ in PYTHON} >= {"README.md", "recipes.md", "api-guide.md"}
 
 
-@pytest.mark.parametrize(("page", "index", "source"), PYTHON,
-                         ids=[f"{page_name(p)}-{i}" for p, i, _ in PYTHON])
+@pytest.mark.parametrize(("page", "index", "source"), [
+    pytest.param(page, i, body, id=f"{page_name(page)}-{i}", marks=[pytest.mark.slow] if _HEAVY.search(body) else [])
+    for page, i, body in PYTHON])
 def test_python_block_runs(page: Path, index: int, source: str) -> None:
     run_block(source, f"{page_name(page)} block {index}")
 

@@ -158,6 +158,7 @@ def _python(code: str, blocked: tuple[str, ...], debug: str = "") -> subprocess.
                           text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch and cpslice, in line
 def test_without_the_extras_the_library_works_and_names_them() -> None:
     done = _python("""
         import torch, cpslice
