@@ -60,10 +60,10 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   function: spawned processes import it), chosen in the parent: a rank that raises,
   never starts or stalls, for the verifier's own failure reports;
 - ``triton_exp``, ``triton_tree``, ``triton_pad``: invariant mode's Triton kernels'
-  ``@triton.jit`` helpers (``backends.triton.invariant._exp``, ``_tree``, ``_pad``, called
-  as they are inside the kernels, which take them as ``constexpr`` arguments): the
-  substitute is a ``@triton.jit`` function, compiled into the kernels launched within the
-  block;
+  ``@triton.jit`` helpers (``invariant._exp``, ``invariant._tree``, ``invariant._pad`` of
+  ``_vocab.backends.triton``, called as they are inside the kernels, which take them as
+  ``constexpr`` arguments): the substitute is a ``@triton.jit`` function, compiled into
+  the kernels launched within the block;
 - ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
   ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``);
 - ``block_sizes``: the hidden-state path's blocks of a call, forward and backward alike,

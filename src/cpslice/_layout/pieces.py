@@ -12,7 +12,7 @@ position ``order[r*T + j]`` (bshd: row after row, each row's columns
 ``order[b, r*S/c:(r+1)*S/c]``). The order is read once, into *pieces*: maximal runs of
 consecutive local rows of one rank holding consecutive extent positions of one sample
 (padding included). That is the table the closed forms fill arithmetically
-(``_plan.runs`` reads both), so an order layout is read by the same code; the table
+(``plan.runs`` reads both), so an order layout is read by the same code; the table
 holds ``O(pieces)`` integers, never an entry per position. This module knows no
 ``Layout``: it takes the numbers a layout resolved.
 """

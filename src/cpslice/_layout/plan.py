@@ -4,7 +4,7 @@ Every operation of cpslice (extraction, sharding, packing, shifted targets,
 response rows, redistribution) is a reading of the *runs* a layout puts on one
 rank: a run says that local rows ``[local, local + length)`` hold within-sample
 positions ``[start, start + length)`` of one sample. A sample has any number of runs
-(1, 2 for zigzag's two chunks, as many as an order's pieces: ``_pieces``), in
+(1, 2 for zigzag's two chunks, as many as an order's pieces: ``pieces.py``), in
 ascending position order, and runs are grouped sample after sample. Padding
 positions belong to no run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
 padding included: ``Layout.padded_lengths``) and the padding ``o_i`` before its tokens
@@ -180,7 +180,7 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 class Runs(NamedTuple):
     """Rows ``[local, local+length)`` hold positions ``[start, start+length)`` of ``sample``.
 
-    A run is a piece of the sample's extent on this rank (``_pieces``: all of it, a zigzag
+    A run is a piece of the sample's extent on this rank (``pieces.py``: all of it, a zigzag
     chunk, the part on an allgather piece, a run of an order): it occupies rows
     ``[local - lead, local - lead + width)``, ``width >= lead + length``, and holds the
     sample's tokens at ``[local, local + length)``, padding before them (``lead`` rows: a
