@@ -1,6 +1,6 @@
 """The instrumentation hook: what tests and benchmarks that must see inside the library use.
 
-A stable private seam (docs/instrumentation.md), not part of the public API. While a
+A stable private seam (docs/dev/instrumentation.md), not part of the public API. While a
 ``watch()`` block is open, the library records named events into what it yields:
 
 - ``call``: a call of the dense kernels (``stats`` or ``grad``, default or invariant

@@ -137,7 +137,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert find_cycle(import_graph(tmp_path)) == ["cpslice.b", "cpslice.c", "cpslice.b"]
 
 
-# The two halves of docs/architecture.md, each a package, and what both may import.
+# The two halves of docs/dev/architecture.md, each a package, and what both may import.
 # Every other module (the glue, the command line, the verifier, the package) may import
 # anything.
 LAYOUT = "cpslice._layout"

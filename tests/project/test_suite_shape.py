@@ -4,7 +4,7 @@ tests/support/ (and nowhere else: a module of tests/ outside it is a ``test_*.py
 conftest.py or an ``__init__.py``), so no test file imports another test file;
 every test file holds tests; and only the verifier's own tests import the verifier
 (``cpslice._verify*``, which may move), so the rest of the suite never depends on it; and
-no test sets an attribute of cpslice's own modules (docs/instrumentation.md)."""
+no test sets an attribute of cpslice's own modules (docs/dev/instrumentation.md)."""
 
 import ast
 import functools
@@ -177,7 +177,7 @@ def t(monkeypatch):
 
 def test_no_test_patches_cpslice_state() -> None:
     """Tests choose backends by the public setting or the selection's seam and look inside
-    through ``cpslice._probe`` (docs/instrumentation.md), never by setting a module's
+    through ``cpslice._probe`` (docs/dev/instrumentation.md), never by setting a module's
     attribute."""
     found = [f"{path.relative_to(TESTS)}:{line}" for path in sorted(TESTS.rglob("*.py"))
              for line in cpslice_patches(path.read_text())]

@@ -235,7 +235,7 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
 def test_auto_falls_back_to_eager_once_with_one_warning(use: Use) -> None:
     """A compiler that fails (a torch.compile backend that raises): ``auto`` warns once and
     computes eagerly, then stays eager silently, even for work large enough to compile
-    (``T * V >= 2**22``, docs/backends.md); ``compiled`` makes it an error."""
+    (``T * V >= 2**22``, docs/dev/backends.md); ``compiled`` makes it an error."""
     def broken_backend(gm: Any, example_inputs: Any) -> Any:
         raise RuntimeError("no C++ compiler here")
 
