@@ -259,3 +259,36 @@ def test_the_reader_finds_each_kind_of_stale_name(tmp_path: Path) -> None:
     module = tmp_path / "a.py"
     module.write_text('"""Calls ``_helper`` and ``_local``."""\n\n_local = 1  # not ``_gone``, nor _layoutt\n')
     assert sorted(stale(module)) == ["`_gone`", "`_layoutt`"]
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules a module of src/ imports anywhere, by full name (``from . import x``:
+    ``package`` and ``package.x``)."""
+    module = list(path.relative_to(SRC).with_suffix("").parts)
+    package = module[:-1]
+    found: set[str] = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *filter(None, (node.module or "").split("."))])
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_offset_arithmetic_is_where_the_docs_say() -> None:
+    """README.md, docs/layouts.md and docs/dev/architecture.md put the offset arithmetic
+    in ``_layout/pieces.py`` (where each rank's rows sit) and ``_layout/plan.py`` (every
+    offset read from that placement): only the Layout and plan.py import the placement,
+    and every module of public layout functions reads its offsets through plan.py."""
+    importers = {_name(p) for p in SOURCES if "cpslice._layout.pieces" in imports_of(p)}
+    assert importers == {"src/cpslice/_layout/layout.py", "src/cpslice/_layout/plan.py"}
+    for name in ("pack", "extract", "redistribute", "reduce", "positions", "unshard"):
+        assert "cpslice._layout.plan" in imports_of(PACKAGE / "_layout" / f"{name}.py"), name
+    for page in (ROOT / "README.md", ROOT / "docs/layouts.md", ROOT / "docs/dev/architecture.md"):
+        claims = [p for p in re.split(r"\n\s*\n", page.read_text()) if "offset arithmetic" in p
+                  or "offsets from the rules" in p]
+        assert claims and all("pieces" in c and "plan" in c for c in claims), _name(page)
+

@@ -1,4 +1,5 @@
-"""The whole offset arithmetic of docs/layouts.md, in one place.
+"""The offset arithmetic of docs/layouts.md read from a layout's placement (``pieces.py``
+places each rank's rows): every offset an operation uses comes from here.
 
 Every operation of cpslice (extraction, sharding, packing, shifted targets,
 response rows, redistribution) is a reading of the *runs* a layout puts on one
