@@ -5,7 +5,7 @@ A stable private seam (docs/dev/instrumentation.md), not part of the public API.
 
 - ``call``: a call of the dense kernels (``stats`` or ``grad``, default or invariant
   mode), with the rows it computes (``rows``; ``index``: the ascending index it was
-  given, None for every row of the tile);
+  given, None for every row of the block);
 - ``launch``: one kernel launch, by backend (``eager``: one chunk of the eager loop;
   ``compiled``: one call of a compiled chunk kernel; ``triton``: one Triton launch),
   with its kernel's ``name``, invariant mode or the default, and its rows;

@@ -292,3 +292,13 @@ def test_the_offset_arithmetic_is_where_the_docs_say() -> None:
                   or "offsets from the rules" in p]
         assert claims and all("pieces" in c and "plan" in c for c in claims), _name(page)
 
+
+def test_the_glossary_defines_the_layout_and_engine_words() -> None:
+    """docs/layouts.md's *Words* table gives each word of the layout and the engine one row."""
+    text = (ROOT / "docs/layouts.md").read_text()
+    section = text[text.index("\n## Words\n"):]
+    section = section[: section.index("\n## ", 1)]
+    words = re.findall(r"^\| (\w+) \|", section, re.M)
+    assert sorted(words) == sorted(set(words)), "a word defined twice"
+    assert {"chunk", "block", "piece", "run", "part", "span", "share", "star", "tile",
+            "split", "shard", "depth", "support", "extent"} <= set(words)

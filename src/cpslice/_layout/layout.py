@@ -325,7 +325,7 @@ class Layout:
         thd ``[N]``, bshd ``[B, S]``), for ``from_order`` and for a model's inputs.
 
         Raises:
-            LayoutError: the ranks' local tensors do not tile the stream (allgather
+            LayoutError: the ranks' local tensors do not cover the stream (allgather
                 without ``local_length = N / cp_size``).
         """
         placed = self._placement()

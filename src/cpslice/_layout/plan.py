@@ -599,7 +599,7 @@ def stream_rows(local: Local) -> Tensor:
     """For each position of the layout's stream without CP (its extents ``W_i``, one per
     star with a shared prefix, back to back: the positions ``Layout.order`` indexes), the
     row that holds it among the CP ranks' local tensors of ``T`` rows concatenated in rank
-    order, on the call's device: ``Layout.order``'s inverse. The ranks' pieces tile the
-    stream, so each position has one row; rows past it (an allgather's tail, a local
+    order, on the call's device: ``Layout.order``'s inverse. The ranks' pieces cover the
+    stream once, so each position has one row; rows past it (an allgather's tail, a local
     tensor longer than the layout needs) hold none."""
     return _stream_rows(local.layout, local.length, local.device)
