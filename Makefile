@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: install typecheck lint test demo bench gpu-check clean
+.PHONY: install typecheck lint test test-fast demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -36,6 +36,17 @@ lint: install
 
 test: install typecheck lint
 	TRITON_INTERPRET=1 $(BIN)/pytest
+
+# The inner loop: a few files of every area (the layout, the vocabulary engine with its
+# Triton kernels, the command line, the project's gates, the glue with, last, its test on a
+# gloo world of 2, whose ranks start in the background meanwhile), without the slow tests
+# (`-m "not slow"`: those that wait for a background job or compile for long). Under a
+# minute on two shared cores (README, Install); no type or lint gate. `make test` runs
+# everything, as CI does.
+FAST := tests/layout/test_recipes.py tests/layout/test_padded.py tests/layout/test_row_offsets.py \
+        tests/vocabulary/test_entropy.py tests/cli/test_cli_plan.py tests/project tests/glue/test_debug.py
+test-fast: install
+	TRITON_INTERPRET=1 $(BIN)/pytest -m "not slow" $(FAST)
 
 # Every layout end to end on 2 CP x 2 TP gloo ranks with megatron-core, against float64;
 # then a tiny megatron-core GPTModel trained on 2 TP ranks from its hidden states; then

@@ -18,7 +18,7 @@ gradient, one such buffer, included); then ``repeat`` rounds each time one step 
 every method in turn, so that a slower or faster stretch of the machine falls on all
 of them alike. Time is the median (and the best) over the rounds, ``cpu ms`` the median
 process CPU time of a step. One more step of each, untimed, is watched by the
-instrumentation hook (``cpslice._probe``, docs/instrumentation.md): its kernel launches
+instrumentation hook (``cpslice._probe``, docs/dev/instrumentation.md): its kernel launches
 by backend and its host reads.
 
 Run: ``.venv/bin/python benchmarks/bench_invariant.py [--quick] [--dtypes float32,bfloat16]``

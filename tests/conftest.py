@@ -5,13 +5,16 @@ beside the tests instead of in line with them; and the fork server of the gloo w
 ranks (``_dist.py``), whose imports would otherwise hold up the first distributed
 test. The tests that wait for the jobs run last, so that the jobs have the whole session
 to finish in; before them, the tests marked ``discards_world``, which kill a shared gloo
-world that later tests would start anew."""
+world that later tests would start anew.
+
+Each test also gets the markers it earns (``distributed``, ``triton``, ``slow``:
+tests/support/marks.py), before ``-m`` selects by them."""
 
 import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # one intra-op thread, as each gloo rank has (tests/_dist.py): the session's small
+    # one intra-op thread, as each gloo rank has (tests/support/_dist.py): the session's small
     # ops gain nothing from a second one, whose OpenMP worker would spin between them on
     # the core the ranks and the background jobs need
     import os
@@ -26,11 +29,13 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the mark plugin's -m deselects by the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # imported here, after collection: they import cpslice, which the jaxtyping plugin's
     # hook must see first (so that the session runs checked)
-    from . import background, checked, compile_job, planted  # noqa: F401  (they register jobs)
+    from .support import background, checked, compile_job, marks, planted  # noqa: F401  (they register jobs)
 
+    marks.mark(items)
     # stable: the tests that discard a shared world after every other (the next user of
     # that world would start a new one), then those that wait for background jobs
     items.sort(key=lambda item: (background.waits(item.nodeid),
@@ -42,17 +47,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     import sys
 
-    from . import background
+    from .support import background
 
     background.start_for([item.nodeid for item in session.items])
-    if "tests._dist" in sys.modules and any(map(_calls_run_distributed, session.items)):
-        from . import _dist
+    if "tests.support._dist" in sys.modules and any(map(_runs_a_world, session.items)):
+        from .support import _dist
 
         _dist.start_fork_server()
 
 
-def _calls_run_distributed(item: pytest.Item) -> bool:
-    """Whether the test's own function runs a task on a gloo world (most that do, do it
-    there; one that does it further in starts the fork server itself, at its world)."""
-    code = getattr(getattr(item, "function", None), "__code__", None)
-    return code is not None and "run_distributed" in code.co_names
+def _runs_a_world(item: pytest.Item) -> bool:
+    """Whether the test runs a task on a gloo world of tests/support/_dist.py (its
+    function, code nested in it or a fixture names ``run_distributed``; one that does it
+    further in starts the fork server itself, at its world)."""
+    from .support import marks
+
+    return isinstance(item, pytest.Function) and "run_distributed" in marks.names(marks.functions(item))

@@ -1,11 +1,11 @@
 """The instrumentation hook: what tests and benchmarks that must see inside the library use.
 
-A stable private seam (docs/instrumentation.md), not part of the public API. While a
+A stable private seam (docs/dev/instrumentation.md), not part of the public API. While a
 ``watch()`` block is open, the library records named events into what it yields:
 
 - ``call``: a call of the dense kernels (``stats`` or ``grad``, default or invariant
   mode), with the rows it computes (``rows``; ``index``: the ascending index it was
-  given, None for every row of the tile);
+  given, None for every row of the block);
 - ``launch``: one kernel launch, by backend (``eager``: one chunk of the eager loop;
   ``compiled``: one call of a compiled chunk kernel; ``triton``: one Triton launch),
   with its kernel's ``name``, invariant mode or the default, and its rows;
@@ -60,10 +60,10 @@ Step = Literal["merge_tiles", "row_kernel", "host_checks", "rank_main", "triton_
   function: spawned processes import it), chosen in the parent: a rank that raises,
   never starts or stalls, for the verifier's own failure reports;
 - ``triton_exp``, ``triton_tree``, ``triton_pad``: invariant mode's Triton kernels'
-  ``@triton.jit`` helpers (``backends.triton.invariant._exp``, ``_tree``, ``_pad``, called
-  as they are inside the kernels, which take them as ``constexpr`` arguments): the
-  substitute is a ``@triton.jit`` function, compiled into the kernels launched within the
-  block;
+  ``@triton.jit`` helpers (``invariant._exp``, ``invariant._tree``, ``invariant._pad`` of
+  ``_vocab.backends.triton``, called as they are inside the kernels, which take them as
+  ``constexpr`` arguments): the substitute is a ``@triton.jit`` function, compiled into
+  the kernels launched within the block;
 - ``triton_scratch_rows``: the rows of each chunk of those kernels' merged statistics,
   ``(tiles) -> rows`` (``backends.triton.invariant.scratch_rows``);
 - ``block_sizes``: the hidden-state path's blocks of a call, forward and backward alike,

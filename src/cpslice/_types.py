@@ -56,7 +56,7 @@ Tail = Literal["bin", "renormalize"]
 # So every entry point accepts the same integers (int, numpy integers, anything with
 # ``__index__``) and reals (``numbers.Real``) with and without CPSLICE_DEBUG=1. The one
 # alias that names a cpslice class, ``support``'s, lives beside that class
-# (``_vocab.token_sets.SupportArg``, ``_support.SupportArg``): this module stays below every
+# (``_vocab.token_sets.SupportArg``, ``_glue.support.SupportArg``): this module stays below every
 # other in the import graph.
 if TYPE_CHECKING:
     TensorArg = Tensor

@@ -15,8 +15,8 @@ from cpslice import Layout, extract_responses
 from cpslice._cli import main
 from cpslice._types import CpMode, QkvFormat
 
-from .. import background
-from ..background import Job
+from ..support import background
+from ..support.background import Job
 
 ZIGZAG_EXAMPLE = ["plan", "--total", "10", "--response", "4", "--cp-size", "2", "--mode", "zigzag"]
 
@@ -404,7 +404,7 @@ for argv in (["plan", "--total", "3", "--response", "1"], ["verify"], ["bench", 
 
 def _bad_backend() -> dict[str, Job]:
     """A fresh interpreter with ``CPSLICE_BACKEND=gpu`` (read when cpslice is imported):
-    the library and the command line, a background job (tests/background.py)."""
+    the library and the command line, a background job (tests/support/background.py)."""
     env = {**os.environ, "CPSLICE_BACKEND": "gpu"}
     return {"gpu": Job((sys.executable, "-c", _BAD_BACKEND), env, background.folder())}
 
@@ -483,7 +483,7 @@ def _script() -> str | None:
 
 def _command_lines() -> dict[str, Job]:
     """``python -m cpslice plan`` (timing its imports) and the console script given a
-    mistake, in a folder of their own: background jobs (tests/background.py)."""
+    mistake, in a folder of their own: background jobs (tests/support/background.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "CPSLICE_DEBUG")}
     here = background.folder()
     jobs = {"module": Job((sys.executable, "-X", "importtime", "-m", "cpslice", *ZIGZAG_EXAMPLE), env, here)}

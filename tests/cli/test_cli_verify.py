@@ -4,7 +4,7 @@ measure's NaN (the planted bugs verify must catch: test_verify_planted.py), a ra
 layout FAIL, the rest not run), the start-up timeout apart from a hang, Ctrl-C, a
 missing megatron-core, and bench's discovery of benchmarks/, its adapters, its
 source-checkout check and its target marks. ``bench`` itself is not run here (it takes minutes). Faults are injected
-from tests/_verify_ranks.py: the library carries none."""
+from tests/support/_verify_ranks.py: the library carries none."""
 
 import importlib.util
 import math
@@ -30,7 +30,7 @@ from cpslice._verify.rank import join_store
 from cpslice._verify.report import CaseResult, progress_line
 from cpslice._verify.runner import host_store, verify_main
 
-from .. import _verify_ranks, planted
+from ..support import _verify_ranks, planted
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -231,6 +231,7 @@ def test_the_shared_batches_share_their_prompts_and_their_first_sets(cp: int) ->
                 assert (held > 0) == (rank == 0), (rank, held)
 
 
+@pytest.mark.distributed  # cpslice verify's 2 gloo ranks, through the command line
 def test_a_small_run_passes_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     # in line, not in the background: its start-up needs the cores the session holds
     code, out, err = run(["verify", "--cp-size", "2", "--tp-size", "1", "--samples", "4"],
@@ -374,6 +375,7 @@ def _spawned_ranks(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.distributed  # cpslice verify's ranks, spawned by a command line
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_ctrl_c_during_start_up_stops_the_ranks_quietly() -> None:
     # a terminal's Ctrl-C goes to the whole process group: the parent and its ranks.

@@ -1,5 +1,5 @@
 """The verifier's layout oracle (``cpslice._verify.oracle``) against the suite's
-(``tests/oracle.py``): two transcriptions of docs/layouts.md written apart, which
+(``tests/support/oracle.py``): two transcriptions of docs/layouts.md written apart, which
 must place every position of every sample at the same local row of every rank.
 
 Over hypothesis layouts (``tests/strategies.configs``: every mode, thd and bshd,
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from cpslice import Layout, LayoutError, pack
 from cpslice._verify import oracle as verifier
 
-from .. import oracle as suite
-from ..strategies import configs, samples
+from ..support import oracle as suite
+from ..support.strategies import configs, samples
 
 
 def _view(cfg: suite.Config, rank: int) -> verifier.RankView:

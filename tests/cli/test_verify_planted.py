@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from .. import planted as _planted
-from ..background import Done
-from ..planted import rows, verdicts
+from ..support import planted as _planted
+from ..support.background import Done
+from ..support.planted import rows, verdicts
 
 # The first planted test waits for every planted run: minutes on a loaded 2-core
 # machine (they spawn 8 ranks, each importing torch and megatron-core).

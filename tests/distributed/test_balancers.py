@@ -18,7 +18,7 @@ rows of one sample each (bshd, left-padded). Each rank's tensors are what torch'
   allgather and to whole responses, and back, with gradients, moves exactly the shares the
   indices name.
 
-The expected shares are read from the index (tests/balancers.py), never from cpslice's pieces.
+The expected shares are read from the index (tests/support/balancers.py), never from cpslice's pieces.
 In one process: the private module torch keeps the balancers in is pinned (a failure naming
 it, never a skip, when torch moves it), the identity order is the contiguous split, and
 head-tail's ``[1, S]`` index serves every bshd row.
@@ -49,10 +49,10 @@ from cpslice import (
     shifted_targets,
 )
 
-from .. import oracle
-from .._dist import run_distributed
-from .._docs import block_defining
-from ..balancers import (
+from ..support import oracle
+from ..support._dist import run_distributed
+from ..support._docs import block_defining
+from ..support.balancers import (
     CLASSES,
     Case,
     bshd_cases,
@@ -65,7 +65,7 @@ from ..balancers import (
     thd_cases,
     torch_shard,
 )
-from ..reference import tolerance
+from ..support.reference import tolerance
 
 Result = tuple[str, float, float]  # what, error, tolerance
 IGNORE = -100

@@ -27,8 +27,8 @@ from cpslice import (
 )
 from cpslice._types import CpMode
 
-from .._dist import destroy_megatron, init_megatron, run_distributed
-from ..reference import Batch, make_batch
+from ..support._dist import destroy_megatron, init_megatron, run_distributed
+from ..support.reference import Batch, make_batch
 
 Result = dict[str, torch.Tensor]
 

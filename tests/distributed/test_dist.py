@@ -1,4 +1,4 @@
-"""The session's gloo worlds (tests/_dist.py): a failing rank re-raises here with its
+"""The session's gloo worlds (tests/support/_dist.py): a failing rank re-raises here with its
 traceback and the world serves the next task; a task's process-wide changes do not
 reach the next one; a dead rank or a hang fails the test, and the next task gets a
 new world."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .._dist import destroy_megatron, init_megatron, run_distributed
+from ..support._dist import destroy_megatron, init_megatron, run_distributed
 
 # cpslice is imported in the tasks that use it, not here: the ranks of the world of 1
 # import this module, and cpslice in debug mode takes them seconds of CPU
@@ -90,7 +90,7 @@ def _live(group: dist.ProcessGroup) -> bool:
 
 
 def _megatron_groups(rank: int, world: int) -> tuple[int, int]:
-    from .. import _dist
+    from ..support import _dist
 
     init_megatron(2, 1)
     made = list(_dist._MEGATRON_GROUPS)

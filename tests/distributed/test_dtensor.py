@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 import cpslice
 from cpslice import Layout, LayoutError, Support
 
-from .._dist import run_distributed, tp_groups
-from .._docs import block_defining
-from ..supports import Sets, csr
-from ..transform_reference import distribution, entropy
+from ..support._dist import run_distributed, tp_groups
+from ..support._docs import block_defining
+from ..support.token_sets import Sets, csr
+from ..support.transform_reference import distribution, entropy
 
 _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...] | None], DeviceMesh] = {}
 """The meshes of this rank process, by shape and names: each made once

@@ -3,7 +3,7 @@ TP 1 and 2, every layout. Each rank's log-prob and entropy shares equal the floa
 reference at its positions; its logits' gradient equals the reference gradient at
 the rows it holds (zero on padding); redistribution, gathering and the reducers
 give the cp_size 1 result. Every expected share, loss weight and gradient row is read
-from tests/oracle.py (a position-by-position transcription of the layout rules),
+from tests/support/oracle.py (a position-by-position transcription of the layout rules),
 never from the pack/shard_responses code under test."""
 
 from typing import Any
@@ -21,9 +21,9 @@ from cpslice import (
 )
 from cpslice._types import CpMode
 
-from .. import oracle
-from .._dist import destroy_megatron, init_megatron, run_distributed
-from ..reference import Batch, layout_for, make_batch
+from ..support import oracle
+from ..support._dist import destroy_megatron, init_megatron, run_distributed
+from ..support.reference import Batch, layout_for, make_batch
 
 KINDS = ["zigzag-thd", "zigzag-bshd", "allgather"]
 VOCAB_PER_RANK = 6

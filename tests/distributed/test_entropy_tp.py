@@ -15,9 +15,9 @@ from torch import Tensor
 
 from cpslice import _probe, entropy, entropy_from_hidden, log_probs_and_entropy
 
-from .._dist import run_distributed
-from ..reference import EPS32, entropy64
-from ..supports import Sets, csr
+from ..support._dist import run_distributed
+from ..support.reference import EPS32, entropy64
+from ..support.token_sets import Sets, csr
 
 V_LOCAL = 128  # invariant mode's tile: a TP shard holds whole tiles
 LEAD = (2, 3)

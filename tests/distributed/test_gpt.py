@@ -16,8 +16,8 @@ import torch
 
 from gpt_cpu import rollout, tiny_gpt, train  # examples/gpt_cpu.py: pytest puts examples/ on the path
 
-from .._dist import destroy_megatron, init_megatron, run_distributed
-from .._docs import block_defining
+from ..support._dist import destroy_megatron, init_megatron, run_distributed
+from ..support._docs import block_defining
 
 
 def _doc_functions() -> tuple[Any, Any]:

@@ -2,11 +2,11 @@
 world group, then TP 2 on two subgroups): each rank's values equal the float64
 full-vocabulary reference, its gradient the reference's part of its shard, and each
 path enters only the collectives it should. The cases and the workers that run them
-on every rank are in tests/tp_cases.py, sequence parallelism's in tests/sequence_cases.py."""
+on every rank are in tests/support/tp_cases.py, sequence parallelism's in tests/support/sequence_cases.py."""
 
-from .._dist import run_distributed
-from ..sequence_cases import sequence_worker
-from ..tp_cases import (
+from ..support._dist import run_distributed
+from ..support.sequence_cases import sequence_worker
+from ..support.tp_cases import (
     LINEAR_CASES,
     LINEAR_SUPPORT_CASES,
     LOGITS_CASES,

@@ -32,11 +32,11 @@ from cpslice import (
 )
 from cpslice._types import CpMode
 
-from .._dist import run_distributed, tp_groups
-from .._docs import block_defining
-from ..lengths import edge_lengths, sparse_lengths
-from ..oracle import Config, least_length, local_map
-from ..sample_stats import masked_extreme, masked_means
+from ..support._dist import run_distributed, tp_groups
+from ..support._docs import block_defining
+from ..support.lengths import edge_lengths, sparse_lengths
+from ..support.oracle import Config, least_length, local_map
+from ..support.sample_stats import masked_extreme, masked_means
 
 WORLD = 4
 GROUPS = (4, 2)  # cp sizes: the world group, and two subgroups {0, 1}, {2, 3}

@@ -10,12 +10,12 @@ is one that dynamo meets while tracing (the boundaries decide at each call wheth
 
 import pytest
 
-from .. import compile_job
+from ..support import compile_job
 
 
 @pytest.mark.parametrize("first", compile_job.FIRSTS)
 def test_a_compiled_step_equals_eager(first: str) -> None:
-    # the step ran in the background from the session's start (tests/compile_job.py)
+    # the step ran in the background from the session's start (tests/support/compile_job.py)
     proc = compile_job.result(first)
     assert proc.code == 0, proc.err[-4000:]
     reasons = [line for line in proc.out.splitlines() if line.startswith("break:")]

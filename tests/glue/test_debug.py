@@ -2,7 +2,7 @@
 
 The variable is read once, when cpslice is imported, so each case needs an interpreter
 that imported it under that value: the session's spawned gloo ranks are started with
-``CPSLICE_DEBUG=1`` (tests/_dist.py), test_errors.py's unchecked interpreter without
+``CPSLICE_DEBUG=1`` (tests/support/_dist.py), test_errors.py's unchecked interpreter without
 it, and an invalid value fails ``import cpslice`` before torch is imported (a fresh
 interpreter each, but a cheap one). This session itself runs checked, by jaxtyping's
 pytest plugin.
@@ -16,9 +16,9 @@ import pytest
 
 import cpslice
 from cpslice._debug import debug_enabled
-from tests.checked import CHECKED
 
-from .._dist import run_distributed
+from ..support._dist import run_distributed
+from ..support.checked import CHECKED
 
 
 def _checked_by_the_variable(rank: int, world: int) -> str:

@@ -1,5 +1,5 @@
 """Shared-prefix stars (``shared_prefix=``, docs/layouts.md "Shared prefixes"): every
-reading of a shared layout against the loop-by-loop oracle of tests/stars.py, and every
+reading of a shared layout against the loop-by-loop oracle of tests/support/stars.py, and every
 result against the float64 reference of the SAME samples packed without sharing (each
 sample its own copy of its prompt): the branches' outputs are the unshared samples',
 and a shared row's gradient is the sum of its copies' (the prompt's last row predicts
@@ -20,11 +20,11 @@ from torch import Tensor
 import cpslice
 from cpslice import Layout, LayoutError, Support
 
-from .. import oracle
-from .._dist import run_distributed
-from ..distill_reference import divergence
-from ..oracle import Config
-from ..stars import (
+from ..support import oracle
+from ..support._dist import run_distributed
+from ..support.distill_reference import divergence
+from ..support.oracle import Config
+from ..support.stars import (
     Data,
     Ref,
     Sets,
@@ -511,7 +511,7 @@ def world_task(rank: int, world: int) -> dict[str, Any]:
     the whole world, then the TP steps over each of the session's TP groups."""
     import torch.distributed as dist
 
-    from .._dist import tp_groups
+    from ..support._dist import tp_groups
 
     torch.set_num_threads(1)  # the world's ranks share the machine's cores (put back after the task)
     out: dict[str, Any] = {m: _world_step(replace(c, cp=world), rank, dist.group.WORLD)

@@ -16,8 +16,8 @@ from cpslice._cache import _CACHES, cache_info, cache_sizes
 from cpslice._layout.plan import _read, selection
 from cpslice._layout.redistribute import _route
 
-from .. import background
-from ..background import Job
+from ..support import background
+from ..support.background import Job
 
 
 def _step(layout: Layout, tokens: list[torch.Tensor]) -> None:
@@ -79,7 +79,7 @@ print(before, after[0], cache_info(plan).hits)
 
 
 def _boundary() -> dict[str, Job]:
-    """``BOUNDARY`` in a fresh interpreter, as a background job (tests/background.py)."""
+    """``BOUNDARY`` in a fresh interpreter, as a background job (tests/support/background.py)."""
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
     return {"boundary": Job((sys.executable, "-c", BOUNDARY), env, Path(__file__).resolve().parents[2])}
 

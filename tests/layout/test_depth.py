@@ -1,5 +1,5 @@
 """Depth-``d`` targets (multi-token prediction, docs/layouts.md "Depth-``d`` targets")
-against a float64 reference that rolls the whole sample (tests/depth_reference.py):
+against a float64 reference that rolls the whole sample (tests/support/depth_reference.py):
 ``shifted_targets``, ``response_rows``, ``extract_responses``, ``shard_responses``,
 ``response_log_probs`` and ``response_log_probs_from_hidden`` at depths 0 to 3, values
 and gradients, on every layout (no CP thd and bshd with row offsets, padded samples,
@@ -39,11 +39,11 @@ from cpslice import (
     sum_of_tokens,
 )
 
-from .._dist import run_distributed
-from ..checked import refused
-from ..depth_reference import Case, Out, check, compute, covers, data, length, reference
-from ..oracle import least_length
-from ..strategies import configs
+from ..support._dist import run_distributed
+from ..support.checked import refused
+from ..support.depth_reference import Case, Out, check, compute, covers, data, length, reference
+from ..support.oracle import least_length
+from ..support.strategies import configs
 
 DEPTHS = (0, 1, 2, 3)
 

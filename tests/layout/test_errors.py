@@ -26,8 +26,9 @@ from cpslice import (
     sum_of_sample_means,
     sum_of_tokens,
 )
-from tests import background
-from tests.checked import CHECKED, refused
+
+from ..support import background
+from ..support.checked import CHECKED, refused
 
 
 @pytest.mark.parametrize(
@@ -302,7 +303,7 @@ def test_error_tests_pass_unchecked() -> None:
     (test_arguments), which must be the same with checking on and off."""
     if not CHECKED:
         pytest.skip("this is the unchecked run")
-    # started with the session, in the background (tests/background.py)
+    # started with the session, in the background (tests/support/background.py)
     proc = background.result("unchecked", timeout=200)["unchecked"]
     assert proc.code == 0, proc.out[-4000:] + proc.err[-2000:]
     assert " passed" in proc.out and "skipped" in proc.out, proc.out[-500:]

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 import cpslice
 from cpslice import extract_responses, shard_responses
 
-from ..oracle import Config, expected_share, local_values, response_rows
-from ..strategies import configs
+from ..support.oracle import Config, expected_share, local_values, response_rows
+from ..support.strategies import configs
 
 PROPS = settings(max_examples=150, deadline=None)
 

@@ -30,9 +30,9 @@ from cpslice import (
     response_topk_log_probs_from_hidden,
 )
 
-from .._dist import run_distributed
-from ..oracle import Config
-from ..strategies import configs
+from ..support._dist import run_distributed
+from ..support.oracle import Config
+from ..support.strategies import configs
 
 VOCAB, HIDDEN = 7, 3
 Call = Callable[[Tensor, Tensor], object]
@@ -116,7 +116,7 @@ def _flat(result: Any) -> list[Tensor]:
 
 @st.composite
 def _layouts(draw: st.DrawFn) -> tuple[Config, int, bool]:
-    """A random layout of any mode and format (tests/strategies.py's edges: empty
+    """A random layout of any mode and format (tests/support/strategies.py's edges: empty
     responses, single tokens, samples shorter than 2 * cp, ranks holding nothing, padded
     samples, left-padded rows), a rank of it, and whether a thd one is read as an order."""
     cfg = draw(configs(max_cp=4, max_n=5))

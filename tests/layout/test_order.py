@@ -18,8 +18,8 @@ from torch import Tensor
 import cpslice
 from cpslice import Layout, LayoutError
 
-from ..oracle import Config
-from ..strategies import configs, samples
+from ..support.oracle import Config
+from ..support.strategies import configs, samples
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows, shifted_targets
 
-from ..oracle import Config, local_length, local_map, local_values
-from ..oracle import response_rows as oracle_rows
-from ..strategies import configs
+from ..support.oracle import Config, local_length, local_map, local_values
+from ..support.oracle import response_rows as oracle_rows
+from ..support.strategies import configs
 
 PROPS = settings(max_examples=120, deadline=None)
 

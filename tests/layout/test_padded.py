@@ -11,8 +11,8 @@ import torch
 
 from cpslice import Layout, LayoutError, extract_responses, pack, response_rows
 
-from ..host_reads import DEVICES, read_once
-from ..refusals import Table, refusal_test
+from ..support.host_reads import DEVICES, read_once
+from ..support.refusals import Table, refusal_test
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_from_cu_seqlens(bounds: Any) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_cu_seqlens_reads_a_device_tensor_once(device: str) -> None:
-    """One host read of the boundaries (tests/host_reads.py counts them on any device;
+    """One host read of the boundaries (tests/support/host_reads.py counts them on any device;
     on CUDA, the synchronizations it reports too)."""
     layout = read_once(lambda bounds: Layout.from_cu_seqlens(bounds, [3, 9], [1, 2], cp_mode="allgather",
                                                              cp_size=2),

@@ -1,7 +1,7 @@
 """The recipes of docs/recipes.md ("Which Layout is my framework's packing?"), each
 checked against a plain transcription of that framework's packing rule (written from
 the rule, not from the framework's code, and sharing nothing with cpslice._layout.plan or
-tests/oracle.py):
+tests/support/oracle.py):
 on every rank, ``pack`` lays the tokens where the framework puts them, ``shifted_targets``
 gives each row the next token of its sample, and ``extract_responses`` returns exactly
 the rows whose logits predict a response token.

@@ -24,11 +24,11 @@ from cpslice import (
     sum_of_tokens,
 )
 from cpslice._layout.reduce import _EXTREMES, _divide, _local_extreme, _sums
-from tests.checked import refused
 
-from ..oracle import Config, local_length, local_values, shares
-from ..sample_stats import masked_extreme, masked_means
-from ..strategies import configs
+from ..support.checked import refused
+from ..support.oracle import Config, local_length, local_values, shares
+from ..support.sample_stats import masked_extreme, masked_means
+from ..support.strategies import configs
 
 
 @settings(max_examples=80, deadline=None)

@@ -9,8 +9,8 @@ import torch
 
 from cpslice import Layout, extract_responses, pack, shifted_targets
 
-from ..host_reads import DEVICES, read_once
-from ..refusals import Table, refusal_test
+from ..support.host_reads import DEVICES, read_once
+from ..support.refusals import Table, refusal_test
 
 # docs/layouts.md: S = 12, prompts of 6 and 2 tokens left-padded to 6 (o = 0, 4),
 # responses of 4 and 5, zigzag over c = 2 ranks (chunks of 3 columns)
@@ -79,7 +79,7 @@ def test_from_attention_mask(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_from_attention_mask_reads_a_device_tensor_once(device: str) -> None:
     """One host read of the statistics computed from the mask on its device (counted on
-    any device by tests/host_reads.py; on CUDA, the synchronizations it reports too)."""
+    any device by tests/support/host_reads.py; on CUDA, the synchronizations it reports too)."""
     layout = read_once(lambda mask: Layout.from_attention_mask(mask, RESPONSE), torch.tensor(MASK, device=device))
     assert layout == Layout(TOTAL, RESPONSE, qkv_format="bshd", max_seq_len=S, row_offsets=OFFSETS)
 

@@ -16,10 +16,10 @@ from torch import Tensor
 
 from cpslice import Layout, LayoutError, pack, unshard
 
-from ..checked import refused
-from ..oracle import Config, encode, local_length, local_values, widths
-from ..stars import Stars, stars
-from ..strategies import configs, samples
+from ..support.checked import refused
+from ..support.oracle import Config, encode, local_length, local_values, widths
+from ..support.stars import Stars, stars
+from ..support.strategies import configs, samples
 
 PROPS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""The documentation runs and holds together: README.md and every docs/*.md.
+"""The documentation runs and holds together: README.md and every page under docs/.
 
 - Every ```python block runs as written, one test per (page, block). Each block runs
   alone in a fresh namespace, on every page: a block starts with its own imports and
@@ -8,8 +8,9 @@
   tests/distributed/test_sample_means.py run those on real gloo ranks).
 - Every relative link of a page points at a file of the repository (and at a heading
   of it, for a ``#anchor``); no page refers to anything outside the repository.
-- The README links every docs page (it is the map), and its API table lists exactly
-  ``cpslice.__all__``, each name once.
+- The README's documentation table links every user page (docs/*.md, it is the map)
+  and, once, the maintainers' index (docs/dev/README.md), which links every page of
+  docs/dev/; the README's API table lists exactly ``cpslice.__all__``, each name once.
 - Every ```text transcript of ``$ cpslice plan ...`` is what that command prints.
 """
 
@@ -23,9 +24,12 @@ import pytest
 import cpslice
 from cpslice import _cli
 
-from .._docs import DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
+from ..support._docs import DEV, DOCS, PAGES, ROOT, blocks, page_name, printed, run_block, shown
 
 PYTHON = [(page, i, body) for page in PAGES for i, body in enumerate(blocks(page, "python"))]
+_HEAVY = re.compile(r"^\s*(?:from|import) (?:megatron|transformers)\b", re.M)
+"""A block that imports megatron-core or transformers: seconds of CPU for the import alone,
+so ``slow`` (``make test-fast`` runs the others)."""
 README = ROOT / "README.md"
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -41,8 +45,9 @@ def test_the_pages_have_examples() -> None:
     assert {page.name for page, _, _ in PYTHON} >= {"README.md", "recipes.md", "api-guide.md"}
 
 
-@pytest.mark.parametrize(("page", "index", "source"), PYTHON,
-                         ids=[f"{page_name(p)}-{i}" for p, i, _ in PYTHON])
+@pytest.mark.parametrize(("page", "index", "source"), [
+    pytest.param(page, i, body, id=f"{page_name(page)}-{i}", marks=[pytest.mark.slow] if _HEAVY.search(body) else [])
+    for page, i, body in PYTHON])
 def test_python_block_runs(page: Path, index: int, source: str) -> None:
     run_block(source, f"{page_name(page)} block {index}")
 
@@ -76,10 +81,24 @@ def test_the_value_a_print_shows_is_read_from_its_comment() -> None:
     assert shown(source) == ["[4, 4, 3]", "(16, 8)", "-0.5"]
 
 
-def test_the_readme_maps_every_docs_page() -> None:
-    linked = {(ROOT / t.partition("#")[0]).resolve() for t in _LINK.findall(README.read_text())}
-    missing = [page_name(p) for p in sorted(DOCS.glob("*.md")) if p.resolve() not in linked]
-    assert not missing, f"README.md links no {missing}"
+def _links(page: Path, text: str) -> list[Path]:
+    """The files ``text`` (of ``page``) links, resolved, in order."""
+    return [(page.parent / t.partition("#")[0]).resolve() for t in _LINK.findall(text)
+            if not re.match(r"[a-z]+:", t)]
+
+
+def test_the_readme_maps_every_user_page_and_the_maintainers_index() -> None:
+    text = README.read_text()
+    table = text[text.index("## Documentation"):]
+    linked = _links(README, table)
+    user = [p.resolve() for p in sorted(DOCS.glob("*.md"))]
+    assert [page_name(p) for p in user if p not in linked] == [], "README.md's table misses these"
+    others = [p for p in linked if p not in user and p != (ROOT / "CHANGELOG.md").resolve()]
+    assert others == [(DEV / "README.md").resolve()], "the table's one link to docs/dev/ is its index"
+    index = DEV / "README.md"
+    listed = _links(index, index.read_text())
+    missing = [page_name(p) for p in sorted(DEV.glob("*.md")) if p != index and p.resolve() not in listed]
+    assert missing == [], f"docs/dev/README.md links no {missing}"
 
 
 def test_the_readme_api_table_is_the_public_api() -> None:

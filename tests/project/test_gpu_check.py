@@ -1,7 +1,7 @@
 """The one prepared GPU command (``benchmarks/gpu_check.py``, ``make gpu-check``), kept from
 rotting where no GPU is: its smoke run (every stage on the CPU at tiny sizes, cpslice's
 Triton kernels through the interpreter, the CUDA tests run and skipped) in a fresh
-interpreter, a background job (tests/background.py); and its list of CUDA tests, which
+interpreter, a background job (tests/support/background.py); and its list of CUDA tests, which
 must name every test of the suite that runs on CUDA alone."""
 
 import ast
@@ -13,8 +13,8 @@ from pathlib import Path
 from benchmarks.gpu_check import CUDA_TESTS
 from benchmarks.gpu_peers import methods
 
-from .. import background
-from ..background import Job
+from ..support import background
+from ..support.background import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""tests/host_reads.py, the counter of host reads the ``*_reads_a_device_tensor_once``
+"""tests/support/host_reads.py, the counter of host reads the ``*_reads_a_device_tensor_once``
 tests rest on: every route to the host counts, once, through whatever the library
 computes from the watched tensor; metadata and device-side work do not."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from ..host_reads import watch
+from ..support.host_reads import watch
 
 ROUTES: list[tuple[str, Callable[[Tensor], object]]] = [
     ("tolist", lambda x: x.tolist()),

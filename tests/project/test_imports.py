@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from .. import background
-from ..background import Job
+from ..support import background
+from ..support.background import Job
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -137,7 +137,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert find_cycle(import_graph(tmp_path)) == ["cpslice.b", "cpslice.c", "cpslice.b"]
 
 
-# The two halves of docs/architecture.md, each a package, and what both may import.
+# The two halves of docs/dev/architecture.md, each a package, and what both may import.
 # Every other module (the glue, the command line, the verifier, the package) may import
 # anything.
 LAYOUT = "cpslice._layout"
@@ -264,7 +264,7 @@ def _imports() -> dict[str, Job]:
     return jobs
 
 
-# seconds of imports each, run in the background beside the session (tests/background.py)
+# seconds of imports each, run in the background beside the session (tests/support/background.py)
 background.register("imports", ("tests/project/test_imports.py::test_the_import_loads",
                                 "tests/project/test_imports.py::test_debug_mode_loads"), _imports)
 

@@ -17,8 +17,8 @@ import pytest
 import cpslice
 from cpslice import _cli
 
-from .. import background
-from ..background import Job
+from ..support import background
+from ..support.background import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -26,7 +26,7 @@ PROJECT = PYPROJECT["project"]
 
 
 # The build and the collection of the unpacked sdist's tests take seconds of CPU and
-# nothing from the session: one background job (tests/background.py) does both, on a
+# nothing from the session: one background job (tests/support/background.py) does both, on a
 # copy of this tree in a folder of its own.
 PACKAGE = r"""
 import contextlib, os, shutil, subprocess, sys, tarfile
@@ -158,6 +158,7 @@ def _python(code: str, blocked: tuple[str, ...], debug: str = "") -> subprocess.
                           text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch and cpslice, in line
 def test_without_the_extras_the_library_works_and_names_them() -> None:
     done = _python("""
         import torch, cpslice

@@ -1,4 +1,4 @@
-"""The instrumentation hook (``cpslice._probe``, docs/instrumentation.md): inactive outside
+"""The instrumentation hook (``cpslice._probe``, docs/dev/instrumentation.md): inactive outside
 its blocks, each watch seeing its own block's events, substitutions restored, and the
 fixed set of steps."""
 

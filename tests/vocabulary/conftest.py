@@ -8,7 +8,7 @@ import torch
 
 from cpslice import _probe
 
-from ..triton_cases import Settings, gemm_settings
+from ..support.triton_cases import Settings, gemm_settings
 
 
 @pytest.fixture

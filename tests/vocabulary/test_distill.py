@@ -5,7 +5,7 @@ formulas written out over probabilities for every kind x tail (rows whose top-k 
 almost all the mass, k = V, zero-probability categories, sums that round above 1);
 ``response_distillation`` over random layouts against the reference composed per
 sample, values and gradients, with CP invariance; every refusal. The TP cases run on
-spawned gloo ranks (``tests/distill_cases.py``)."""
+spawned gloo ranks (``tests/support/distill_cases.py``)."""
 
 import math
 from collections.abc import Iterator
@@ -33,14 +33,14 @@ from cpslice import (
 from cpslice._types import compute_dtype
 from cpslice._vocab import topk
 from cpslice._vocab.backends import selection as backend
-from tests.checked import refused
 
-from .. import distill_reference as ref
-from .._dist import run_distributed
-from ..oracle import Config, local_length
-from ..oracle import rows as oracle_rows
-from ..oracle import shares as oracle_shares
-from ..strategies import configs
+from ..support import distill_reference as ref
+from ..support._dist import run_distributed
+from ..support.checked import refused
+from ..support.oracle import Config, local_length
+from ..support.oracle import rows as oracle_rows
+from ..support.oracle import shares as oracle_shares
+from ..support.strategies import configs
 
 KINDS = ("forward", "reverse", "jsd")
 TAILS = ("bin", "renormalize")
@@ -539,7 +539,7 @@ def test_tensor_parallel_distillation() -> None:
     shard's gradient the reference's columns (hidden's the full one), one all-gather
     forward and none backward (one all-reduce for hidden), a CP rank with no response
     entering it too."""
-    from ..distill_cases import tp_worker
+    from ..support.distill_cases import tp_worker
 
     for done in run_distributed(tp_worker, 4, timeout=240):
         assert done == [(4, 5), (2, 5)]

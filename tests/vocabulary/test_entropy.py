@@ -23,9 +23,9 @@ from cpslice import (
 )
 from cpslice._vocab.backends import selection as backend
 
-from ..reference import EPS32, entropy64
-from ..supports import Sets, csr
-from ..triton_cases import launched
+from ..support.reference import EPS32, entropy64
+from ..support.token_sets import Sets, csr
+from ..support.triton_cases import launched
 
 V = 17
 LEAD = (2, 3)

@@ -16,7 +16,7 @@ from cpslice._vocab import blocks
 from cpslice._vocab.backends import selection
 from cpslice._vocab.blocks import Blocks, sizes
 
-from ..reference import grad_close, linear_reference, value_atol
+from ..support.reference import grad_close, linear_reference, value_atol
 
 BF16, F32 = torch.bfloat16, torch.float32
 

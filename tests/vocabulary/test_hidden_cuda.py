@@ -20,7 +20,17 @@ from cpslice._vocab import blocks
 from cpslice._vocab.backends import selection
 from cpslice._vocab.blocks import Blocks, sizes
 
-from ..triton_cases import EXACT, Settings, close, gemm_settings, head, hidden_reference, launched, on_cuda, options
+from ..support.triton_cases import (
+    EXACT,
+    Settings,
+    close,
+    gemm_settings,
+    head,
+    hidden_reference,
+    launched,
+    on_cuda,
+    options,
+)
 
 pytestmark = on_cuda("the hidden path's GPU blocks ran on the CPU only, through Triton's interpreter "
                      "(tests/vocabulary/test_hidden_triton.py, test_hidden_blocks.py)")

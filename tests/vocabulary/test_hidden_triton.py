@@ -30,11 +30,21 @@ from cpslice import (
 from cpslice._vocab.backends import selection
 from cpslice._vocab.blocks import Blocks, sizes
 
-from .. import distill_reference as distill
-from .._dist import run_distributed
-from ..reference import linear_support_reference
-from ..supports import csr
-from ..triton_cases import EXACT, OPTIONS, Settings, close, gemm_settings, head, hidden_reference, launched, options
+from ..support import distill_reference as distill
+from ..support._dist import run_distributed
+from ..support.reference import linear_support_reference
+from ..support.token_sets import csr
+from ..support.triton_cases import (
+    EXACT,
+    OPTIONS,
+    Settings,
+    close,
+    gemm_settings,
+    head,
+    hidden_reference,
+    launched,
+    options,
+)
 
 pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
 

@@ -40,10 +40,10 @@ from cpslice._vocab import stats as _stats
 from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 
-from .._dist import run_distributed
-from ..invariant_cases import decode, edge_rows, peaked, shard_first, spec, topk_ties_worker, worker
-from ..reference import grad_close, reference, tolerance, value_atol
-from ..supports import csr
+from ..support._dist import run_distributed
+from ..support.invariant_cases import decode, edge_rows, peaked, shard_first, spec, topk_ties_worker, worker
+from ..support.reference import grad_close, reference, tolerance, value_atol
+from ..support.token_sets import csr
 
 T, V = 20, 700  # 6 tiles, the last one partial
 DTYPES = (torch.float32, torch.bfloat16)
@@ -199,6 +199,7 @@ def test_the_hidden_state_path_gives_a_row_the_same_bits_in_any_batch(dtype: tor
             assert torch.equal(got, w[rows]), chunk
 
 
+@pytest.mark.slow  # three inductor compilations: 40-60 s each on 2 shared cores
 @pytest.mark.parametrize(("dtype", "vocab_size", "kernel"), [
     (torch.float32, None, "grad_kernel"),
     (torch.bfloat16, None, "pairs_kernel"),  # two bfloat16 columns an int32
@@ -227,6 +228,7 @@ def test_the_compile_setting_changes_no_bit(dtype: torch.dtype, vocab_size: int 
     assert seen.count("launch", backend="eager") == 0  # no kernel turned eager after a difference
 
 
+@pytest.mark.slow  # an inductor compilation
 def test_a_compiled_kernel_that_differs_is_caught_and_the_eager_bits_kept() -> None:
     logits, targets, temps, _, _ = _data(torch.float32)
     logits = logits.repeat(300, 1)

@@ -36,9 +36,9 @@ from cpslice._vocab import spec as _spec
 from cpslice._vocab.backends import compiled as _compiled
 from cpslice._vocab.backends import selection as _backend
 
-from .._dist import run_distributed
-from ..invariant_cases import edge_rows, peaked
-from ..reference import grad_close, tolerance, value_atol
+from ..support._dist import run_distributed
+from ..support.invariant_cases import edge_rows, peaked
+from ..support.reference import grad_close, tolerance, value_atol
 
 # --- 1. a soft cap with the compiled kernels on, TP 1 and TP 2
 

@@ -1,6 +1,6 @@
 """The compiled chunk kernels (cpslice._vocab.kernels): CPSLICE_BACKEND, the fixed chunk
 shapes, and log_probs_and_entropy through the compiled path against the float64
-reference, every dtype (with TP: tests/tp_cases.py, on test_logprob_tp's ranks), in
+reference, every dtype (with TP: tests/support/tp_cases.py, on test_logprob_tp's ranks), in
 debug mode (the pytest plugin).
 
 Most compiled-path tests trace with dynamo's ``aot_eager`` backend: the same captured
@@ -34,9 +34,9 @@ from cpslice._vocab.softmax import Softmax
 from cpslice._vocab.spec import FLOOR
 from cpslice._vocab.stats import placeholders
 
-from ..compare import check_linear, check_logits
-from ..compiled import ran
-from ..reference import reference, tolerance
+from ..support.compare import check_linear, check_logits
+from ..support.compiled import ran
+from ..support.reference import reference, tolerance
 
 Use = Callable[..., None]  # use(mode, backend="aot_eager")
 
@@ -235,7 +235,7 @@ def test_eager_and_compiled_chunk_functions_agree(use: Use) -> None:
 def test_auto_falls_back_to_eager_once_with_one_warning(use: Use) -> None:
     """A compiler that fails (a torch.compile backend that raises): ``auto`` warns once and
     computes eagerly, then stays eager silently, even for work large enough to compile
-    (``T * V >= 2**22``, docs/backends.md); ``compiled`` makes it an error."""
+    (``T * V >= 2**22``, docs/dev/backends.md); ``compiled`` makes it an error."""
     def broken_backend(gm: Any, example_inputs: Any) -> Any:
         raise RuntimeError("no C++ compiler here")
 

@@ -19,10 +19,10 @@ from cpslice import LayoutError, entropy, log_probs_and_entropy, log_probs_at, t
 from cpslice._vocab import head
 from cpslice._vocab.leading import Leading
 from cpslice._vocab.logits import LogitsHead
-from tests.checked import refused
 
-from ..reference import EPS32, entropy64, softmax64
-from ..supports import csr
+from ..support.checked import refused
+from ..support.reference import EPS32, entropy64, softmax64
+from ..support.token_sets import csr
 
 V = 11
 Call = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]]

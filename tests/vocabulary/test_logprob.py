@@ -1,5 +1,5 @@
 """log_probs_and_entropy and log_probs_and_entropy_from_hidden without TP, each test on both
-drivers of tests/drivers.py (the logits path, and the hidden-state path on
+drivers of tests/support/drivers.py (the logits path, and the hidden-state path on
 ``hidden @ weight.T``) where it says the same of both, each driver given its own input
 (logits; a random LM head) and the hidden path also logits, through the identity head,
 where that costs little: against the float64 reference, values and gradients (a random
@@ -38,12 +38,12 @@ from cpslice._vocab.backends.chunks import default_chunk_rows
 from cpslice._vocab.call import Options
 from cpslice._vocab.head import log_probs
 from cpslice._vocab.logits import LogitsHead
-from tests.checked import refused
 
-from ..compare import check, check_logits
-from ..drivers import BOTH, CROSSED, DRIVERS, HIDDEN, LOGITS, OWN, Driver
-from ..lengths import edge_lengths
-from ..reference import TEMPS, grad_close, head_reference, identity_grad_atol
+from ..support.checked import refused
+from ..support.compare import check, check_logits
+from ..support.drivers import BOTH, CROSSED, DRIVERS, HIDDEN, LOGITS, OWN, Driver
+from ..support.lengths import edge_lengths
+from ..support.reference import TEMPS, grad_close, head_reference, identity_grad_atol
 
 EXAMPLES = {LOGITS: 40, HIDDEN: 15}  # hypothesis examples of each driver's property tests
 FORMS = ("logits", "head")
@@ -559,7 +559,7 @@ def test_a_row_sure_of_its_target_gets_exactly_zero_gradient(chunk: int | None) 
     assert not hidden.grad.any() and not weight.grad.any()
 
 
-# --- sequence parallelism: its checks without a process group (on gloo: tests/sequence_cases.py)
+# --- sequence parallelism: its checks without a process group (on gloo: tests/support/sequence_cases.py)
 
 _ONE = Layout([3], [1])
 _TOKENS = [TARGETS]

@@ -1,6 +1,6 @@
 """Support (top-p / top-k replay): log-probs and entropy restricted to per-row token sets,
 against a float64 reference that masks the logits to the set plus the target, on both
-drivers of tests/drivers.py where a test says the same of both: the logits path
+drivers of tests/support/drivers.py where a test says the same of both: the logits path
 (``log_probs_and_entropy``) given logits, the hidden-state path
 (``log_probs_and_entropy_from_hidden``) given a random LM head ``hidden @ weight.T`` or
 logits through the identity head; values and gradients (of hidden and weight too), no
@@ -9,7 +9,7 @@ path: masked logits in a set, ``Support.from_responses`` against the oracle and 
 invariance (``response_log_probs``). Only on the hidden path: its bfloat16 rounding
 against the materialized head, rows with a set computing no logits row,
 ``response_log_probs_from_hidden`` subsetting a whole-tensor support to its rows.
-With TP on gloo: tests/tp_cases.py, run by test_logprob_tp.py."""
+With TP on gloo: tests/support/tp_cases.py, run by test_logprob_tp.py."""
 
 import contextlib
 import math
@@ -34,12 +34,12 @@ from cpslice import (
     response_log_probs_from_hidden,
 )
 from cpslice import shard_responses as cp_shard
-from tests.checked import refused
 
-from .._dist import run_distributed, tp_groups
-from ..drivers import BOTH, HIDDEN, LOGITS, Driver
-from ..oracle import Config, local_length, local_map
-from ..reference import (
+from ..support._dist import run_distributed, tp_groups
+from ..support.checked import refused
+from ..support.drivers import BOTH, HIDDEN, LOGITS, Driver
+from ..support.oracle import Config, local_length, local_map
+from ..support.reference import (
     EPS32,
     grad_atol,
     grad_close,
@@ -49,8 +49,8 @@ from ..reference import (
     tolerance,
     value_atol,
 )
-from ..strategies import configs
-from ..supports import H, Sets, csr, head, response_sets, support_cases
+from ..support.strategies import configs
+from ..support.token_sets import H, Sets, csr, head, response_sets, support_cases
 
 LOGITS_GRAD_REL = {torch.float32: 16 * EPS32, torch.float64: 1e-9, torch.bfloat16: 2e-2}
 HEAD_REL = {torch.float64: (1e-12, 1e-9), torch.float32: (2.0**-18, 1e-5), torch.bfloat16: (2.0**-7, 3e-2)}
@@ -62,7 +62,7 @@ def check(
 ) -> None:
     """``driver`` with the case's sets against ``head_support_reference``: given the
     case's logits (``form`` "logits"; to the hidden path through the identity head) or a
-    random head of its size (``form`` "head", ``supports.head``), in ``dtype``; values,
+    random head of its size (``form`` "head", ``token_sets.head``), in ``dtype``; values,
     the gradients of x and weight, the gradient outside a row's set (given logits), and
     the caller's tensors untouched; the call and backward under ``spy``."""
     targets: Tensor = case["targets"]
@@ -270,7 +270,7 @@ def test_from_responses_matches_the_oracle(cfg: Config, seed: int, as_lists: boo
 @pytest.mark.parametrize(("kind", "cp"), [("zigzag-thd", 4), ("zigzag-bshd", 2), ("allgather", 4)])
 def test_cp_invariance_against_no_cp(kind: str, cp: int) -> None:
     """Each rank's shares equal its share of the no-CP result; together they cover it."""
-    from ..reference import layout_for, make_batch
+    from ..support.reference import layout_for, make_batch
 
     for seed in (11,):
         batch = make_batch(seed, n=7, cp=cp, vocab=9)

@@ -2,7 +2,7 @@
 temperatures, on every vocabulary function without TP, against float64 references of
 the capped, truncated, tempered ``log_softmax`` (values and gradients, the padded ids'
 gradient exactly 0); the compiled kernels with each option; the per-sample forms over
-random layouts; every refusal. TP 2 and 4 on gloo: tests/transform_cases.py."""
+random layouts; every refusal. TP 2 and 4 on gloo: tests/support/transform_cases.py."""
 
 import math
 from collections.abc import Iterator
@@ -17,16 +17,16 @@ from torch import Tensor
 import cpslice
 from cpslice import LayoutError, Support, _probe
 from cpslice._vocab.backends import selection as backend
-from tests.checked import refused
 
-from .. import distill_reference as dref
-from .. import transform_reference as ref
-from .._dist import run_distributed
-from ..compiled import ran
-from ..oracle import Config, local_length
-from ..oracle import rows as oracle_rows
-from ..oracle import shares as oracle_shares
-from ..strategies import configs
+from ..support import distill_reference as dref
+from ..support import transform_reference as ref
+from ..support._dist import run_distributed
+from ..support.checked import refused
+from ..support.compiled import ran
+from ..support.oracle import Config, local_length
+from ..support.oracle import rows as oracle_rows
+from ..support.oracle import shares as oracle_shares
+from ..support.strategies import configs
 
 EPS32 = 2.0**-24
 
@@ -356,8 +356,8 @@ def test_refusals_of_the_per_sample_and_top_k_forms() -> None:
 def test_tensor_parallel_options() -> None:
     """TP 4 and 2 on gloo: padded ids split across shards and a shard holding only padded
     ids, soft-capping and per-row temperatures, on the logits and hidden-state paths
-    (float32 or float64, and bfloat16) and top-k (tests/transform_cases.py)."""
-    from ..transform_cases import tp_worker
+    (float32 or float64, and bfloat16) and top-k (tests/support/transform_cases.py)."""
+    from ..support.transform_cases import tp_worker
 
     for done in run_distributed(tp_worker, 4, timeout=240):
         assert done == [(4, 6), (2, 6)]

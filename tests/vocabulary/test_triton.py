@@ -26,11 +26,11 @@ from cpslice import (
 )
 from cpslice._vocab.backends import selection as backend
 
-from .. import tp_cases
-from .._dist import run_distributed, tp_groups
-from ..reference import support_reference
-from ..supports import csr
-from ..triton_cases import OPTIONS, launched, logits, reference
+from ..support import tp_cases
+from ..support._dist import run_distributed, tp_groups
+from ..support.reference import support_reference
+from ..support.token_sets import csr
+from ..support.triton_cases import OPTIONS, launched, logits, reference
 
 pytest.importorskip("triton")  # in the dev install (requirements-dev.txt): never skipped by `make test`
 
@@ -190,7 +190,7 @@ def test_float64_falls_back(triton_backend: None, seen: _probe.Seen) -> None:
 
 
 def tp_worker(rank: int, world: int) -> list[tuple[int, int]]:
-    """tests/tp_cases.py's logits cases through the Triton kernels at every TP size of the
+    """tests/support/tp_cases.py's logits cases through the Triton kernels at every TP size of the
     world: one all-gather forward, none backward, float64 references."""
     done = []
     with backend.using("triton"), _probe.watch() as seen:

@@ -17,7 +17,7 @@ from cpslice import _probe, log_probs_and_entropy, log_probs_at, topk_log_probs
 from cpslice._vocab import spec as _spec
 from cpslice._vocab.backends import selection as backend
 
-from ..triton_cases import OPTIONS, launched, logits, on_cuda, reference
+from ..support.triton_cases import OPTIONS, launched, logits, on_cuda, reference
 
 native = on_cuda("the Triton kernels ran under the interpreter only (tests/vocabulary/test_triton.py)")
 

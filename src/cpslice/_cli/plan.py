@@ -1,7 +1,7 @@
 """``cpslice plan``: draw what each context-parallel rank holds of each sample, and
 its response share.
 
-Every offset is read from ``_plan`` (runs and selections); none is computed here.
+Every offset is read from ``_layout.plan`` (runs and selections); none is computed here.
 A ``LayoutError`` names the flags the user typed (``--cp-size``), not the API's
 argument names (``cp_size``).
 """

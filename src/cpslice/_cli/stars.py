@@ -1,7 +1,7 @@
 """``cpslice plan`` of a shared-prefix layout: its stars (a group's prompt once, then
 each sample's response), what each rank holds of them, and each sample's rows.
 
-Every offset is read from ``_plan`` (runs, segments and selections) or from a
+Every offset is read from ``_layout.plan`` (runs, segments and selections) or from a
 ``Layout`` of the stars themselves; none is computed here.
 """
 
@@ -46,7 +46,7 @@ def star_line(first: Layout, j: int, group: range, padded: bool) -> str:
     """Star ``j``: its samples, its length and where each sample's response sits in it."""
     stars = star_lengths(first.shared_prefix, first.total_lengths, first.response_lengths)
     response = first.response_lengths
-    # each sample's response at star positions [lo, lo + R_i): _plan's second segment
+    # each sample's response at star positions [lo, lo + R_i): ``_layout.plan``'s second segment
     lo: list[int] = segments(first).lo[1::2].tolist()
     p = first.prompt_lengths[group[0]]
     width = f", padded to W* {first.padded_lengths[j]}" if padded else ""

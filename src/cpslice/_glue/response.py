@@ -1,5 +1,5 @@
 """One call for a training step: the layout's targets and rows, the vocabulary engine,
-the per-sample split. Where the layout side (``_pack``, ``_extract``) meets the
+the per-sample split. Where the layout side (``_layout.pack``, ``_layout.extract``) meets the
 vocabulary functions (``_vocab``)."""
 
 from collections.abc import Sequence

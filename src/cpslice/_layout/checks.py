@@ -3,7 +3,7 @@ arguments validated: host ints, the format and mode literals, the given extents.
 
 ``Layout`` calls them in the order it raises its errors (a sample's lengths first, then
 the format and mode, the CP rank and size, ``local_length``, the padding); the extents
-and row offsets are resolved in ``_widths``, an attention mask is read in ``_masks``.
+and row offsets are resolved in ``widths.py``, an attention mask is read in ``masks.py``.
 Every message names the sample, the values and the rule of docs/layouts.md.
 """
 

@@ -1,7 +1,7 @@
 """Extraction: each sample's share of the response from one rank's local tensor.
 
 No communication. One gather and one split per tensor, whatever the number of
-samples; the row index comes from the layout's cached selection (``_plan``).
+samples; the row index comes from the layout's cached selection (``plan.py``).
 """
 
 from collections.abc import Sequence

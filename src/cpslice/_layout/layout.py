@@ -1,8 +1,8 @@
 """The Layout: which samples a micro-batch holds and how one rank lays them out.
 
 A Layout is a validated, immutable record. It holds no offset arithmetic of its
-own: every offset is read from it by ``_plan`` (docs/layouts.md, one place), and
-its pieces (where each rank's rows sit) by ``_pieces``. Its other constructors are
+own: its pieces (where each rank's rows sit) are placed by ``pieces.py``, and every
+offset is read from them by ``plan.py`` (docs/layouts.md). Its other constructors are
 the module functions ``_from_*`` here, bound to it as class methods.
 """
 
@@ -325,7 +325,7 @@ class Layout:
         thd ``[N]``, bshd ``[B, S]``), for ``from_order`` and for a model's inputs.
 
         Raises:
-            LayoutError: the ranks' local tensors do not tile the stream (allgather
+            LayoutError: the ranks' local tensors do not cover the stream (allgather
                 without ``local_length = N / cp_size``).
         """
         placed = self._placement()

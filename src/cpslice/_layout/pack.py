@@ -1,7 +1,7 @@
 """The input side of the same layout: packing per-sample tensors into a rank's
 local tensor, the shifted targets, and the rows that hold the response.
 
-All three are readings of ``_plan``'s selections, so they cannot disagree with
+All three are readings of ``plan.py``'s selections, so they cannot disagree with
 extraction.
 """
 

@@ -12,7 +12,7 @@ position ``order[r*T + j]`` (bshd: row after row, each row's columns
 ``order[b, r*S/c:(r+1)*S/c]``). The order is read once, into *pieces*: maximal runs of
 consecutive local rows of one rank holding consecutive extent positions of one sample
 (padding included). That is the table the closed forms fill arithmetically
-(``_plan.runs`` reads both), so an order layout is read by the same code; the table
+(``plan.runs`` reads both), so an order layout is read by the same code; the table
 holds ``O(pieces)`` integers, never an entry per position. This module knows no
 ``Layout``: it takes the numbers a layout resolved.
 """
@@ -169,7 +169,7 @@ def _heads(flat: Tensor, every: int) -> Tensor:
 
 def _tiles(flat: Tensor, heads: Tensor, n: int) -> bool:
     """Whether the runs starting at ``heads`` (each an interval of consecutive values)
-    tile ``[0, n)``: then ``flat`` is a permutation of ``range(n)``, each value once."""
+    cover ``[0, n)``: then ``flat`` is a permutation of ``range(n)``, each value once."""
     if not heads.numel():
         return n == 0
     at = heads.numpy()
@@ -188,7 +188,7 @@ def _check_permutation(values: Tensor, n: int, what: str, entry: str, every: int
     if values.numel() != n:
         raise LayoutError(f"{what} has {values.numel()} entries but must have {n} (a permutation of range({n}))")
     heads = _heads(values, every or n)
-    if _tiles(values, heads, n):  # the runs tile range(n): a permutation
+    if _tiles(values, heads, n):  # the runs cover range(n): a permutation
         return heads
     out = ((values < 0) | (values >= n)).nonzero()
     if out.numel():
@@ -261,7 +261,7 @@ def _bshd_stream(order: Tensor, starts: Tensor, seq: int, size: int) -> tuple[Te
         per_rank = per_rank.reshape(size, -1).contiguous()
         flat = per_rank.view(-1)
         heads = _heads(flat, per_rank.shape[1])
-        if _tiles(flat, heads, flat.numel()):  # in range, the shifted rows tile the whole
+        if _tiles(flat, heads, flat.numel()):  # in range, the shifted rows cover the whole
             return per_rank, heads
     bad = (order.sort(1).values != torch.arange(seq)).any(1).nonzero()
     if bad.numel():
@@ -295,7 +295,7 @@ def _pieces_of(
     runs = heads.numpy()
     lo = flat.numpy()[runs]  # each run's first stream position, and the one after its last
     hi = lo + np.diff(runs, append=flat.numel())
-    by = np.argsort(lo)  # in position order the runs tile the stream: a sorted lookup
+    by = np.argsort(lo)  # in position order the runs cover the stream: a sorted lookup
     sample = np.empty_like(lo)
     sample[by] = np.searchsorted(start, lo[by], side="right") - 1
     if bool((hi > start[sample] + extent[sample]).any()):  # runs across samples: cut them

@@ -1,10 +1,11 @@
-"""The whole offset arithmetic of docs/layouts.md, in one place.
+"""The offset arithmetic of docs/layouts.md read from a layout's placement (``pieces.py``
+places each rank's rows): every offset an operation uses comes from here.
 
 Every operation of cpslice (extraction, sharding, packing, shifted targets,
 response rows, redistribution) is a reading of the *runs* a layout puts on one
 rank: a run says that local rows ``[local, local + length)`` hold within-sample
 positions ``[start, start + length)`` of one sample. A sample has any number of runs
-(1, 2 for zigzag's two chunks, as many as an order's pieces: ``_pieces``), in
+(1, 2 for zigzag's two chunks, as many as an order's pieces: ``pieces.py``), in
 ascending position order, and runs are grouped sample after sample. Padding
 positions belong to no run. Every layout is read through each sample's *extent* ``W_i`` (its positions,
 padding included: ``Layout.padded_lengths``) and the padding ``o_i`` before its tokens
@@ -180,7 +181,7 @@ def resolve_length(layout: Layout, length: int | None = None, what: str = "local
 class Runs(NamedTuple):
     """Rows ``[local, local+length)`` hold positions ``[start, start+length)`` of ``sample``.
 
-    A run is a piece of the sample's extent on this rank (``_pieces``: all of it, a zigzag
+    A run is a piece of the sample's extent on this rank (``pieces.py``: all of it, a zigzag
     chunk, the part on an allgather piece, a run of an order): it occupies rows
     ``[local - lead, local - lead + width)``, ``width >= lead + length``, and holds the
     sample's tokens at ``[local, local + length)``, padding before them (``lead`` rows: a
@@ -598,7 +599,7 @@ def stream_rows(local: Local) -> Tensor:
     """For each position of the layout's stream without CP (its extents ``W_i``, one per
     star with a shared prefix, back to back: the positions ``Layout.order`` indexes), the
     row that holds it among the CP ranks' local tensors of ``T`` rows concatenated in rank
-    order, on the call's device: ``Layout.order``'s inverse. The ranks' pieces tile the
-    stream, so each position has one row; rows past it (an allgather's tail, a local
+    order, on the call's device: ``Layout.order``'s inverse. The ranks' pieces cover the
+    stream once, so each position has one row; rows past it (an allgather's tail, a local
     tensor longer than the layout needs) hold none."""
     return _stream_rows(local.layout, local.length, local.device)

@@ -1,7 +1,7 @@
 """What a model needs beside the packed tokens: each row's position id, and for a model
 run without context parallelism the dense attention mask of packed samples and stars.
 
-Both are readings of the layout's ``"sample"`` selection (``_plan``): the rows that hold
+Both are readings of the layout's ``"sample"`` selection (``plan.py``): the rows that hold
 each sample's tokens, each row once (a shared prefix's prompt rows under the group's first
 sample).
 """

@@ -4,7 +4,7 @@ Every rank can compute every rank's shares from the layouts alone (the lengths
 are the same everywhere), so which element goes where is known locally and one
 ``all_to_all`` moves exactly the elements each rank needs: no size exchange, no
 padding. The backward pass is the reverse ``all_to_all``. All the index
-arithmetic is a reading of ``_plan``'s selections.
+arithmetic is a reading of ``plan.py``'s selections.
 """
 
 from collections.abc import Callable, Sequence

@@ -3,7 +3,7 @@ caller in rank order, put back into the packed stream of the layout without CP.
 
 verl's ``postprocess_packed_seqs`` and AReaL's packed-CP postprocessing all-gather the
 ranks' outputs themselves, then reassemble them; this is that reassembly for any layout,
-one gather over an index that ``_plan`` reads from the layout's placement (the inverse of
+one gather over an index that ``plan.py`` reads from the layout's placement (the inverse of
 ``Layout.order``). No communication.
 """
 

@@ -1,7 +1,7 @@
 """``W_i``, the positions each sample occupies, and ``o_i``, where its tokens start among
 them: the numbers per sample a Layout resolves when it is built (to validate it and to
 compare layouts by what they place where). Every offset is derived from these by
-``_plan`` (docs/layouts.md).
+``pieces.py`` and ``plan.py`` (docs/layouts.md).
 """
 
 from .._checks import per_sample_lengths

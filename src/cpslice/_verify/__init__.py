@@ -13,8 +13,8 @@ and compares the log-probs, the entropy and the logits' gradient with a float64
 ``torch.log_softmax`` of every sample's whole logits, which each process computes
 for itself from the seed. The expected shares, loss weights and gradient rows are
 read from ``oracle``, a position-by-position transcription of the layout rules that
-shares no code with the library's layout arithmetic (``_plan``, ``_pack``,
-``_extract``), so a bug there fails a row. Each rank sends its largest errors to
+shares no code with the library's layout arithmetic (``_layout.plan``,
+``_layout.pack``, ``_layout.extract``), so a bug there fails a row. Each rank sends its largest errors to
 the parent through a queue. Only the children import megatron-core.
 
 Every layout runs two batches: ``samples`` random samples that include the edges

@@ -178,7 +178,7 @@ def set_up(case: Case, batch: Batch, tp_rank: int) -> RankSetup:
     """
     seq = row_length(case, batch)
     layout = _layout(case, batch, seq)
-    # one padding row more than the rules need (from the oracle, not from _plan); a
+    # one padding row more than the rules need (from the oracle, not from ``_layout.plan``); a
     # shared-prefix layout's extents are its stars
     units = batch.total if batch.groups is None else oracle.star_totals(batch.total, batch.response, batch.groups)
     length = oracle.least_length(

@@ -2,7 +2,7 @@
 
 A second, deliberately plain transcription of the layout rules (docs/layouts.md): a
 loop over every position of every sample, written without the vectorized run
-arithmetic of ``_plan`` and without ``_pack`` or ``_extract``, and importing nothing
+arithmetic of ``_layout.plan`` and without ``_layout.pack`` or ``_layout.extract``, and importing nothing
 from cpslice. ``verify`` reads its expected response shares,
 loss weights and gradient rows from here, so that a bug in the layout arithmetic
 shows up as a failing row instead of agreeing with itself.

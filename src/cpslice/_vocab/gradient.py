@@ -72,7 +72,7 @@ def pick_grad(
     x: Tensor, big_m: Tensor, log_s: Tensor, softmax: Softmax, grad: RowGrad, vocab: int
 ) -> Tensor:
     """``[T, k]``: the whole gradient w.r.t. the raw logit at each picked id's column of a
-    ``[T, vocab]`` tile (``x`` ``[T, k]`` the logits there), the one-hot terms of every
+    ``[T, vocab]`` block (``x`` ``[T, k]`` the logits there), the one-hot terms of every
     picked id at that column included, through the cap's ``tanh``, in the compute dtype:
     the entries a kernel that leaves the one-hot terms out must overwrite."""
     b = grad.b[:, None]

@@ -465,7 +465,7 @@ def log_probs_and_entropy_from_hidden(
             within 32 MiB. On CUDA a block is ``blocks.SPLIT`` (8192) columns by as
             many rows as ``CPSLICE_BLOCK_MIB`` (512 MiB: every row of 16384 in
             bfloat16) holds of its logits and gradient, at most ``chunk_size`` rows
-            (None: no other cap; docs/backends.md).
+            (None: no other cap; docs/dev/backends.md).
         sequence_parallel: Megatron's ``--sequence-parallel``: ``hidden`` is this TP
             rank's contiguous shard of the rows, ``[T / tp, H]`` (rank ``r`` of
             ``tp_group`` holds rows ``[r T / tp, (r + 1) T / tp)``, every rank as many), as

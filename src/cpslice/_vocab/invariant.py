@@ -45,7 +45,7 @@ from .spec import TILE, tiles
 from .stats import RowStats, Stats, TileStats, write
 
 BLOCK_ROWS = 64
-"""Rows of the hidden-state path's matmul tiles in invariant mode, always this many
+"""Rows of the hidden-state path's matmul blocks in invariant mode, always this many
 (zero rows pad the last): a matmul of fixed shape gives a row the same bits whatever
 the other rows (measured with MKL: 1 or 2 rows take another kernel)."""
 BLOCK_TILES = 8

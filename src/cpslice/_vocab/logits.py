@@ -1,6 +1,6 @@
 """The logits driver: log-probs and entropy from this rank's ``[T, V_local]`` logits.
 
-Its tiles are row chunks of the logits themselves (``kernels.stats`` forward,
+Its kernels take chunks of rows of the logits themselves (``kernels.stats`` forward,
 ``kernels.grad`` backward, compiled or Triton where ``CPSLICE_BACKEND`` says so); only ``[T]``
 statistics cross ranks (``call.finish``: one all-gather under TP), and the backward
 recomputes ``p`` chunk by chunk from the saved logits and the global ``M`` and ``log S``,

@@ -3,7 +3,7 @@ and its row arithmetic.
 
 A ``Support`` holds which ids each row of one local tensor keeps, in CSR form, checked
 once when built; ``set_elements`` does the arithmetic of the sets' elements. The
-public ``cpslice.Support`` (``_support``) is a subclass that adds what needs a
+public ``cpslice.Support`` (``_glue.support``) is a subclass that adds what needs a
 ``Layout`` (``from_responses``); the engine takes any ``Support``.
 """
 

@@ -14,7 +14,7 @@ from .blocks import default_hidden_chunk, sizes
 def backend_for(x: Tensor, weight: Tensor | None = None, *, invariant: bool = False) -> selection.Name:
     """The backend whose kernels a call would run on ``x`` under ``CPSLICE_BACKEND``:
     ``"triton"`` (the Triton kernels), ``"compiled"`` (``torch.compile``'s) or ``"eager"``
-    (torch operations); docs/backends.md.
+    (torch operations); docs/dev/backends.md.
 
     Args:
         x: a call's ``[T, V_local]`` logits (``log_probs_and_entropy`` and its family), or,

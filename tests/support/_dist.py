@@ -49,7 +49,7 @@ POLL = 0.1
 """Seconds between looks at the ranks while a task runs: how soon a dead one is noticed."""
 
 _CTX = mp.get_context("forkserver")
-_PRELOAD = ["tests._dist", "cpslice", "hypothesis", "megatron.core.parallel_state"]
+_PRELOAD = ["tests.support._dist", "cpslice", "hypothesis", "megatron.core.parallel_state"]
 """What the fork server imports once, before it forks any rank (with the ranks'
 environment: cpslice in debug mode), instead of every rank importing it: torch and
 torch.distributed (this module), cpslice, and what most tasks' modules import. It runs

@@ -114,7 +114,7 @@ def options(opts: dict[str, Any], t: int, device: str = "cpu") -> dict[str, Any]
     return out
 
 
-# the float64 tolerances of a head (tests/compare.py's HEAD_REL): the values' relative
+# the float64 tolerances of a head (tests/support/compare.py's HEAD_REL): the values' relative
 # roundings at the logits' scale, the gradients' relative error
 TOLERANCE = {torch.float32: (2.0**-18, 1e-5), torch.bfloat16: (2.0**-7, 3e-2)}
 

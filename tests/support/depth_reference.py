@@ -115,7 +115,7 @@ def _star(case: Case, members: list[int]) -> list[Entry]:
 
 def widths(case: Case) -> list[int]:
     """Each extent's ``W`` (docs/layouts.md, "The extent W_i of a sample"): the oracle's
-    rule (tests/oracle.py) over the extents' tokens, a star's for a shared prefix."""
+    rule (tests/support/oracle.py) over the extents' tokens, a star's for a shared prefix."""
     tokens = tuple(len(_star(case, members)) for members in groups(case))
     rule = Config(tokens, (0,) * len(tokens), cast(QkvFormat, case.fmt), case.seq, cast(CpMode, case.mode),
                   case.cp, None, 0, case.padded, case.align)

@@ -2,7 +2,7 @@
 lower precisions against them: log-probs, entropy and gradients of one logits tensor
 (``reference``), of an LM head ``hidden @ weight.T`` (``linear_reference``), of both
 restricted to token sets (``support_reference``, ``linear_support_reference``), each
-for either input of tests/drivers.py (``head_reference``, ``head_support_reference``);
+for either input of tests/support/drivers.py (``head_reference``, ``head_support_reference``);
 and a random packed batch with its reference (``make_batch``)."""
 
 import math
@@ -15,7 +15,7 @@ from cpslice import Layout, pack
 from cpslice._types import CpMode, QkvFormat
 
 from .lengths import edge_lengths
-from .supports import Sets
+from .token_sets import Sets
 
 EPS32 = 2.0**-24  # float32 unit roundoff
 TEMPS = (0.5, 1.0, 1.7)  # the temperatures the tests sweep
@@ -133,7 +133,7 @@ def grad_close(got: Tensor | None, want: Tensor, rel: float) -> None:
 def head_reference(
     x: Tensor, weight: Tensor | None, targets: Tensor, temperature: float, g_lp: Tensor, g_h: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log p, H, d/dx, d/d weight) in float64 for a driver's input (tests/drivers.py):
+    """(log p, H, d/dx, d/d weight) in float64 for a driver's input (tests/support/drivers.py):
     ``linear_reference`` of a head; of logits (``weight`` None) ``reference``, whose
     logits gradient is x's, and the identity head's weight gradient ``dlogits.T @ x``."""
     if weight is not None:

@@ -38,7 +38,7 @@ from .reference import (
     tolerance,
     value_atol,
 )
-from .supports import csr, head, tp_sets
+from .token_sets import csr, head, tp_sets
 
 # --- the logits path
 

@@ -36,12 +36,12 @@ def load_balancers() -> ModuleType:
     except ImportError as err:
         raise AssertionError(
             f"{where} has no module {MODULE} ({err}): the private module of the context-parallel load "
-            f"balancers moved; find {', '.join(CLASSES)} and update tests/balancers.py and docs/recipes.md"
+            f"balancers moved; find {', '.join(CLASSES)} and update tests/support/balancers.py and docs/recipes.md"
         ) from None
     missing = [name for name in CLASSES if not isinstance(getattr(module, name, None), type)]
     if missing:
         raise AssertionError(f"{where}'s {MODULE} has no {', '.join(missing)}: the private load balancers "
-                             "moved or were renamed; update tests/balancers.py and docs/recipes.md")
+                             "moved or were renamed; update tests/support/balancers.py and docs/recipes.md")
     return module
 
 

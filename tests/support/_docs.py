@@ -1,7 +1,8 @@
 """The documentation's pages and their code blocks, for the tests that run them.
 
-The pages are README.md and every docs/*.md. A fenced block opens with a line of three
-backticks and a language (```python, ```text, ```sh) and closes with three backticks.
+The pages are README.md and every page under docs/ (the maintainers' in docs/dev/). A
+fenced block opens with a line of three backticks and a language (```python, ```text,
+```sh) and closes with three backticks.
 """
 
 import contextlib
@@ -10,9 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
+DEV = DOCS / "dev"
+PAGES = (ROOT / "README.md", *sorted(DOCS.rglob("*.md")))
 
 _BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 

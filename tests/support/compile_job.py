@@ -85,7 +85,7 @@ for reason in torch._dynamo.utils.counters["graph_break"]:
 def jobs() -> dict[str, Job]:
     """The step in a fresh interpreter per ``FIRSTS`` entry, run-time checking off."""
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
-    cwd = Path(__file__).resolve().parent.parent
+    cwd = Path(__file__).resolve().parents[2]
     return {first: Job((sys.executable, "-c", STEP, first), env, cwd) for first in FIRSTS}
 
 

@@ -1,5 +1,5 @@
-"""One call of a single-process driver (tests/drivers.py) against its float64 reference
-(tests/reference.py): values, the gradients of its inputs and the caller's tensors
+"""One call of a single-process driver (tests/support/drivers.py) against its float64 reference
+(tests/support/reference.py): values, the gradients of its inputs and the caller's tensors
 untouched (``check``); ``check_logits`` and ``check_linear`` are its logits-path and
 LM-head-path forms."""
 

@@ -58,7 +58,7 @@ def _unchecked_run() -> dict[str, Job]:
     env = {k: v for k, v in os.environ.items() if k != "CPSLICE_DEBUG"}
     argv = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
             *UNCHECKED)
-    return {"unchecked": Job(argv, env, Path(__file__).resolve().parent.parent)}
+    return {"unchecked": Job(argv, env, Path(__file__).resolve().parents[2])}
 
 
 background.register("unchecked", "tests/layout/test_errors.py::test_error_tests_pass_unchecked",
