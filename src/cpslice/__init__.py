@@ -51,6 +51,7 @@ from ._layout.reduce import sum_of_sample_means as sum_of_sample_means
 from ._layout.reduce import sum_of_tokens as sum_of_tokens
 from ._layout.unshard import unshard as unshard
 from ._types import Strategy as Strategy
+from ._vocab.divergence import vocab_divergence as vocab_divergence
 from ._vocab.hidden import entropy_from_hidden as entropy_from_hidden
 from ._vocab.hidden import log_probs_and_entropy_from_hidden as log_probs_and_entropy_from_hidden
 from ._vocab.hidden import log_probs_at_from_hidden as log_probs_at_from_hidden
@@ -103,6 +104,7 @@ __all__ = [
     "topk_divergence",
     "topk_log_probs",
     "unshard",
+    "vocab_divergence",
 ]
 
 def _installed_version() -> str:

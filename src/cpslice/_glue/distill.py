@@ -60,11 +60,6 @@ from .._vocab.hidden import hidden_head
 from .._vocab.logits import LogitsHead
 from .response import on_responses, resolved
 
-KINDS = {
-    "forward": "KL(teacher || student)",
-    "reverse": "KL(student || teacher)",
-    "jsd": "beta KL(teacher || m) + (1 - beta) KL(student || m), m their mixture",
-}
 TAILS = {"bin": "k + 1 categories, the rest of the mass in one bin", "renormalize": "k categories, renormalized"}
 _LN2 = math.log(2.0)
 
@@ -99,27 +94,11 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def _check_divergence(kind: object, beta: object, tail: object) -> float:
-    if kind not in KINDS:
-        choices = "; ".join(f"{k!r} ({v})" for k, v in KINDS.items())
-        raise LayoutError(f"kind={kind!r} is not one of {choices}")
+    checks.divergence_kind(kind)
     if tail not in TAILS:
         choices = "; ".join(f"{k!r} ({v})" for k, v in TAILS.items())
         raise LayoutError(f"tail={tail!r} is not one of {choices}")
-    b = checks.real("beta", beta)
-    if not 0.0 <= b <= 1.0:
-        raise LayoutError(
-            f"beta={beta!r} is not allowed: the mixture weight of jsd must be in [0, 1] "
-            "(0 is kind='forward', 1 is kind='reverse', as TRL's generalized JSD)"
-        )
-    return b
-
-
-def kind_at(kind: object, beta: float) -> object:
-    """The kind a divergence computes: ``"jsd"`` at ``beta`` 0 is ``"forward"`` and at 1
-    ``"reverse"`` (TRL's ends, computed as those kinds: no ``0 * inf``), else ``kind``."""
-    if kind == "jsd" and beta in (0.0, 1.0):
-        return "forward" if beta == 0.0 else "reverse"
-    return kind
+    return checks.mixture_beta(beta)
 
 
 def _log_probs_arg(name: str, value: object) -> Tensor:
@@ -174,7 +153,7 @@ def topk_divergence(
     b = _check_divergence(kind, beta, tail)
     cdt = compute_dtype(torch.promote_types(s.dtype, t.dtype))
     log_q, log_p = _categories(s.to(cdt), str(tail)), _categories(t.to(cdt), str(tail))
-    computed = kind_at(kind, b)
+    computed = checks.kind_at(str(kind), b)
     if computed == "forward":
         return _kl(log_p, log_q)
     if computed == "reverse":
