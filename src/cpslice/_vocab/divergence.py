@@ -198,9 +198,20 @@ class _Walk(NamedTuple):
     a piece of several splits (merged when the splits are done)."""
 
 
+def pair_chunks(chunk_size: int | None, vocab: int, dtype: torch.dtype, device: torch.device) -> Chunks:
+    """Rows per chunk of a pair's kernels: ``chunk_size`` when given; else a quarter of the
+    log-prob loop's eager rows (a pair body's temporaries are about eight ``[rows, V]``
+    buffers where the log-prob loop holds two) and half its compiled rows (two sides
+    read), at least one row."""
+    chunks = chunks_for(chunk_size, vocab, dtype, device)
+    if chunk_size is not None:
+        return chunks
+    return Chunks(max(1, chunks.eager // 4), max(1, chunks.compiled // 2))
+
+
 def _walk(pair: PairHead, call: Call, shard: Shard) -> _Walk:
     opts = call.options
-    chunks = chunks_for(opts.chunk_size, pair.vocab_local, pair.x.dtype, pair.x.device)
+    chunks = pair_chunks(opts.chunk_size, pair.vocab_local, pair.x.dtype, pair.x.device)
     splits = pair.splits(shard.valid)
     return _Walk(pair, call, shard, chunks, splits, opts.invariant and (shard.world > 1 or len(splits) > 1))
 

@@ -288,9 +288,12 @@ def jsd(mix: Mix, weights: Weights, dtype: torch.dtype) -> Tensor:
 
 def grad_terms(plan: Plan, both: Sides, kw: Tensor, ko: Tensor, g: Tensor, tau: Tau) -> PairGrad:
     """The gradient's per-row terms from the upstream ``g`` ``[T]``: each side's ``c`` is
-    ``g r`` (``"jsd"``: times its weight in the mixture)."""
+    ``g r`` (``"jsd"``: times its weight in the mixture); ``k`` 0 where ``g`` is (a row of
+    infinite KL and no gradient gets zeros, not ``0 * inf``)."""
     r = reciprocal(tau, both.wmax.dtype)
     gr = g.to(both.wmax.dtype) * r
+    # a row of no upstream gradient (a masked token) gets exactly 0, its divergence +inf too
+    kw, ko = (torch.where(gr == 0, 0.0, k) for k in (kw, ko))
     if plan.weights is None:
         return PairGrad("kl", both, kw, ko, gr, gr, None)
     return PairGrad("jsd", both, kw, ko, gr * plan.weights.bw, gr * plan.weights.bo, plan.weights)

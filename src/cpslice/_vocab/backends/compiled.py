@@ -603,11 +603,6 @@ class _Runner:
         return _call(fn, xw, r, xo, *args, variant=tuple(_shape_of(a) for a in (xo, *args)))
 
 
-def _pair_chunk(chunks: Chunks) -> int:
-    """Rows per compiled chunk of a pair body: half the log-prob kernels' (two sides read)."""
-    return max(1, chunks.compiled // 2)
-
-
 def pair_stats(
     xw: Tensor, xo: Tensor, softmax: Softmax, out: PairOut, rows: Tensor | None, chunks: Chunks, first: int
 ) -> bool:
@@ -616,7 +611,7 @@ def pair_stats(
     if softmax.invariant:
         return False
     assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
-    return divergence.stats(_Runner(_pair_chunk(chunks)), xw, xo, softmax, out, rows)
+    return divergence.stats(_Runner(chunks.compiled), xw, xo, softmax, out, rows)
 
 
 def pair_mix(
@@ -624,9 +619,8 @@ def pair_mix(
     chunks: Chunks, first: int,
 ) -> bool:
     """``divergence.default_mix`` compiled; False in invariant mode or where a compile failed."""
-    if softmax.invariant:
-        return False
-    return divergence.mix(_Runner(_pair_chunk(chunks)), xw, xo, softmax, sides, weights, out, rows)
+    run = _Runner(chunks.compiled)
+    return not softmax.invariant and divergence.mix(run, xw, xo, softmax, sides, weights, out, rows)
 
 
 def pair_grad(
@@ -634,6 +628,5 @@ def pair_grad(
     rows: Tensor | None, chunks: Chunks,
 ) -> bool:
     """``divergence.default_grad`` compiled; False in invariant mode or where a compile failed."""
-    if softmax.invariant:
-        return False
-    return divergence.grad(_Runner(_pair_chunk(chunks)), xw, xo, softmax, terms, out_w, out_o, rows)
+    run = _Runner(chunks.compiled)
+    return not softmax.invariant and divergence.grad(run, xw, xo, softmax, terms, out_w, out_o, rows)

@@ -32,27 +32,18 @@ import torch
 from torch import Tensor
 
 from ... import _probe
+from .. import softmax as cap_forms
 from .. import spec
 from ..pairs import Mix, PairGrad, PairOut, PairStats, PairTiles, Sides, Weights, merge_tiles
 from ..rows import At, gather, pieces, size
-from ..softmax import (
-    Softmax,
-    complement_slope,
-    exp_capped,
-    exp_complement,
-    exp_constants,
-    from_complement,
-    reciprocal,
-    reciprocals,
-    taus,
-)
+from ..softmax import Softmax, reciprocal, reciprocals, taus
 from ..spec import FLOOR, TILE, tile_max, tiles, tree
 
 
 @no_type_check
 def _exp_sloped(y, cap):
-    s = exp_complement(y, cap[1])
-    return from_complement(s, cap[0]), complement_slope(s)
+    s = cap_forms.exp_complement(y, cap[1])
+    return cap_forms.from_complement(s, cap[0]), cap_forms.complement_slope(s)
 
 
 @no_type_check
@@ -77,7 +68,7 @@ class Ops(NamedTuple):
     sloped: Callable[..., Any]
 
 
-DEFAULT = Ops(torch.exp, torch.expm1, torch.log1p, lambda y, cap: exp_capped(y, *cap), _exp_sloped)
+DEFAULT = Ops(torch.exp, torch.expm1, torch.log1p, lambda y, cap: cap_forms.exp_capped(y, *cap), _exp_sloped)
 """The default reduction's: torch's functions, the cap ``(cap, 2 / cap)`` by one ``exp``."""
 INVARIANT = Ops(spec.exp, spec.expm1, spec.log1p, _spec_capped, _spec_sloped)
 """Invariant mode's: the spec's, the cap a number."""
@@ -234,7 +225,7 @@ def cap_of(softmax: Softmax, dtype: torch.dtype, device: torch.device) -> tuple[
     """The default bodies' cap: ``(cap, 2 / cap)`` as 0-d tensors (no value compiles anew)."""
     if softmax.cap is None:
         return None
-    c, two = exp_constants(softmax.cap)
+    c, two = cap_forms.exp_constants(softmax.cap)
     return torch.full((), c, dtype=dtype, device=device), torch.full((), two, dtype=dtype, device=device)
 
 
@@ -318,13 +309,6 @@ class Eager:
         if _probe.active is not None:
             _probe.active.launch("eager", fn.__name__, xw.shape[0])
         return True, fn(xw, r, xo, *args)
-
-
-def eager_chunk(chunk: int) -> int:
-    """Rows per eager chunk of the pair bodies: the log-prob loop's ``chunk`` (two ``[rows,
-    V]`` buffers within its budget) over 4, since a body's temporaries are about eight
-    such buffers; at least one row."""
-    return max(1, chunk // 4)
 
 
 # --- invariant mode: the spec's steps per tile, eagerly

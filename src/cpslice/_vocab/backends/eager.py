@@ -270,7 +270,7 @@ def pair_stats(
 ) -> bool:
     """A divergence's statistics eagerly (``backends.divergence``): the default body chunk by
     chunk, or invariant mode's tiles."""
-    chunk = divergence.eager_chunk(chunks.eager)
+    chunk = chunks.eager
     if softmax.invariant:
         return divergence.invariant_stats(xw, xo, softmax, out, rows, chunk, first)
     assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
@@ -282,7 +282,7 @@ def pair_mix(
     chunks: Chunks, first: int,
 ) -> bool:
     """``"jsd"``'s second pass eagerly: the default body, or invariant mode's tiles."""
-    chunk = divergence.eager_chunk(chunks.eager)
+    chunk = chunks.eager
     if softmax.invariant:
         return divergence.invariant_mix(xw, xo, softmax, sides, weights, out, rows, chunk, first)
     return divergence.mix(divergence.Eager(chunk), xw, xo, softmax, sides, weights, out, rows)
@@ -293,7 +293,7 @@ def pair_grad(
     rows: Tensor | None, chunks: Chunks,
 ) -> bool:
     """A divergence's gradient eagerly: the default body, or with the spec's ops."""
-    chunk = divergence.eager_chunk(chunks.eager)
+    chunk = chunks.eager
     if softmax.invariant:
         return divergence.invariant_grad(xw, xo, softmax, terms, out_w, out_o, rows, chunk)
     return divergence.grad(divergence.Eager(chunk), xw, xo, softmax, terms, out_w, out_o, rows)

@@ -137,11 +137,10 @@ def pair_stats(
     runs the eager spec, ``backends.divergence``)."""
     if softmax.invariant:
         return False
-    from . import divergence
+    from .divergence import stats
 
     assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
-    divergence.stats(xw, xo, softmax, out, rows)
-    return True
+    return stats(xw, xo, softmax, out, rows)
 
 
 def pair_mix(
@@ -149,12 +148,9 @@ def pair_mix(
     chunks: Chunks, first: int,
 ) -> bool:
     """``divergence.mix``; False in invariant mode."""
-    if softmax.invariant:
-        return False
-    from . import divergence
+    from .divergence import mix
 
-    divergence.mix(xw, xo, softmax, sides, weights, out, rows)
-    return True
+    return not softmax.invariant and mix(xw, xo, softmax, sides, weights, out, rows)
 
 
 def pair_grad(
@@ -162,9 +158,6 @@ def pair_grad(
     rows: Tensor | None, chunks: Chunks,
 ) -> bool:
     """``divergence.grad``; False in invariant mode."""
-    if softmax.invariant:
-        return False
-    from . import divergence
+    from .divergence import grad
 
-    divergence.grad(xw, xo, softmax, terms, out_w, out_o, rows)
-    return True
+    return not softmax.invariant and grad(xw, xo, softmax, terms, out_w, out_o, rows)

@@ -192,13 +192,13 @@ def _mixture(weights: Weights | None) -> tuple[float, float, float, float]:
     return tuple(float(torch.tensor(v, dtype=torch.float32)) for v in weights)  # type: ignore[return-value]
 
 
-def stats(xw: Tensor, xo: Tensor, softmax: Softmax, out: PairStats, rows: Tensor | None) -> None:
+def stats(xw: Tensor, xo: Tensor, softmax: Softmax, out: PairStats, rows: Tensor | None) -> bool:
     """Each side's ``(m, S)`` and (``out.cross``) ``C`` of the ``rows`` (None: all) of ``xw``,
-    ``xo`` ``[T, V]`` into ``out``'s float32 ``[T]`` fields (contiguous), one program a row."""
+    ``xo`` ``[T, V]`` into ``out``'s float32 ``[T]`` fields, one program a row; True."""
     _contiguous(xw, xo)
     n = xw.shape[0] if rows is None else rows.numel()
     if n == 0:
-        return
+        return True
     r_t, r_s, per_row, c, two = _softmax_args("pair.stats", n, softmax.tau, softmax.cap, xw)
     fields = [f.contiguous() for f in (out.wmax, out.wsum, out.omax, out.osum)]
     cross = None if out.cross is None else out.cross.contiguous()
@@ -211,16 +211,17 @@ def stats(xw: Tensor, xo: Tensor, softmax: Softmax, out: PairStats, rows: Tensor
     for field, dense in zip(out, (*fields, cross)):
         if field is not None and dense is not None and dense is not field:
             field.copy_(dense)
+    return True
 
 
 def mix(
     xw: Tensor, xo: Tensor, softmax: Softmax, both: Sides, weights: Weights, out: Mix, rows: Tensor | None
-) -> None:
-    """``"jsd"``'s ``Q`` and ``P`` of the ``rows`` into ``out`` (float32 ``[T]``)."""
+) -> bool:
+    """``"jsd"``'s ``Q`` and ``P`` of the ``rows`` into ``out`` (float32 ``[T]``); True."""
     _contiguous(xw, xo)
     n = xw.shape[0] if rows is None else rows.numel()
     if n == 0:
-        return
+        return True
     r_t, r_s, per_row, c, two = _softmax_args("pair.mix", n, softmax.tau, softmax.cap, xw)
     q, p = out.wsum.contiguous(), out.osum.contiguous()
     _mix_kernel[(n,)](
@@ -232,18 +233,19 @@ def mix(
     for field, dense in zip(out, (q, p)):
         if dense is not field:
             field.copy_(dense)
+    return True
 
 
 def grad(
     xw: Tensor, xo: Tensor, softmax: Softmax, terms: PairGrad, out_w: Tensor | None, out_o: Tensor | None,
     rows: Tensor | None,
-) -> None:
+) -> bool:
     """Each wanted side's gradient of the ``rows`` into ``out_w`` / ``out_o`` (``[T, V]``,
-    contiguous columns, their dtypes; the other rows left as they are)."""
+    contiguous columns, their dtypes; the other rows left as they are); True."""
     _contiguous(xw, xo, out_w, out_o)
     n = xw.shape[0] if rows is None else rows.numel()
     if n == 0 or xw.shape[1] == 0:
-        return
+        return True
     r_t, r_s, per_row, c, two = _softmax_args("pair.grad", n, softmax.tau, softmax.cap, xw)
     row_terms = [f.contiguous() for f in (*terms.sides, terms.kw, terms.ko, terms.cw, terms.co)]
     gw = xw if out_w is None else out_w
@@ -255,4 +257,5 @@ def grad(
         HAS_ROWS=rows is not None, PER_ROW=per_row, HAS_CAP=softmax.cap is not None, JSD=terms.kind == "jsd",
         WANT_W=out_w is not None, WANT_O=out_o is not None, **_config(PAIR_BLOCK, PAIR_WARPS, PAIR_STAGES),
     )
+    return True
 
