@@ -7,7 +7,7 @@ The steps, on a chunk of both sides' logits (``xw`` the weight side, ``xo`` the 
 ``r = 1 / tau`` ``[c, 1]`` or 0-d; per-row terms ``[c]``), each written once:
 
 - ``side``: the logits as the softmax reads them, widened to the compute dtype and capped;
-- ``sums``: a side's max ``m``, ``S = sum exp((y - m') r)`` and the exponentials;
+- ``exps``: a side's exponentials ``exp((y - m') r)`` relative to its max (``S`` their sum);
 - ``cross``: ``C = sum e_w (y_w - y_o) r``, 0 where ``e_w`` is;
 - ``log_probs``: ``log p = (y - M') r - log S`` clamped at ``FLOOR`` (a 0 probability, a
   -inf logit, is ``exp(FLOOR) = 0`` with a finite log);
@@ -85,13 +85,10 @@ def side(x, r, cap, ops):
 
 
 @no_type_check
-def sums(y, r, ops):
-    """``(m, S, e)`` of a side's chunk: its rows' max, sum of exp relative to it (``m'``, 0
-    where ``m = -inf``) and the exponentials."""
-    m = y.amax(1)
+def exps(y, m, r, ops):
+    """A side's exponentials relative to its rows' max ``m`` (``m'``: 0 where ``m = -inf``)."""
     shift = torch.where(m == -math.inf, 0.0, m)
-    e = ops.exp(((y - shift[:, None]) * r).clamp(min=FLOOR))
-    return m, e.sum(1), e
+    return ops.exp(((y - shift[:, None]) * r).clamp(min=FLOOR))
 
 
 @no_type_check
@@ -148,9 +145,10 @@ def jsd_grads(lw, lo, kw, ko, cw, co, mix, want_w, want_o, ops):
 def stats_body(xw, r, xo, cap, with_cross, ops):
     """``(m_w, S_w, m_o, S_o, C)`` ``[c]`` of a chunk (``C`` None without ``with_cross``)."""
     yw, yo = side(xw, r, cap, ops), side(xo, r, cap, ops)
-    mw, sw, ew = sums(yw, r, ops)
-    mo, so, _ = sums(yo, r, ops)
-    return mw, sw, mo, so, cross(ew, yw, yo, r) if with_cross else None
+    # both maxima first, then every sum over the exponentials (one fused loop compiled)
+    mw, mo = yw.amax(1), yo.amax(1)
+    ew, eo = exps(yw, mw, r, ops), exps(yo, mo, r, ops)
+    return mw, ew.sum(1), mo, eo.sum(1), cross(ew, yw, yo, r) if with_cross else None
 
 
 @no_type_check
