@@ -73,6 +73,18 @@ def test_against_float64(dtype: torch.dtype, options: dict[str, Any], kind: Dive
     assert {i for i in range(T) if value[i] == math.inf} == inf_rows
 
 
+@pytest.mark.parametrize("beta", [1e-30, 1.0 - 2.0**-53])
+def test_jsd_next_to_the_ends_of_beta_is_finite(beta: float) -> None:
+    """``beta`` a hair inside ``(0, 1)``: the JSD itself (near 0, not the KL the ends map
+    to), finite, its gradients finite, against float64, with -inf logits on both sides
+    (the mixture's ``log(beta)`` and ``log(1 - beta)`` never meet ``0 * inf``)."""
+    s0, t0 = logits(T, V, torch.float32, 14)
+    g = torch.ones(T)
+    value, grads = _run(s0, t0, "jsd", beta, g)
+    assert bool(value.isfinite().all())
+    check(value, grads, reference(s0, t0, "jsd", beta, g), torch.float32, value_atol(s0, t0, 1.0))
+
+
 @pytest.mark.parametrize(("kind", "beta"), KINDS[:3], ids=lambda k: str(k))
 def test_identical_sides_give_exactly_zero(kind: Divergence, beta: float) -> None:
     """``KL(p || p)`` and the jsd of a distribution with itself: exactly 0, and so is every
@@ -241,6 +253,10 @@ REFUSALS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"teacher": torch.zeros(3, 5, dtype=torch.int64)}, TypeError, "teacher has dtype torch.int64; pass floating"),
     ({"student": torch.zeros(5)}, LayoutError, "student has shape \\(5,\\); it must be 2-D"),
     ({"teacher": torch.zeros(3, 4)}, LayoutError, "student has shape \\(3, 5\\) but teacher has \\(3, 4\\)"),
+    ({"student": torch.zeros(3, 0), "teacher": torch.zeros(3, 0)}, LayoutError, "student has shape \\(3, 0\\): 0 voc"),
+    ({"teacher": torch.zeros(3, 5, device="meta")}, LayoutError, "teacher is on meta but student on cpu"),
+    ({"softcap": "8"}, TypeError, "softcap must be a real number"),
+    ({"chunk_size": 2.0}, TypeError, "chunk_size 2.0 is a float, not an int"),
     ({"kind": "kl"}, LayoutError, "kind='kl' is not one of 'forward'"),
     ({"beta": 1.5}, LayoutError, "beta=1.5 is not allowed: the mixture weight of jsd must be in \\[0, 1\\]"),
     ({"beta": "0.5"}, TypeError, "beta must be a real number"),

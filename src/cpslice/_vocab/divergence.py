@@ -414,7 +414,9 @@ def vocab_divergence(
         ``student``, and w.r.t. ``teacher`` where it requires grad; under
         ``torch.no_grad()`` (or neither requiring grad) nothing is saved. Memory: ``[T]``
         statistics and the chunk kernels' buffers forward; backward, one gradient per
-        differentiable input (its shape and dtype), written once. A probability of 0 (a
+        differentiable input (its shape and dtype), written once: with float32 logits,
+        forward + backward peaks within 1.15x one ``[T, V]`` buffer per gradient
+        (docs/numbers.md). A probability of 0 (a
         -inf logit on either side, a padded id) adds nothing: no NaN; a KL is ``+inf``
         where the weighing side has mass on an id the other gives -inf (its true value),
         ``"jsd"`` is finite. Identical student and teacher give exactly 0 (and zero
