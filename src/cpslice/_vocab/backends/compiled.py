@@ -592,6 +592,8 @@ class _Runner:
     once per variant (``_call``: its other arguments' dtypes, strides and constants in
     the key)."""
 
+    ops = divergence.COMPILED
+
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
 

@@ -13,14 +13,20 @@ The steps, on a chunk of both sides' logits (``xw`` the weight side, ``xo`` the 
   -inf logit, is ``exp(FLOOR) = 0`` with a finite log);
 - ``log_mixture``: ``log m``, ``m = bw w + bo o``, pivoted on the larger side
   (``hi + log1p(b expm1(lo - hi))``: exactly ``log w`` where ``w == o``, so identical
-  sides give exactly 0), bounded below by each side's own share;
+  sides give exactly 0), bounded below by each side's own share (invariant mode's, the
+  Triton kernels'); ``direct_mixture``, the default bodies': ``log(bw w + bo o)`` of the
+  probabilities the step has already computed (one ``log`` where the pivot takes an
+  ``expm1`` and a ``log1p``), ``log w`` itself where ``w == o``;
 - ``kl_grads``, ``jsd_grads``: each side's gradient from the normalized sides.
 
-``Ops`` says which ``exp``, ``expm1``, ``log1p`` and cap the steps use: torch's (the
-default reduction, ``DEFAULT``; the cap by one ``exp``, as the compiled log-prob kernels)
-or the spec's (invariant mode, ``INVARIANT``: docs/invariance.md, every IEEE device the
-same bits). The default bodies (``default_*``) are the ones the compiled backend
-compiles; invariant mode's loops (``invariant_*``) run eagerly, per 128-column tile
+``Ops`` says which ``exp``, ``expm1``, ``log1p``, cap and mixture the steps use: torch's
+(the default reduction, ``DEFAULT``; the cap by one ``exp``, as the compiled log-prob
+kernels), the same with the spec's ``exp`` of ``d <= 0`` (``COMPILED``: the compiled
+bodies', whose polynomial inductor vectorizes into a quarter fewer cycles than its call of
+the vector library's ``exp``, within 2 ulp), or the spec's (invariant mode,
+``INVARIANT``: docs/invariance.md, every IEEE device the same bits). The default bodies
+(``default_*``) are the ones the compiled backend compiles, each given its ``Ops`` by the
+``Runner``; invariant mode's loops (``invariant_*``) run eagerly, per 128-column tile
 (``spec.TILE``) for the statistics, the tiles merged in global order.
 """
 
@@ -37,7 +43,7 @@ from .. import spec
 from ..pairs import Mix, PairGrad, PairOut, PairStats, PairTiles, Sides, Weights, merge_tiles
 from ..rows import At, gather, pieces, size
 from ..softmax import Softmax, reciprocal, reciprocals, taus
-from ..spec import FLOOR, TILE, tile_max, tiles, tree
+from ..spec import FLOOR, LOG2E, TILE, tile_max, tiles, tree
 
 
 @no_type_check
@@ -58,20 +64,63 @@ def _spec_sloped(y, cap):
 
 
 class Ops(NamedTuple):
-    """The functions the steps call: ``exp``, ``expm1``, ``log1p``, the cap (``capped(y,
-    cap)``) and the cap with its derivative (``sloped(y, cap) -> (y, dy/dx)``)."""
+    """The functions the steps call: ``exp`` (of log-probs and shifted logits: ``<= 0`` up
+    to rounding), ``expm1``, ``log1p``, the cap (``capped(y, cap)``), the cap with its
+    derivative (``sloped(y, cap) -> (y, dy/dx)``) and the mixture's log (``mixture(lw, lo,
+    w, o, mix)``, from both sides' log-probs and probabilities)."""
 
     exp: Callable[..., Any]
     expm1: Callable[..., Any]
     log1p: Callable[..., Any]
     capped: Callable[..., Any]
     sloped: Callable[..., Any]
+    mixture: Callable[..., Any]
 
 
-DEFAULT = Ops(torch.exp, torch.expm1, torch.log1p, lambda y, cap: cap_forms.exp_capped(y, *cap), _exp_sloped)
-"""The default reduction's: torch's functions, the cap ``(cap, 2 / cap)`` by one ``exp``."""
-INVARIANT = Ops(spec.exp, spec.expm1, spec.log1p, _spec_capped, _spec_sloped)
-"""Invariant mode's: the spec's, the cap a number."""
+@no_type_check
+def _mixture(lw, lo, w, o, mix, log):
+    tiny = torch.finfo(w.dtype).tiny
+    return torch.where(lw == lo, lw, log((mix[0] * w + mix[1] * o).clamp(min=tiny)))
+
+
+@no_type_check
+def direct_mixture(lw, lo, w, o, mix):
+    """``log(bw w + bo o)`` of both sides' probabilities, ``mix`` the weights ``(bw, bo, log
+    bw, log bo)``: ``lw`` where ``lw == lo`` (the mixture of equal sides is exactly either);
+    the sum floored at the smallest normal number, where both sides underflow (their terms
+    are then 0 to the dtype's resolution, and no log is -inf). torch's ``log``."""
+    return _mixture(lw, lo, w, o, mix, torch.log)
+
+
+@no_type_check
+def spec_mixture(lw, lo, w, o, mix):
+    """``direct_mixture`` with the spec's ``log`` (a polynomial of the mantissa: in inductor's
+    C++ two thirds of the vector library's ``log``, within a few ulp)."""
+    return _mixture(lw, lo, w, o, mix, spec.log)
+
+
+@no_type_check
+def _pivot_mixture(lw, lo, w, o, mix):
+    return log_mixture(lw, lo, mix, INVARIANT)
+
+
+DEFAULT = Ops(torch.exp, torch.expm1, torch.log1p, lambda y, cap: cap_forms.exp_capped(y, *cap), _exp_sloped,
+              direct_mixture)
+"""The default reduction's, eagerly: torch's functions, the cap ``(cap, 2 / cap)`` by one
+``exp``, the mixture's log direct."""
+@no_type_check
+def exp_by_exp2(d):
+    """``e^d`` as ``2^(d log2 e)``: the vector library's ``exp2`` costs half its ``exp`` in
+    inductor's C++ (measured on the CPU), within a few ulp of ``e^d`` (the argument's one
+    rounding, times its size)."""
+    return torch.exp2(d * LOG2E)
+
+
+COMPILED = DEFAULT._replace(exp=exp_by_exp2, mixture=spec_mixture)
+"""The default reduction's, compiled: the spec's ``exp`` (a polynomial and the exponent's
+bits, within 2 ulp), faster than torch's there; the rest ``DEFAULT``'s."""
+INVARIANT = Ops(spec.exp, spec.expm1, spec.log1p, _spec_capped, _spec_sloped, _pivot_mixture)
+"""Invariant mode's: the spec's, the cap a number, the mixture pivoted."""
 
 
 # --- the named steps
@@ -132,9 +181,10 @@ def kl_grads(lw, lo, k, cw, co, want_w, want_o, ops):
 @no_type_check
 def jsd_grads(lw, lo, kw, ko, cw, co, mix, want_w, want_o, ops):
     """The jsd's gradients: each side's ``c p (log p - log m - k)``."""
-    lm = log_mixture(lw, lo, mix, ops)
-    gw = cw[:, None] * (ops.exp(lw) * (lw - lm - kw[:, None])) if want_w else None
-    go = co[:, None] * (ops.exp(lo) * (lo - lm - ko[:, None])) if want_o else None
+    w, o = ops.exp(lw), ops.exp(lo)
+    lm = ops.mixture(lw, lo, w, o, mix)
+    gw = cw[:, None] * (w * (lw - lm - kw[:, None])) if want_w else None
+    go = co[:, None] * (o * (lo - lm - ko[:, None])) if want_o else None
     return gw, go
 
 
@@ -156,8 +206,9 @@ def mix_body(xw, r, xo, mw, lw_s, mo, lo_s, mix, cap, ops):
     """``(Q, P)`` ``[c]``: ``sum w (log w - log m)`` and ``sum o (log o - log m)``."""
     lw = log_probs(side(xw, r, cap, ops), mw, lw_s, r)
     lo = log_probs(side(xo, r, cap, ops), mo, lo_s, r)
-    lm = log_mixture(lw, lo, mix, ops)
-    return (ops.exp(lw) * (lw - lm)).sum(1), (ops.exp(lo) * (lo - lm)).sum(1)
+    w, o = ops.exp(lw), ops.exp(lo)
+    lm = ops.mixture(lw, lo, w, o, mix)
+    return (w * (lw - lm)).sum(1), (o * (lo - lm)).sum(1)
 
 
 @no_type_check
@@ -183,20 +234,21 @@ def grad_body(xw, r, xo, terms, out_w, out_o, mix, cap, kind, ops):
         out_o.copy_((go if so is None else go * so).to(out_o.dtype))
 
 
-# the default reduction's bodies, as the compiled backend compiles them (one per pass)
+# the default reduction's bodies, as the compiled backend compiles them (one per pass),
+# ``ops`` the runner's (``DEFAULT`` eagerly, ``COMPILED`` compiled: a constant of the graph)
 @no_type_check
-def default_stats(xw, r, xo, cap, with_cross):
-    return stats_body(xw, r, xo, cap, with_cross, DEFAULT)
-
-
-@no_type_check
-def default_mix(xw, r, xo, mw, lw_s, mo, lo_s, mix, cap):
-    return mix_body(xw, r, xo, mw, lw_s, mo, lo_s, mix, cap, DEFAULT)
+def default_stats(xw, r, xo, cap, with_cross, ops):
+    return stats_body(xw, r, xo, cap, with_cross, ops)
 
 
 @no_type_check
-def default_grad(xw, r, xo, terms, out_w, out_o, mix, cap, kind):
-    grad_body(xw, r, xo, terms, out_w, out_o, mix, cap, kind, DEFAULT)
+def default_mix(xw, r, xo, mw, lw_s, mo, lo_s, mix, cap, ops):
+    return mix_body(xw, r, xo, mw, lw_s, mo, lo_s, mix, cap, ops)
+
+
+@no_type_check
+def default_grad(xw, r, xo, terms, out_w, out_o, mix, cap, kind, ops):
+    grad_body(xw, r, xo, terms, out_w, out_o, mix, cap, kind, ops)
 
 
 # --- the loops over chunks of rows, default reduction
@@ -204,9 +256,12 @@ def default_grad(xw, r, xo, terms, out_w, out_o, mix, cap, kind):
 
 @runtime_checkable
 class Runner(Protocol):
-    """How a backend runs a default body on chunks of rows: which chunks (``pieces``) and
-    how a body is called (``call``: ``(done, result)``; not done: it declined, e.g. a
-    compile failure in ``auto``)."""
+    """How a backend runs a default body on chunks of rows: which chunks (``pieces``), how a
+    body is called (``call``: ``(done, result)``; not done: it declined, e.g. a compile
+    failure in ``auto``) and the ``Ops`` its bodies take (``ops``)."""
+
+    @property
+    def ops(self) -> Ops: ...
 
     def pieces(self, rows: Tensor | None, total: int, width: int) -> Sequence[At]: ...
 
@@ -245,7 +300,7 @@ def stats(
     r, cap = inv_tau(softmax, cdt, device), cap_of(softmax, cdt, device)
     for at in run.pieces(rows, xw.shape[0], xw.shape[1]):
         done, got = run.call(default_stats, gather(xw, at, None), _rows_of(r, at), gather(xo, at, None), cap,
-                             out.cross is not None)
+                             out.cross is not None, run.ops)
         if not done:
             return False
         for field, value in zip(out, got):
@@ -264,7 +319,7 @@ def mix(
     for at in run.pieces(rows, xw.shape[0], xw.shape[1]):
         terms = [f[at] for f in both]
         done, got = run.call(default_mix, gather(xw, at, None), _rows_of(r, at), gather(xo, at, None), *terms, w,
-                             cap)
+                             cap, run.ops)
         if not done:
             return False
         out.wsum[at], out.osum[at] = got
@@ -284,7 +339,7 @@ def grad(
         dst = [None if o is None else (o[at] if isinstance(at, slice) else o.new_empty((size(at), o.shape[1])))
                for o in (out_w, out_o)]
         done, _ = run.call(default_grad, gather(xw, at, None), _rows_of(r, at), gather(xo, at, None),
-                           (*row.sides, row.kw, row.ko, row.cw, row.co), *dst, w, cap, terms.kind)
+                           (*row.sides, row.kw, row.ko, row.cw, row.co), *dst, w, cap, terms.kind, run.ops)
         if not done:
             return False
         for o, d in zip((out_w, out_o), dst):
@@ -296,6 +351,8 @@ def grad(
 class Eager:
     """The eager backend's ``Runner``: ``chunk`` rows a piece (``rows.pieces``), each body
     called as it is (a ``launch`` event of ``_probe`` each)."""
+
+    ops = DEFAULT
 
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
