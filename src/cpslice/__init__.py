@@ -28,6 +28,7 @@ from ._glue.distill import response_distillation as response_distillation
 from ._glue.distill import response_distillation_from_hidden as response_distillation_from_hidden
 from ._glue.distill import response_topk_log_probs as response_topk_log_probs
 from ._glue.distill import response_topk_log_probs_from_hidden as response_topk_log_probs_from_hidden
+from ._glue.distill import response_vocab_distillation as response_vocab_distillation
 from ._glue.distill import topk_divergence as topk_divergence
 from ._glue.response import response_log_probs as response_log_probs
 from ._glue.response import response_log_probs_from_hidden as response_log_probs_from_hidden
@@ -94,6 +95,7 @@ __all__ = [
     "response_rows",
     "response_topk_log_probs",
     "response_topk_log_probs_from_hidden",
+    "response_vocab_distillation",
     "sample_max",
     "sample_means",
     "sample_min",

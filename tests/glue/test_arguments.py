@@ -144,6 +144,10 @@ def divergence_kinds(i: Any, r: Any) -> None:
     keys: dict[str, Any] = {"kind": "jsd", "beta": beta, "temperature": r, "softcap": r, "vocab_size": i + 4}
     div = cpslice.vocab_divergence(student.view(3, 3, 7), teacher.view(3, 3, 7), chunk_size=i, **keys)
     torch.testing.assert_close(div.reshape(9), cpslice.vocab_divergence(student, teacher, **keys), atol=1e-5, rtol=0)
+    shares = cpslice.response_vocab_distillation(student, teacher, _layout(), chunk_size=i, **keys)
+    assert [s.shape[0] for s in shares] == RESPONSE
+    keys["temperature"] = [r, r]
+    assert [s.shape[0] for s in cpslice.response_vocab_distillation(student, teacher, _layout(), **keys)] == RESPONSE
 
 
 def distill_kinds(i: Any, r: Any) -> None:
@@ -227,7 +231,7 @@ CALLS: dict[str, Callable[..., None]] = {
     "Support": support_kinds,
     "entropy": entropy_kinds,
     "entropy_from_hidden": entropy_kinds,
-    "vocab_divergence": divergence_kinds,
+    **dict.fromkeys(["vocab_divergence", "response_vocab_distillation"], divergence_kinds),
     **dict.fromkeys(
         ["log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
          "topk_divergence", "response_distillation", "response_distillation_from_hidden",

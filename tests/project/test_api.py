@@ -15,6 +15,7 @@ PUBLIC = {
     "log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
     "topk_divergence", "response_distillation", "response_distillation_from_hidden",
     "response_topk_log_probs", "response_topk_log_probs_from_hidden", "unshard", "vocab_divergence",
+    "response_vocab_distillation",
 }
 
 

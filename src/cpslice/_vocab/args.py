@@ -182,27 +182,31 @@ def logits_rows(value: object, tp_group: Group = None) -> tuple[Tensor, Group, L
     return lead.flat(logits_), group, lead
 
 
-def logits_pair(student: object, teacher: object, tp_group: Group = None) -> tuple[Tensor, Tensor, Group, Leading]:
+def logits_pair(
+    student: object, teacher: object, tp_group: Group = None, names: tuple[str, str] = ("student", "teacher")
+) -> tuple[Tensor, Tensor, Group, Leading]:
     """A student's and a teacher's ``[..., V_local]`` floating-point logits of one shape, on
     one device (each as ``logits_rows`` checks logits, a DTensor's local shard), as their
     ``[T, V_local]`` rows; the TP group (``tp_group``, or a DTensor's) and the student's
-    ``Leading`` shape."""
+    ``Leading`` shape. ``names``: theirs in errors (``response_vocab_distillation``'s
+    ``logits`` and ``teacher_logits``)."""
     found: list[Tensor] = []
     group = tp_group
-    for name, value in (("student", student), ("teacher", teacher)):
+    for name, value in zip(names, (student, teacher)):
         local, group = dtensor.vocab_shard(name, value, -1, group)
         x = _logits_kind(local, name)
         _logits_shape(x, nd=True, name=name)
         found.append(x)
     s, t = found
+    s_name, t_name = names
     if s.shape != t.shape:
         raise LayoutError(
-            f"student has shape {tuple(s.shape)} but teacher has {tuple(t.shape)}: both are [..., V_local] "
+            f"{s_name} has shape {tuple(s.shape)} but {t_name} has {tuple(t.shape)}: both are [..., V_local] "
             "logits of the same rows over the same vocabulary shard"
         )
     if s.device != t.device:
-        raise LayoutError(f"teacher is on {t.device} but student on {s.device}; put them on the same device")
-    lead = Leading.of("student", s)
+        raise LayoutError(f"{t_name} is on {t.device} but {s_name} on {s.device}; put them on the same device")
+    lead = Leading.of(s_name, s)
     return lead.flat(s), lead.flat(t), group, lead
 
 
