@@ -28,6 +28,7 @@ from ._glue.distill import response_distillation as response_distillation
 from ._glue.distill import response_distillation_from_hidden as response_distillation_from_hidden
 from ._glue.distill import response_topk_log_probs as response_topk_log_probs
 from ._glue.distill import response_topk_log_probs_from_hidden as response_topk_log_probs_from_hidden
+from ._glue.distill import response_vocab_distillation as response_vocab_distillation
 from ._glue.distill import topk_divergence as topk_divergence
 from ._glue.response import response_log_probs as response_log_probs
 from ._glue.response import response_log_probs_from_hidden as response_log_probs_from_hidden
@@ -51,6 +52,7 @@ from ._layout.reduce import sum_of_sample_means as sum_of_sample_means
 from ._layout.reduce import sum_of_tokens as sum_of_tokens
 from ._layout.unshard import unshard as unshard
 from ._types import Strategy as Strategy
+from ._vocab.divergence import vocab_divergence as vocab_divergence
 from ._vocab.hidden import entropy_from_hidden as entropy_from_hidden
 from ._vocab.hidden import log_probs_and_entropy_from_hidden as log_probs_and_entropy_from_hidden
 from ._vocab.hidden import log_probs_at_from_hidden as log_probs_at_from_hidden
@@ -93,6 +95,7 @@ __all__ = [
     "response_rows",
     "response_topk_log_probs",
     "response_topk_log_probs_from_hidden",
+    "response_vocab_distillation",
     "sample_max",
     "sample_means",
     "sample_min",
@@ -103,6 +106,7 @@ __all__ = [
     "topk_divergence",
     "topk_log_probs",
     "unshard",
+    "vocab_divergence",
 ]
 
 def _installed_version() -> str:

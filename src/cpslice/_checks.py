@@ -224,6 +224,50 @@ def softcap(value: object) -> float | None:
     return _finite_positive("softcap", value, "the softmax reads softcap * tanh(logits / softcap)")
 
 
+DIVERGENCES = {
+    "forward": "KL(teacher || student)",
+    "reverse": "KL(student || teacher)",
+    "jsd": "beta KL(teacher || m) + (1 - beta) KL(student || m), m their mixture",
+}
+"""The divergences of a student from a teacher (``topk_divergence``, ``vocab_divergence``)."""
+
+
+def divergence_kind(value: object) -> str:
+    """``kind``: one of ``DIVERGENCES``.
+
+    Raises:
+        LayoutError: anything else; the message lists the kinds.
+    """
+    if not isinstance(value, str) or value not in DIVERGENCES:
+        choices = "; ".join(f"{k!r} ({v})" for k, v in DIVERGENCES.items())
+        raise LayoutError(f"kind={value!r} is not one of {choices}")
+    return value
+
+
+def mixture_beta(value: object) -> float:
+    """``beta``, the teacher's weight in ``"jsd"``'s mixture: a real number in ``[0, 1]``.
+
+    Raises:
+        TypeError: not a real number.
+        LayoutError: outside ``[0, 1]``.
+    """
+    b = real("beta", value)
+    if not 0.0 <= b <= 1.0:
+        raise LayoutError(
+            f"beta={value!r} is not allowed: the mixture weight of jsd must be in [0, 1] "
+            "(0 is kind='forward', 1 is kind='reverse', as TRL's generalized JSD)"
+        )
+    return b
+
+
+def kind_at(kind: str, beta: float) -> str:
+    """The kind a divergence computes: ``"jsd"`` at ``beta`` 0 is ``"forward"`` and at 1
+    ``"reverse"`` (TRL's ends, computed as those kinds: no ``0 * inf``), else ``kind``."""
+    if kind == "jsd" and beta in (0.0, 1.0):
+        return "forward" if beta == 0.0 else "reverse"
+    return kind
+
+
 def _finite_positive(name: str, value: object, why: str) -> float:
     """A real number ``name``, finite and > 0; ``why`` says what it does, in the message.
 

@@ -137,6 +137,19 @@ def entropy_kinds(i: Any, r: Any) -> None:
     torch.testing.assert_close(from_hidden, cpslice.entropy(hidden @ weight.T, **keys), atol=1e-5, rtol=0)
 
 
+def divergence_kinds(i: Any, r: Any) -> None:
+    gen = torch.Generator().manual_seed(4)
+    student, teacher = torch.randn(9, 7, generator=gen), torch.randn(9, 7, generator=gen)
+    beta = r if 0 < float(r) < 1 else np.float32(0.25)
+    keys: dict[str, Any] = {"kind": "jsd", "beta": beta, "temperature": r, "softcap": r, "vocab_size": i + 4}
+    div = cpslice.vocab_divergence(student.view(3, 3, 7), teacher.view(3, 3, 7), chunk_size=i, **keys)
+    torch.testing.assert_close(div.reshape(9), cpslice.vocab_divergence(student, teacher, **keys), atol=1e-5, rtol=0)
+    shares = cpslice.response_vocab_distillation(student, teacher, _layout(), chunk_size=i, **keys)
+    assert [s.shape[0] for s in shares] == RESPONSE
+    keys["temperature"] = [r, r]
+    assert [s.shape[0] for s in cpslice.response_vocab_distillation(student, teacher, _layout(), **keys)] == RESPONSE
+
+
 def distill_kinds(i: Any, r: Any) -> None:
     gen = torch.Generator().manual_seed(2)
     logits, hidden, weight = _logits(9), torch.randn(9, 4, generator=gen), torch.randn(7, 4, generator=gen)
@@ -218,6 +231,7 @@ CALLS: dict[str, Callable[..., None]] = {
     "Support": support_kinds,
     "entropy": entropy_kinds,
     "entropy_from_hidden": entropy_kinds,
+    **dict.fromkeys(["vocab_divergence", "response_vocab_distillation"], divergence_kinds),
     **dict.fromkeys(
         ["log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
          "topk_divergence", "response_distillation", "response_distillation_from_hidden",

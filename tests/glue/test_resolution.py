@@ -146,6 +146,8 @@ def _calls(layout: Layout, tokens: list[torch.Tensor], x: torch.Tensor) -> dict[
         "response_distillation": lambda: cpslice.response_distillation(x, lps, ids, layout, temperature=taus),
         "response_distillation_from_hidden": lambda: cpslice.response_distillation_from_hidden(
             x, eye, lps, ids, layout, temperature=taus),
+        "response_vocab_distillation": lambda: cpslice.response_vocab_distillation(
+            x, x.detach().flip(1), layout, kind="jsd", temperature=taus),
         "extract_responses": lambda: cpslice.extract_responses(x[:, 0], layout, x[:, 1]),
         "pack": lambda: cpslice.pack(tokens, layout),
         "shifted_targets": lambda: cpslice.shifted_targets(tokens, layout),
@@ -164,7 +166,7 @@ def _calls(layout: Layout, tokens: list[torch.Tensor], x: torch.Tensor) -> dict[
 NAMES = list(_calls(*_batch("none")))
 FOLLOWED = ("response_log_probs", "response_log_probs/support", "response_log_probs_from_hidden",
             "response_log_probs_from_hidden/support", "response_distillation",
-            "response_distillation_from_hidden", "extract_responses", "pack")
+            "response_distillation_from_hidden", "response_vocab_distillation", "extract_responses", "pack")
 
 
 @pytest.mark.parametrize("batch", BATCHES)

@@ -25,6 +25,7 @@ from cpslice import (
     response_log_probs_from_hidden,
     response_topk_log_probs,
     response_topk_log_probs_from_hidden,
+    response_vocab_distillation,
     topk_log_probs,
 )
 from cpslice._vocab.backends import selection as _backend
@@ -160,6 +161,11 @@ def _logits_rows(kernels_mode: str, invariant: bool) -> None:
                                                support=support, entropy_over="support", invariant=inv)), logits)
     _check(lambda x: _flat(response_distillation(x, lps, ids, layout, temperature=0.8, invariant=inv)), logits)
     _check(lambda x: _flat(response_topk_log_probs(x, K, layout, temperature=0.8, invariant=inv)[0]), logits)
+    teacher = torch.randn(ROWS, V, generator=gen) * 3  # the teacher's logits: either side poisoned
+    _check(lambda x: _flat(response_vocab_distillation(x, teacher, layout, kind="jsd", temperature=0.8,
+                                                       invariant=inv)), logits)
+    _check(lambda x: _flat(response_vocab_distillation(logits, x, layout, kind="forward", temperature=0.8,
+                                                       invariant=inv)), teacher)
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])

@@ -14,7 +14,8 @@ PUBLIC = {
     "clear_caches", "sample_means", "sample_max", "sample_min", "backend_for",
     "log_probs_at", "log_probs_at_from_hidden", "topk_log_probs", "topk_log_probs_from_hidden",
     "topk_divergence", "response_distillation", "response_distillation_from_hidden",
-    "response_topk_log_probs", "response_topk_log_probs_from_hidden", "unshard",
+    "response_topk_log_probs", "response_topk_log_probs_from_hidden", "unshard", "vocab_divergence",
+    "response_vocab_distillation",
 }
 
 

@@ -43,8 +43,9 @@ EXTERNAL = {
 _DOTTED = re.compile(r"(?<![\w./-])(?:cpslice|benchmarks|tests|examples|_[a-z]\w*)(?:\.\w+)+")
 _PATH = re.compile(r"(?<![\w./*<-])((?:\.\./|\./)?[\w.*-]+/[\w.*/-]*|[\w*-]+\.(?:py|md))(?![\w*<>/-])")
 _BARE = re.compile(r"(?<![\w.`])`{1,2}(_[a-z]\w*)`{1,2}(?![\w`])")
-_PRIVATE = re.compile(r"(?<![\w.`/*-])`{0,2}(_[a-z]\w*)`{0,2}(?![\w`(/*])")
-"""A private name in a module's prose, in backticks or not (a call, ``_f(``, is code)."""
+_PRIVATE = re.compile(r"(?<![\w.`/*'-])`{0,2}(_[a-z]\w*)`{0,2}(?![\w`(/*])")
+"""A private name in a module's prose, in backticks or not (a call, ``_f(``, is code; a
+primed symbol's subscript, ``M'_w``, is math)."""
 
 
 def readable(path: Path) -> str:

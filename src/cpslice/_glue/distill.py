@@ -1,5 +1,7 @@
 """Distillation against a teacher's top-k: the divergence of two ``[..., k]`` log-prob
-tensors, and its training-step form per sample, from logits or hidden states.
+tensors, and its training-step form per sample, from logits or hidden states; and the
+training-step form of the divergence over the full vocabulary (``vocab_divergence``) per
+sample, ``response_vocab_distillation``.
 
 The teacher's side is ``k`` ids per token and their log-probs (from the teacher's
 forward, ``topk_log_probs``, or from the inference engine); the student's are its own
@@ -55,16 +57,13 @@ from .._types import (
 )
 from .._vocab import args, dtensor
 from .._vocab.call import Options
+from .._vocab.divergence import Call, LogitsPair, PairHead, divergence
 from .._vocab.head import Head, check_topk, log_probs, options, topk
 from .._vocab.hidden import hidden_head
 from .._vocab.logits import LogitsHead
-from .response import on_responses, resolved
+from .._vocab.pairs import Plan
+from .response import _two_d, on_responses, resolved
 
-KINDS = {
-    "forward": "KL(teacher || student)",
-    "reverse": "KL(student || teacher)",
-    "jsd": "beta KL(teacher || m) + (1 - beta) KL(student || m), m their mixture",
-}
 TAILS = {"bin": "k + 1 categories, the rest of the mass in one bin", "renormalize": "k categories, renormalized"}
 _LN2 = math.log(2.0)
 
@@ -99,27 +98,11 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 def _check_divergence(kind: object, beta: object, tail: object) -> float:
-    if kind not in KINDS:
-        choices = "; ".join(f"{k!r} ({v})" for k, v in KINDS.items())
-        raise LayoutError(f"kind={kind!r} is not one of {choices}")
+    checks.divergence_kind(kind)
     if tail not in TAILS:
         choices = "; ".join(f"{k!r} ({v})" for k, v in TAILS.items())
         raise LayoutError(f"tail={tail!r} is not one of {choices}")
-    b = checks.real("beta", beta)
-    if not 0.0 <= b <= 1.0:
-        raise LayoutError(
-            f"beta={beta!r} is not allowed: the mixture weight of jsd must be in [0, 1] "
-            "(0 is kind='forward', 1 is kind='reverse', as TRL's generalized JSD)"
-        )
-    return b
-
-
-def kind_at(kind: object, beta: float) -> object:
-    """The kind a divergence computes: ``"jsd"`` at ``beta`` 0 is ``"forward"`` and at 1
-    ``"reverse"`` (TRL's ends, computed as those kinds: no ``0 * inf``), else ``kind``."""
-    if kind == "jsd" and beta in (0.0, 1.0):
-        return "forward" if beta == 0.0 else "reverse"
-    return kind
+    return checks.mixture_beta(beta)
 
 
 def _log_probs_arg(name: str, value: object) -> Tensor:
@@ -174,7 +157,7 @@ def topk_divergence(
     b = _check_divergence(kind, beta, tail)
     cdt = compute_dtype(torch.promote_types(s.dtype, t.dtype))
     log_q, log_p = _categories(s.to(cdt), str(tail)), _categories(t.to(cdt), str(tail))
-    computed = kind_at(kind, b)
+    computed = checks.kind_at(str(kind), b)
     if computed == "forward":
         return _kl(log_p, log_q)
     if computed == "reverse":
@@ -382,6 +365,73 @@ def response_distillation_from_hidden(
     x = hidden_head(h, w, args.sequence(sequence_parallel, tp))
     call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
     return _distillation(x, call, _Teacher(teacher_log_probs, teacher_ids, kind, beta, tail))
+
+
+def _vocab_distillation(head: Head, pair: PairHead, call: _Student, kind: object, beta: object) -> list[Share1D]:
+    """``response_vocab_distillation`` over any pair head: every argument checked (the
+    tensors before, by the caller), ``head`` the student's side as a ``Head`` (its rows, as
+    the layout resolves them, and the options' checks), then the pair's divergence on the
+    response rows alone (``Options.rows``: each block's kernels read those rows where they
+    are, any pair head's, no copy of either side) and each element's row split per sample
+    (a shared prefix's prompt row once, its value to each branch it predicts)."""
+    local, checked = _checked(head, call)
+    computed = checks.kind_at(checks.divergence_kind(kind), b := checks.mixture_beta(beta))
+    read = local.reads["response"]
+    div = divergence(pair, Call(Plan.of(computed, b), checked._replace(rows=read.mask)))
+    return gather_split(div, read.rows, read.selection.counts)
+
+
+def response_vocab_distillation(
+    logits: TensorArg, teacher_logits: TensorArg, layout: Layout, *, kind: DivergenceArg = "forward",
+    beta: RealArg = 0.5, temperature: SampleTemperatureArg = 1.0, tp_group: dist.ProcessGroup | None = None,
+    chunk_size: ChunkArg = None, softcap: RealArg | None = None, vocab_size: IntArg | None = None,
+    invariant: bool = False,
+) -> list[Share1D]:
+    """This rank's share of each sample's per-token divergence from its teacher over the
+    full vocabulary (``vocab_divergence``): GKD and on-policy distillation with the
+    teacher's logits at hand, per sample.
+
+    ``logits`` is the rank's local ``[T, V_local]`` logits in its layout (its TP shard),
+    or a DTensor sharded ``Shard(-1)`` on the TP mesh dimension; ``teacher_logits`` the
+    teacher's local logits in the *same* layout and TP shard (the teacher run on the same
+    packed micro-batch: the same shape; a DTensor as the student's). The logit that
+    predicts response token ``j`` of a sample is compared with the teacher's logit of the
+    same row; the divergence is computed on the response rows only (no copy of either
+    side selects them: the kernels read those rows where they are), with ``p`` the
+    student's ``softmax(logits / temperature)`` and ``q`` the teacher's: ``"forward"`` is
+    ``KL(q || p)``, ``"reverse"`` ``KL(p || q)``, ``"jsd"`` ``beta KL(q || m) + (1 - beta)
+    KL(p || m)``, ``m = beta q + (1 - beta) p`` (``beta`` 0 is ``"forward"``, 1
+    ``"reverse"``). The loss is then, e.g., ``sum_of_sample_means(div, masks, layout)``.
+
+    ``temperature`` (one real, or one per sample: ``n`` reals or an ``[n]`` tensor, both
+    models' at that sample's rows), ``softcap``, ``vocab_size`` and ``invariant`` apply to
+    both models, as ``vocab_divergence``'s (``invariant``: each response token's
+    divergence the same bits whatever the layout, CP rank, batch, chunking or TP size).
+    With a shared prefix, a prompt row that predicts the first response token of several
+    branches is computed once, its divergence each branch's (its gradient the sum).
+
+    Returns:
+        One ``[r_i]`` float32 share per sample (float64 where either input is float64),
+        aligned sample by sample, never None; an empty share a zero-length view in the
+        graph. Differentiable w.r.t. ``logits``, and ``teacher_logits`` where it requires
+        grad; a row outside the responses gets a zero gradient.
+
+    Collectives: those of ``vocab_divergence`` (over ``tp_group``: one all-gather for
+    ``"forward"`` and ``"reverse"``, two for ``"jsd"``, entered by every rank, one that
+    holds no response included; none backward); no CP communication.
+
+    Raises:
+        TypeError, LayoutError: as ``vocab_divergence`` (naming ``logits`` and
+            ``teacher_logits``; both 2-D, one shape, one device); logits of another length
+            than the layout's (``extract_responses``); a temperature per sample not one per
+            sample, or differing within a shared-prefix group. Raised before any
+            collective.
+    """
+    s = _two_d("logits", logits, "[T, V_local]", "logits.reshape(-1, logits.shape[-1])")
+    t = _two_d("teacher_logits", teacher_logits, "[T, V_local]", "teacher_logits.reshape(-1, teacher_logits.shape[-1])")
+    student, teacher, tp, _ = args.logits_pair(s, t, tp_group, names=("logits", "teacher_logits"))
+    call = _Student(layout, temperature, tp, chunk_size, softcap, vocab_size, invariant)
+    return _vocab_distillation(LogitsHead(student), LogitsPair(student, teacher), call, kind, beta)
 
 
 def _response_topk(head: Head, k: object, call: _Student) -> tuple[list[TopK], list[TopK]]:

@@ -134,27 +134,27 @@ def _ids_fit(
         )
 
 
-def _logits_kind(value: object) -> Tensor:
-    logits = checks.tensor("logits", value, "a torch.Tensor [T, V_local]")
+def _logits_kind(value: object, name: str = "logits") -> Tensor:
+    logits = checks.tensor(name, value, "a torch.Tensor [T, V_local]")
     if not logits.is_floating_point():
         raise TypeError(
-            f"logits has dtype {logits.dtype}; pass floating-point logits (float32 or "
+            f"{name} has dtype {logits.dtype}; pass floating-point logits (float32 or "
             "bfloat16; float16 and float64 are accepted too)"
         )
     return logits
 
 
-def _logits_shape(logits: Tensor, nd: bool = False) -> None:
+def _logits_shape(logits: Tensor, nd: bool = False, name: str = "logits") -> None:
     """2-D ``[T, V_local]`` logits (``nd``: at least 2-D, ``[..., V_local]``) with columns."""
     if logits.dim() < 2 or (logits.dim() > 2 and not nd):
         raise LayoutError(
-            f"logits has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
+            f"{name} has shape {tuple(logits.shape)}; it must be 2-D [T, V_local] "
             + ("or more, [..., V_local]: one row per index of its leading dimensions (e.g. [B, S, V_local])"
                if nd else "(flatten the batch first: logits.reshape(-1, logits.shape[-1]))")
         )
     if logits.shape[-1] == 0:
         raise LayoutError(
-            f"logits has shape {tuple(logits.shape)}: 0 vocabulary columns; a vocabulary "
+            f"{name} has shape {tuple(logits.shape)}: 0 vocabulary columns; a vocabulary "
             "shard needs at least one"
         )
 
@@ -180,6 +180,34 @@ def logits_rows(value: object, tp_group: Group = None) -> tuple[Tensor, Group, L
     _logits_shape(logits_, nd=True)
     lead = Leading.of("logits", logits_)
     return lead.flat(logits_), group, lead
+
+
+def logits_pair(
+    student: object, teacher: object, tp_group: Group = None, names: tuple[str, str] = ("student", "teacher")
+) -> tuple[Tensor, Tensor, Group, Leading]:
+    """A student's and a teacher's ``[..., V_local]`` floating-point logits of one shape, on
+    one device (each as ``logits_rows`` checks logits, a DTensor's local shard), as their
+    ``[T, V_local]`` rows; the TP group (``tp_group``, or a DTensor's) and the student's
+    ``Leading`` shape. ``names``: theirs in errors (``response_vocab_distillation``'s
+    ``logits`` and ``teacher_logits``)."""
+    found: list[Tensor] = []
+    group = tp_group
+    for name, value in zip(names, (student, teacher)):
+        local, group = dtensor.vocab_shard(name, value, -1, group)
+        x = _logits_kind(local, name)
+        _logits_shape(x, nd=True, name=name)
+        found.append(x)
+    s, t = found
+    s_name, t_name = names
+    if s.shape != t.shape:
+        raise LayoutError(
+            f"{s_name} has shape {tuple(s.shape)} but {t_name} has {tuple(t.shape)}: both are [..., V_local] "
+            "logits of the same rows over the same vocabulary shard"
+        )
+    if s.device != t.device:
+        raise LayoutError(f"{t_name} is on {t.device} but {s_name} on {s.device}; put them on the same device")
+    lead = Leading.of(s_name, s)
+    return lead.flat(s), lead.flat(t), group, lead
 
 
 def logits_and_targets(

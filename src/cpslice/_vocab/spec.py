@@ -154,6 +154,15 @@ def halve(parts: list[Tensor]) -> Tensor:
     return parts[0]
 
 
+def scales(m: Tensor, tau: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(M, delta, exp(delta))`` of every tile's max ``m`` (``[n, R]``, tiles in global
+    order): ``M`` the row's max, ``delta_j = (m_j - M') / tau`` a true division (``M' = 0``
+    where ``M = -inf``), ``exp`` the spec's: how the tiles of step 4 are rescaled."""
+    big = m.amax(0)
+    delta = (m - torch.where(big == -math.inf, 0.0, big)) / tau
+    return big, delta, exp(delta)
+
+
 def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: float | Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """A row's ``(M, S, A)`` ``[R]`` of the whole distribution from every tile's ``m``,
     ``s`` and ``a`` (``[n, R]``: tiles in global order; ``a`` None without entropy), in
@@ -161,14 +170,86 @@ def merge_tiles(m: Tensor, s: Tensor, a: Tensor | None, tau: float | Tensor) -> 
     ``exp(delta_j)``, ``delta_j = (m_j - M') / tau`` a true division, the tiles' sums by
     ``tree`` (a tile with ``s_j = 0`` adding 0). Eager, and traced into invariant mode's
     compiled row kernel."""
-    big = m.amax(0)
-    delta = (m - torch.where(big == -math.inf, 0.0, big)) / tau
-    scale = exp(delta)
+    big, delta, scale = scales(m, tau)
     total = tree((scale * s).t().contiguous())
     if a is None:
         return big, total, None
     terms = torch.where(s > 0, scale * (a + delta * s), 0.0)
     return big, total, tree(terms.t().contiguous())
+
+
+def merge_cross(m: Tensor, c: Tensor, tau: float | Tensor) -> Tensor:
+    """A row's cross term ``C`` ``[R]`` of a divergence (``vocab_divergence``,
+    docs/invariance.md) from every tile's ``c_j`` (``[n, R]``, tiles in global order),
+    rescaled by the tiles of its weight distribution alone (their maxima ``m``, as
+    ``merge_tiles`` rescales them) and summed by ``tree``; a tile whose scale is 0 adds 0
+    (its weights are 0 at the row's scale, whatever its ``c_j``)."""
+    scale = scales(m, tau)[2]
+    return tree(torch.where(scale == 0, 0.0, scale * c).t().contiguous())
+
+
+class LogConstants(NamedTuple):
+    """The constants of ``log`` for one float dtype."""
+
+    bits: torch.dtype
+    mantissa: int
+    bias: int
+    degree: int  # of the series of atanh in s^2
+    tiny: float  # the smallest normal number
+
+
+LOG = {
+    torch.float32: LogConstants(torch.int32, 23, 127, 4, 2.0**-126),
+    torch.float64: LogConstants(torch.int64, 52, 1023, 9, 2.0**-1022),
+}
+"""``log``'s constants by dtype (the ``ln 2`` split is ``EXP``'s)."""
+SQRT2 = 1.4142135623730951
+
+
+def log(x: Tensor) -> Tensor:
+    """Invariant mode's ``log`` of ``x >= 0`` (float32 or float64), from additions,
+    multiplications, correctly rounded divisions, a compare and the float's bits, so that
+    every IEEE device gives the same bits (each backend's ``log`` differs in the last bit,
+    and torch's vectorized and scalar paths may too): ``x = 2^e f`` from its bits, ``f``
+    in ``[sqrt(1/2), sqrt(2))``, ``s = (f - 1) / (f + 1)``, ``log f = 2 atanh(s)`` by its
+    series in ``s^2`` (Horner's rule, the coefficients ``1 / (2k + 1)`` rounded to the
+    dtype), ``log x = e ln2_hi + (log f + e ln2_lo)``. A subnormal ``x`` is scaled by
+    ``2^24`` first; ``log 0 = -inf``, ``log inf = inf``, NaN (and a negative ``x``) NaN.
+    Within a few ulp of ``log x`` (docs/invariance.md)."""
+    k, e_k = LOG[x.dtype], EXP[x.dtype]
+    small = x < k.tiny
+    y = torch.where(small, x * 16777216.0, x)
+    b = y.view(k.bits)
+    e = ((b >> k.mantissa) - k.bias).to(x.dtype) - torch.where(small, 24.0, 0.0)
+    f = ((b & ((1 << k.mantissa) - 1)) | (k.bias << k.mantissa)).view(x.dtype)
+    big = f > SQRT2
+    f = torch.where(big, f * 0.5, f)
+    e = torch.where(big, e + 1.0, e)
+    s = (f - 1.0) / (f + 1.0)
+    z = s * s
+    p = torch.full_like(z, 1.0 / (2 * k.degree + 1))
+    for i in range(k.degree - 1, -1, -1):
+        p = p * z + 1.0 / (2 * i + 1)
+    out = e * e_k.ln2_hi + ((s + s) * p + e * e_k.ln2_lo)
+    out = torch.where(x == 0, -math.inf, torch.where(x == math.inf, math.inf, out))
+    return torch.where((x < 0) | (x != x), math.nan, out)
+
+
+def log1p(u: Tensor) -> Tensor:
+    """Invariant mode's ``log(1 + u)`` of ``u >= -1``: ``w = 1 + u``, ``log(w) + (u - (w -
+    1)) / w`` (the rounding of ``w`` corrected to first order), ``log`` the spec's; exactly
+    0 at ``u = 0`` and ``-inf`` at ``u = -1``."""
+    w = 1.0 + u
+    safe = torch.where(w == 0, 1.0, w)
+    out: Tensor = torch.where(w == 0, -math.inf, log(w) + (u - (w - 1.0)) / safe)
+    return out
+
+
+def expm1(d: Tensor) -> Tensor:
+    """Invariant mode's ``exp(d) - 1`` of ``d <= 0``, the spec's ``exp``: exactly 0 at ``d = 0``
+    (to an absolute ``2^-24``, all the mixture of a divergence needs)."""
+    out: Tensor = exp(d) - 1.0
+    return out
 
 
 Merger = Callable[[Tensor, Tensor, Tensor | None, float | Tensor], tuple[Tensor, Tensor, Tensor | None]]

@@ -62,7 +62,8 @@ from .. import bits
 from .. import spec as _spec
 from ..gradient import RowGrad, pick_grad
 from ..memory import buffer
-from ..rows import At, chunk_starts, chunked, count, gather, numbers, size
+from ..pairs import Mix, PairGrad, PairOut, PairStats, Sides, Weights
+from ..rows import At, chunk_starts, chunked, count, gather, numbers, places, size
 from ..softmax import (
     Softmax,
     Tau,
@@ -77,7 +78,7 @@ from ..softmax import (
 )
 from ..spec import FLOOR, TILE, exp, halve, tile_max, tiles
 from ..stats import RowStats, TileStats, write
-from . import interface
+from . import divergence, interface
 from . import selection as backend
 from .chunks import Chunks, Workspace, compiled_chunk_rows
 from .eager import eager_rows, eager_tiles, grad_kernel, tiles_from, values
@@ -222,13 +223,13 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _kernel(
-    fn: Callable[..., Any], x: Tensor, per_row: bool, at: Tensor | None = None
+    fn: Callable[..., Any], x: Tensor, per_row: bool, at: Tensor | None = None, variant: tuple[object, ...] = ()
 ) -> tuple[tuple[object, ...], Callable[..., Any]]:
     # a per-row temperature is another variant: its own code object, never a recompile;
     # the rows of an index: the index's length fixed, the block's rows any number
     rows = x.shape[0] if at is None else ("at", at.numel())
     state = backend.selected
-    key = (fn.__name__, x.dtype, rows, x.shape[1], x.stride(), x.device.type, per_row, state.compiler)
+    key = (fn.__name__, x.dtype, rows, x.shape[1], x.stride(), x.device.type, per_row, state.compiler, *variant)
     compiled = state.compiled.get(key)
     if compiled is None:
         compiled = torch.compile(_own_code(fn), backend=state.compiler, dynamic=False, fullgraph=True)
@@ -248,15 +249,16 @@ def _reason(error: BaseException) -> str:
 
 def _call(
     fn: Callable[..., Any], x: Tensor, inv_tau: Tensor, *args: object, at: Tensor | None = None,
-    invariant: bool = False,
+    invariant: bool = False, variant: tuple[object, ...] = (),
 ) -> tuple[bool, object]:
     """``(True, result)`` of the compiled ``fn`` on one chunk ``x`` of a fixed shape, or
     (an ``_at`` kernel) on the rows ``at`` of the block ``x``, its rows (and the gradient
     block's, among ``args``) marked dynamic; ``(False, None)`` if its first call (the
     compilation) failed in ``auto``, which warns once and turns ``auto`` eager.
-    ``invariant``: invariant mode's kernel (for ``_probe``'s launch events)."""
+    ``invariant``: invariant mode's kernel (for ``_probe``'s launch events); ``variant``:
+    what else makes another variant, a code object of its own (``_kernel``)."""
     state = backend.selected
-    key, compiled = _kernel(fn, x, inv_tau.dim() > 0, at)
+    key, compiled = _kernel(fn, x, inv_tau.dim() > 0, at, variant)
     args = (inv_tau, *args)
     if at is not None:
         import torch._dynamo  # imported by torch.compile already
@@ -572,3 +574,61 @@ def invariant_grad(
         if not isinstance(at, slice):
             out.index_copy_(0, at, dst)
     return True
+
+
+def _shape_of(arg: object) -> object:
+    """What of a compiled body's argument makes another variant: a tensor's dtype and
+    strides, None, or a constant's value; a tuple of them, each."""
+    if isinstance(arg, Tensor):
+        return (arg.dtype, arg.stride())
+    if isinstance(arg, tuple):
+        return tuple(_shape_of(a) for a in arg)
+    return arg
+
+
+class _Runner:
+    """The compiled backend's ``divergence.Runner``: chunks of a fixed number of the rows
+    (``rows.chunk_starts``, the last one overlapping the one before), each body compiled
+    once per variant (``_call``: its other arguments' dtypes, strides and constants in
+    the key)."""
+
+    ops = divergence.COMPILED
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+
+    def pieces(self, rows: Tensor | None, total: int, width: int) -> Sequence[At]:
+        c, starts = chunk_starts(count(rows, total), self.chunk)
+        return places(rows, [(s, s + c) for s in starts])
+
+    def call(self, fn: Callable[..., Any], xw: Tensor, r: Tensor, xo: Tensor, *args: object) -> tuple[bool, Any]:
+        return _call(fn, xw, r, xo, *args, variant=tuple(_shape_of(a) for a in (xo, *args)))
+
+
+def pair_stats(
+    xw: Tensor, xo: Tensor, softmax: Softmax, out: PairOut, rows: Tensor | None, chunks: Chunks, first: int
+) -> bool:
+    """``divergence.default_stats`` compiled, chunk by chunk; False in invariant mode (its
+    tiles run eagerly) or where a compile failed (auto)."""
+    if softmax.invariant:
+        return False
+    assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
+    return divergence.stats(_Runner(chunks.compiled), xw, xo, softmax, out, rows)
+
+
+def pair_mix(
+    xw: Tensor, xo: Tensor, softmax: Softmax, sides: Sides, weights: Weights, out: Mix, rows: Tensor | None,
+    chunks: Chunks, first: int,
+) -> bool:
+    """``divergence.default_mix`` compiled; False in invariant mode or where a compile failed."""
+    run = _Runner(chunks.compiled)
+    return not softmax.invariant and divergence.mix(run, xw, xo, softmax, sides, weights, out, rows)
+
+
+def pair_grad(
+    xw: Tensor, xo: Tensor, softmax: Softmax, terms: PairGrad, out_w: Tensor | None, out_o: Tensor | None,
+    rows: Tensor | None, chunks: Chunks,
+) -> bool:
+    """``divergence.default_grad`` compiled; False in invariant mode or where a compile failed."""
+    run = _Runner(chunks.compiled)
+    return not softmax.invariant and divergence.grad(run, xw, xo, softmax, terms, out_w, out_o, rows)

@@ -17,7 +17,9 @@ merge (``merge_step``, ``eager_rows``), and the loops over chunks of rows
 with the eager loops that define the bits, so that the compiled backend imports it
 (and checks its compiled results against the eager ones) and never the other way
 round. The bodies only the compiled backend runs (``tile_kernel``, ``row_kernel``,
-``pairs_kernel``, the default reduction's ``chunk_*``) are there.
+``pairs_kernel``, the default reduction's ``chunk_*``) are there. A divergence's kernels
+(``pair_stats``, ``pair_mix``, ``pair_grad``) run ``backends.divergence``'s bodies, one per
+pass, which the compiled backend compiles.
 """
 
 import math
@@ -30,11 +32,12 @@ from torch import Tensor
 from ... import _probe
 from .. import spec as _spec
 from ..gradient import RowGrad
+from ..pairs import Mix, PairGrad, PairOut, PairStats, Sides, Weights
 from ..rows import At, gather, pieces, size
 from ..softmax import Softmax, Tau, capped_, divide_, reciprocals, slope_, tanh_, taus, times_cap
 from ..spec import FLOOR, TILE, exp, softcap, softcap_slope, tile_max, tiles, tree
 from ..stats import RowStats, TileStats, write
-from . import interface
+from . import divergence, interface
 from .chunks import Chunks, Workspace
 from .interface import Merged, Task
 
@@ -260,3 +263,37 @@ def invariant_grad(
         if not isinstance(at, slice):
             out.index_copy_(0, at, dst)
     return True
+
+
+def pair_stats(
+    xw: Tensor, xo: Tensor, softmax: Softmax, out: PairOut, rows: Tensor | None, chunks: Chunks, first: int
+) -> bool:
+    """A divergence's statistics eagerly (``backends.divergence``): the default body chunk by
+    chunk, or invariant mode's tiles."""
+    chunk = chunks.eager
+    if softmax.invariant:
+        return divergence.invariant_stats(xw, xo, softmax, out, rows, chunk, first)
+    assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
+    return divergence.stats(divergence.Eager(chunk), xw, xo, softmax, out, rows)
+
+
+def pair_mix(
+    xw: Tensor, xo: Tensor, softmax: Softmax, sides: Sides, weights: Weights, out: Mix, rows: Tensor | None,
+    chunks: Chunks, first: int,
+) -> bool:
+    """``"jsd"``'s second pass eagerly: the default body, or invariant mode's tiles."""
+    chunk = chunks.eager
+    if softmax.invariant:
+        return divergence.invariant_mix(xw, xo, softmax, sides, weights, out, rows, chunk, first)
+    return divergence.mix(divergence.Eager(chunk), xw, xo, softmax, sides, weights, out, rows)
+
+
+def pair_grad(
+    xw: Tensor, xo: Tensor, softmax: Softmax, terms: PairGrad, out_w: Tensor | None, out_o: Tensor | None,
+    rows: Tensor | None, chunks: Chunks,
+) -> bool:
+    """A divergence's gradient eagerly: the default body, or with the spec's ops."""
+    chunk = chunks.eager
+    if softmax.invariant:
+        return divergence.invariant_grad(xw, xo, softmax, terms, out_w, out_o, rows, chunk)
+    return divergence.grad(divergence.Eager(chunk), xw, xo, softmax, terms, out_w, out_o, rows)

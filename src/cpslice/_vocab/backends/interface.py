@@ -9,7 +9,7 @@ the selected backend down whose ``takes`` accepts the task; a kernel that return
 (or None) declines at run time (a compile failure in ``auto``, a soft cap the compiled
 invariant kernels do not take) and the next backend that takes the task runs it.
 
-Three kinds of kernels:
+Four kinds of kernels:
 
 - the logits path's row kernels of the default reduction: ``stats`` (each row's ``m``,
   ``S``, ``A``) and ``grad`` (``p * (a log p + b)`` plus the picked ids' one-hot terms,
@@ -19,6 +19,11 @@ Three kinds of kernels:
   merged), ``merge_tiles`` (the spec's merge of tiles in global order) and
   ``invariant_grad`` (the dense gradient; the picked ids' entries are the caller's,
   ``invariant.picks``);
+- a divergence's pair kernels (``vocab_divergence``: ``pairs``), each over a block of
+  both sides' logits: ``pair_stats`` (each side's max and sum, the cross term; per tile
+  in invariant mode), ``pair_mix`` (``"jsd"``'s second pass) and ``pair_grad`` (each
+  wanted side's gradient, rounded once); their default and invariant bodies are
+  ``backends.divergence``'s;
 - the hidden path's block kernels: ``block_stats`` (a block's logits by a GEMM, then
   their statistics) and ``block_grad`` (the block's logits recomputed, then its logit
   gradient ``G`` in the input dtype). Their shared default is here, below the protocol
@@ -43,6 +48,7 @@ from torch import Tensor
 
 from ... import _probe
 from ..gradient import RowGrad
+from ..pairs import Mix, PairGrad, PairOut, Sides, Weights
 from ..rows import count
 from ..softmax import Softmax, Tau, reciprocals
 from ..stats import RowStats, Stats, TileStats
@@ -131,6 +137,35 @@ class KernelBackend(Protocol):
     ) -> bool:
         """Invariant mode's dense gradient of the ``rows`` of ``x`` (``eager.values``' bits,
         every column) into ``out``; ``r = 1 / tau`` and the row terms ``[n]``."""
+        ...
+
+    def pair_stats(
+        self, xw: Tensor, xo: Tensor, softmax: Softmax, out: PairOut, rows: Tensor | None, chunks: Chunks,
+        first: int,
+    ) -> bool:
+        """A divergence's statistics (``pairs``) of the ``rows`` of a block of both sides'
+        logits (``xw`` the weight side, ``xo`` the other, ``[n, v]`` over the same
+        columns) into ``out``: each side's max and sum, and ``C`` where ``out.cross`` is not
+        None; in invariant mode (``softmax.invariant``) per tile from local tile ``first``
+        (``PairTiles``) or merged (``PairStats``)."""
+        ...
+
+    def pair_mix(
+        self, xw: Tensor, xo: Tensor, softmax: Softmax, sides: Sides, weights: Weights, out: Mix,
+        rows: Tensor | None, chunks: Chunks, first: int,
+    ) -> bool:
+        """``"jsd"``'s second pass: ``Q`` and ``P`` of the ``rows`` into ``out`` (``[n]``, or in
+        invariant mode under TP per tile from ``first``), both sides normalized by
+        ``sides``."""
+        ...
+
+    def pair_grad(
+        self, xw: Tensor, xo: Tensor, softmax: Softmax, terms: PairGrad, out_w: Tensor | None,
+        out_o: Tensor | None, rows: Tensor | None, chunks: Chunks,
+    ) -> bool:
+        """A divergence's gradient w.r.t. each wanted side's raw logits (``out_w``, ``out_o``:
+        None where not wanted; ``[n, v]``, contiguous columns, each its dtype), of the
+        ``rows``, rounded once."""
         ...
 
     def block_stats(

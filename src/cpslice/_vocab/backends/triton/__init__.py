@@ -7,17 +7,20 @@ when a kernel runs, in its kernel modules.
 Nothing of Triton is imported unless the Triton backend computes: ``triton`` comes with
 the CUDA builds of torch and is no dependency of cpslice. ``default`` holds the default
 reduction's kernels (online statistics forward, one read; the gradient backward, one read
-and one write), ``invariant`` invariant mode's (the spec of docs/invariance.md: 128-column
-tiles, the spec's ``exp``, pairwise-halving sums, no contraction, correctly rounded
-divisions). Every launch is a ``launch`` event of ``cpslice._probe`` (backend
-``triton``), so that a test (and a benchmark) can see that a Triton kernel ran: a silent
-fallback to another backend shows as no launch.
+and one write), ``divergence`` a divergence's (the default reduction only: invariant
+mode's divergence declines here and runs the eager spec), ``invariant`` invariant
+mode's (the spec of docs/invariance.md: 128-column tiles, the spec's ``exp``,
+pairwise-halving sums, no contraction, correctly rounded divisions). Every launch is a
+``launch`` event of ``cpslice._probe`` (backend ``triton``), so that a test (and a
+benchmark) can see that a Triton kernel ran: a silent fallback to another backend shows
+as no launch.
 """
 
 import torch
 from torch import Tensor
 
 from ...gradient import RowGrad
+from ...pairs import Mix, PairGrad, PairOut, PairStats, Sides, Weights
 from ...softmax import Softmax, Tau, reciprocals, taus
 from ...stats import RowStats, TileStats, write
 from .. import interface, selection
@@ -125,3 +128,36 @@ def invariant_grad(
 
     tri.grad(x, rows, r, big_m, log_s, a, b, cap, out)
     return True
+
+
+def pair_stats(
+    xw: Tensor, xo: Tensor, softmax: Softmax, out: PairOut, rows: Tensor | None, chunks: Chunks, first: int
+) -> bool:
+    """``divergence.stats``: one program per row; False in invariant mode (its divergence
+    runs the eager spec, ``backends.divergence``)."""
+    if softmax.invariant:
+        return False
+    from .divergence import stats
+
+    assert isinstance(out, PairStats), "per-tile statistics out of invariant mode"
+    return stats(xw, xo, softmax, out, rows)
+
+
+def pair_mix(
+    xw: Tensor, xo: Tensor, softmax: Softmax, sides: Sides, weights: Weights, out: Mix, rows: Tensor | None,
+    chunks: Chunks, first: int,
+) -> bool:
+    """``divergence.mix``; False in invariant mode."""
+    from .divergence import mix
+
+    return not softmax.invariant and mix(xw, xo, softmax, sides, weights, out, rows)
+
+
+def pair_grad(
+    xw: Tensor, xo: Tensor, softmax: Softmax, terms: PairGrad, out_w: Tensor | None, out_o: Tensor | None,
+    rows: Tensor | None, chunks: Chunks,
+) -> bool:
+    """``divergence.grad``; False in invariant mode."""
+    from .divergence import grad
+
+    return not softmax.invariant and grad(xw, xo, softmax, terms, out_w, out_o, rows)
