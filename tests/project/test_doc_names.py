@@ -38,6 +38,11 @@ EXTERNAL = {
     "_api",  # torch.distributed.tensor._api, which defines DTensor
     "_at", "_from_hidden",  # the suffixes of a family of names (``log_probs_at``, ``..._from_hidden``)
 }
+FRAMEWORKS = ("areal", "nemo_rl", "slime", "trl", "verl", "megatron", "torch", "transformers", "liger_kernel")
+"""The packages of the frameworks the recipes map (docs/recipes.md): a path that starts at
+one of them (``verl/utils/torch_functional.py``) is theirs, not the repository's."""
+FOREIGN_FILES = {"cp_utils.py"}
+"""Files of those frameworks the recipes name bare (AReaL's ``cp_utils.py``)."""
 """Bare private names that are not cpslice's: torch's, or a suffix standing for a family."""
 
 _DOTTED = re.compile(r"(?<![\w./-])(?:cpslice|benchmarks|tests|examples|_[a-z]\w*)(?:\.\w+)+")
@@ -207,6 +212,8 @@ def _stale_dotted(text: str) -> Iterator[str]:
 def _stale_paths(text: str, page: Path) -> Iterator[str]:
     for token in (t.rstrip(".") for t in _PATH.findall(text)):
         if token.startswith(("http", "www.")) or "//" in token:
+            continue
+        if token.lstrip("./").split("/")[0] in FRAMEWORKS or token in FOREIGN_FILES:
             continue
         if "/" not in token:
             if token not in basenames() and not ("*" in token and any(True for _ in ROOT.rglob(token))):
